@@ -1,0 +1,189 @@
+"""The wire format of a rollout fragment: Kafka headers + a safetensors payload. Never pickle.
+
+A fragment is ``T`` steps of ``N`` vectorised envs made by one sampler with one policy version.
+:func:`encode_fragment` turns it into ``(headers, payload)``; :func:`decode_fragment` validates a
+record and raises one typed error, :class:`FragmentError`, whose ``reason`` is a short code (it
+goes into the dead-letter header) and whose message names what is wrong.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+SCHEMA_VERSION = "1"
+CONTENT_TYPE = "application/vnd.flywheel.fragment+safetensors"
+
+H_SCHEMA = "flywheel-schema"
+H_SAMPLE_ID = "sample-id"
+H_SAMPLER_ID = "sampler-id"
+H_POLICY_VERSION = "policy-version"
+H_ENV_ID = "env-id"
+H_CREATED_AT = "created-at"
+H_CONTENT_TYPE = "content-type"
+REQUIRED_HEADERS = (H_SCHEMA, H_SAMPLE_ID, H_SAMPLER_ID, H_POLICY_VERSION, H_ENV_ID, H_CREATED_AT)
+
+Headers = list[tuple[str, bytes]]
+
+
+class FragmentError(ValueError):
+    """A record is not a valid fragment. ``reason`` is a stable short code for counting."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class FragmentSpec:
+    """What a consumer expects of fragments: the env's observation shape and action count."""
+
+    obs_shape: tuple[int, ...]
+    num_actions: int
+    max_bytes: int = 4 * 1024 * 1024
+
+
+@dataclass
+class Fragment:
+    """``T`` steps x ``N`` envs of experience. Shapes below; obs dims ``*O``."""
+
+    obs: np.ndarray  # float32 [T, N, *O]  observation before each action
+    actions: np.ndarray  # int64 [T, N]  discrete action taken
+    logp: np.ndarray  # float32 [T, N]  log-prob of the action under the behaviour policy
+    rewards: np.ndarray  # float32 [T, N]
+    terminated: np.ndarray  # uint8 [T, N]  1 where the episode ended in a terminal state
+    truncated: np.ndarray  # uint8 [T, N]  1 where it was cut by a time limit (bootstrap!)
+    trunc_obs: np.ndarray  # float32 [D, *O]  final obs of each truncated step, row-major (t, n) order
+    last_obs: np.ndarray  # float32 [N, *O]  observation after the last step (bootstrap)
+    episode_returns: np.ndarray  # float32 [K]  returns of the episodes that ended in this fragment
+    episode_lengths: np.ndarray  # int32 [K]
+    policy_version: int
+    sampler_id: str
+    env_id: str
+    sample_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def steps(self) -> int:
+        """Env steps in this fragment (T x N)."""
+        return int(self.actions.size)
+
+
+_TENSORS: dict[str, np.dtype] = {
+    "obs": np.dtype(np.float32),
+    "actions": np.dtype(np.int64),
+    "logp": np.dtype(np.float32),
+    "rewards": np.dtype(np.float32),
+    "terminated": np.dtype(np.uint8),
+    "truncated": np.dtype(np.uint8),
+    "trunc_obs": np.dtype(np.float32),
+    "last_obs": np.dtype(np.float32),
+    "episode_returns": np.dtype(np.float32),
+    "episode_lengths": np.dtype(np.int32),
+}
+
+
+def encode_fragment(frag: Fragment) -> tuple[Headers, bytes]:
+    """Kafka headers and safetensors payload for ``frag``."""
+    tensors = {name: np.ascontiguousarray(getattr(frag, name), dtype=dt) for name, dt in _TENSORS.items()}
+    payload = st_save(tensors)
+    headers: Headers = [
+        (H_SCHEMA, SCHEMA_VERSION.encode()),
+        (H_SAMPLE_ID, frag.sample_id.encode()),
+        (H_SAMPLER_ID, frag.sampler_id.encode()),
+        (H_POLICY_VERSION, str(frag.policy_version).encode()),
+        (H_ENV_ID, frag.env_id.encode()),
+        (H_CREATED_AT, repr(frag.created_at).encode()),
+        (H_CONTENT_TYPE, CONTENT_TYPE.encode()),
+    ]
+    return headers, payload
+
+
+def header_dict(headers: Headers | None) -> dict[str, str]:
+    """Headers as text; undecodable values become a replacement-marked string."""
+    return {k: v.decode("utf-8", "replace") if v is not None else "" for k, v in (headers or [])}
+
+
+def decode_fragment(headers: Headers | None, payload: bytes | None, spec: FragmentSpec) -> Fragment:
+    """Validate and decode one record, or raise :class:`FragmentError`."""
+    h = header_dict(headers)
+    schema = h.get(H_SCHEMA)
+    if schema is None:
+        raise FragmentError("missing_header", f"header {H_SCHEMA!r} is missing")
+    if schema != SCHEMA_VERSION:
+        raise FragmentError("unknown_schema", f"schema version {schema!r} is not supported (want {SCHEMA_VERSION})")
+    for name in REQUIRED_HEADERS:
+        if not h.get(name):
+            raise FragmentError("missing_header", f"header {name!r} is missing or empty")
+    try:
+        version = int(h[H_POLICY_VERSION])
+        created_at = float(h[H_CREATED_AT])
+    except ValueError as exc:
+        raise FragmentError("bad_header", f"policy-version/created-at not numeric: {exc}") from None
+    if version < 0:
+        raise FragmentError("bad_header", f"policy-version must be >= 0, got {version}")
+    if payload is None:
+        raise FragmentError("undecodable", "record has no payload")
+    if len(payload) > spec.max_bytes:
+        raise FragmentError("oversize", f"payload of {len(payload)} bytes exceeds the limit of {spec.max_bytes}")
+    try:
+        tensors = st_load(payload)
+    except (SafetensorError, ValueError, TypeError) as exc:
+        raise FragmentError("undecodable", f"payload is not a safetensors blob: {exc}") from None
+    _check_tensors(tensors, spec)
+    return Fragment(
+        **{name: tensors[name] for name in _TENSORS},
+        policy_version=version,
+        sampler_id=h[H_SAMPLER_ID],
+        env_id=h[H_ENV_ID],
+        sample_id=h[H_SAMPLE_ID],
+        created_at=created_at,
+    )
+
+
+def _check_tensors(t: dict[str, np.ndarray], spec: FragmentSpec) -> None:
+    missing = sorted(set(_TENSORS) - set(t))
+    if missing:
+        raise FragmentError("missing_tensor", f"payload lacks tensors {missing}")
+    extra = sorted(set(t) - set(_TENSORS))
+    if extra:
+        raise FragmentError("bad_shape", f"payload has unexpected tensors {extra}")
+    for name, dt in _TENSORS.items():
+        if t[name].dtype != dt:
+            raise FragmentError("bad_dtype", f"tensor {name!r} has dtype {t[name].dtype}, want {dt}")
+    if t["actions"].ndim != 2 or 0 in t["actions"].shape:
+        raise FragmentError("bad_shape", f"tensor 'actions' must be [T, N] with T, N > 0, got {t['actions'].shape}")
+    steps, envs = t["actions"].shape
+    n_trunc = int(t["truncated"].sum())
+    n_eps = t["episode_returns"].shape[0] if t["episode_returns"].ndim == 1 else -1
+    want = {
+        "obs": (steps, envs, *spec.obs_shape),
+        "logp": (steps, envs),
+        "rewards": (steps, envs),
+        "terminated": (steps, envs),
+        "truncated": (steps, envs),
+        "trunc_obs": (n_trunc, *spec.obs_shape),
+        "last_obs": (envs, *spec.obs_shape),
+        "episode_returns": (n_eps,),
+        "episode_lengths": (n_eps,),
+    }
+    for name, shape in want.items():
+        if tuple(t[name].shape) != shape:
+            raise FragmentError("bad_shape", f"tensor {name!r} has shape {tuple(t[name].shape)}, want {shape}")
+    for name in ("obs", "logp", "rewards", "trunc_obs", "last_obs", "episode_returns"):
+        if not np.isfinite(t[name]).all():
+            raise FragmentError("non_finite", f"tensor {name!r} holds NaN or infinite values")
+    if (t["logp"] > 1e-5).any():
+        raise FragmentError("bad_value", "tensor 'logp' holds positive log-probabilities")
+    a = t["actions"]
+    if a.min() < 0 or a.max() >= spec.num_actions:
+        raise FragmentError("bad_value", f"actions outside [0, {spec.num_actions}): min {a.min()}, max {a.max()}")
+    for name in ("terminated", "truncated"):
+        if t[name].max() > 1:
+            raise FragmentError("bad_value", f"tensor {name!r} must hold only 0 or 1")

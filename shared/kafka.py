@@ -1,0 +1,176 @@
+"""Kafka plumbing: a run's topics, the idempotent producer, the manual-commit consumer, lag.
+
+Topics are prefixed by the run name so several runs share one cluster (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+from shared.logging import get_logger
+from shared.settings import Settings
+
+log = get_logger(component="kafka")
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The five topics of one run."""
+
+    samples: str
+    dlq: str
+    policy: str
+    control: str
+    heartbeats: str
+
+    @classmethod
+    def for_run(cls, run: str) -> Topics:
+        return cls(
+            samples=f"{run}.samples",
+            dlq=f"{run}.samples.dlq",
+            policy=f"{run}.policy",
+            control=f"{run}.control",
+            heartbeats=f"{run}.heartbeats",
+        )
+
+
+def trainer_group(run: str) -> str:
+    """The consumer group whose committed offsets say what has been trained."""
+    return f"{run}.trainer"
+
+
+def topic_specs(settings: Settings) -> list[NewTopic]:
+    """Partitions and configs of every run topic, from settings."""
+    k = settings.kafka
+    t = Topics.for_run(settings.run)
+    rf = k.replication_factor
+    big = str(k.max_message_bytes + 64 * 1024)
+    return [
+        NewTopic(t.samples, k.samples_partitions, rf,
+                 topic_configs={"retention.ms": str(k.samples_retention_ms), "max.message.bytes": big}),
+        NewTopic(t.dlq, 1, rf, topic_configs={"retention.ms": str(k.dlq_retention_ms), "max.message.bytes": big}),
+        # Compacted: the latest candidate and the latest announcement survive forever.
+        NewTopic(t.policy, 1, rf, topic_configs={"cleanup.policy": "compact", "min.compaction.lag.ms": "60000"}),
+        NewTopic(t.control, 1, rf, topic_configs={"retention.ms": str(24 * 3600 * 1000)}),
+        NewTopic(t.heartbeats, 1, rf, topic_configs={"retention.ms": str(k.heartbeats_retention_ms)}),
+    ]
+
+
+async def ensure_topics(settings: Settings) -> Topics:
+    """Create the run's topics if absent (idempotent; safe when several services race)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap,
+                                request_timeout_ms=settings.kafka.request_timeout_ms)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        missing = [s for s in topic_specs(settings) if s.name not in existing]
+        for spec in missing:  # one at a time: a race on one must not hide the others
+            try:
+                await admin.create_topics([spec])
+                log.info("topic_created", topic=spec.name, partitions=spec.num_partitions)
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        await admin.close()
+    return Topics.for_run(settings.run)
+
+
+def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
+    """Idempotent (acks=all), compressed producer."""
+    k = settings.kafka
+    kwargs: dict[str, Any] = {
+        "bootstrap_servers": k.bootstrap,
+        "enable_idempotence": True,
+        "acks": "all",
+        "compression_type": None if k.compression == "none" else k.compression,
+        "max_request_size": k.max_message_bytes + 64 * 1024,
+        "request_timeout_ms": k.request_timeout_ms,
+        "linger_ms": 2,
+    }
+    kwargs.update(overrides)
+    return AIOKafkaProducer(**kwargs)
+
+
+def make_consumer(settings: Settings, *topics: str, group_id: str | None, **overrides: Any) -> AIOKafkaConsumer:
+    """Pull consumer with auto-commit off: callers commit what they have processed."""
+    k = settings.kafka
+    kwargs: dict[str, Any] = {
+        "bootstrap_servers": k.bootstrap,
+        "group_id": group_id,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "max_partition_fetch_bytes": k.max_message_bytes + 64 * 1024,
+        "fetch_max_bytes": max(50 * 1024 * 1024, k.max_message_bytes * 2),
+        "request_timeout_ms": k.request_timeout_ms,
+        "session_timeout_ms": 10_000,
+        "heartbeat_interval_ms": 3_000,
+        "max_poll_interval_ms": 300_000,
+    }
+    kwargs.update(overrides)
+    return AIOKafkaConsumer(*topics, **kwargs)
+
+
+class CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Rebalance listener: before partitions leave, commit what was finished on them.
+
+    ``on_revoke`` is awaited by aiokafka before the group rejoins, so a caller's commit of
+    trained offsets lands before another member takes the partitions over.
+    """
+
+    def __init__(
+        self,
+        on_revoke: Callable[[set[TopicPartition]], Awaitable[None]],
+        on_assign: Callable[[set[TopicPartition]], Awaitable[None]] | None = None,
+    ) -> None:
+        self._on_revoke = on_revoke
+        self._on_assign = on_assign
+
+    async def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        parts = set(revoked)
+        log.info("partitions_revoked", partitions=sorted(f"{tp.topic}[{tp.partition}]" for tp in parts))
+        await self._on_revoke(parts)
+
+    async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        parts = set(assigned)
+        log.info("partitions_assigned", partitions=sorted(f"{tp.topic}[{tp.partition}]" for tp in parts))
+        if self._on_assign is not None:
+            await self._on_assign(parts)
+
+
+async def consumer_lag(settings: Settings, group: str, topic: str) -> dict[int, int]:
+    """Records not yet committed by ``group`` on each partition of ``topic`` (end - committed).
+
+    A partition the group never committed counts from the log start offset.
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap,
+                                request_timeout_ms=settings.kafka.request_timeout_ms)
+    probe = AIOKafkaConsumer(bootstrap_servers=settings.kafka.bootstrap, enable_auto_commit=False,
+                             request_timeout_ms=settings.kafka.request_timeout_ms)
+    await admin.start()
+    await probe.start()
+    try:
+        parts = probe.partitions_for_topic(topic)
+        if parts is None:
+            await probe._client.force_metadata_update()  # noqa: SLF001 - aiokafka offers no public refresh
+            parts = probe.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        if not tps:
+            return {}
+        ends, starts = await asyncio.gather(probe.end_offsets(tps), probe.beginning_offsets(tps))
+        committed = await admin.list_consumer_group_offsets(group, partitions=tps)
+        lag = {}
+        for tp in tps:
+            meta = committed.get(tp)
+            pos = meta.offset if meta is not None and meta.offset >= 0 else starts[tp]
+            lag[tp.partition] = max(0, ends[tp] - pos)
+        return lag
+    finally:
+        await probe.stop()
+        await admin.close()

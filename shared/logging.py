@@ -1,0 +1,84 @@
+"""Structured logging: one JSON object a line, always with ``service`` and ``run``.
+
+Where a fragment is handled, bind its identity with :func:`fragment_context` so every line
+carries ``sample_id``, ``sampler_id``, ``policy_version`` (and on the trainer ``partition`` and
+``offset``); ``grep <sample_id>`` then follows one fragment from production to its update.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, TextIO
+
+import structlog
+
+
+def configure_logging(service: str, run: str, level: str = "INFO", stream: TextIO | None = None) -> None:
+    """Route structlog (and stdlib logging, e.g. aiokafka's) to JSON lines on ``stream``."""
+    stream = stream if stream is not None else sys.stdout
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    structlog.configure(
+        processors=[
+            *shared,
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(sort_keys=False),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
+        logger_factory=structlog.PrintLoggerFactory(stream),
+        cache_logger_on_first_use=False,
+    )
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(service=service, run=run)
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.JSONRenderer(),
+            ],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)  # third-party libraries: warnings and up
+
+
+def get_logger(**bound: Any) -> Any:
+    """A structlog logger with ``bound`` key-values on every line."""
+    return structlog.get_logger().bind(**bound)
+
+
+def fragment_fields(
+    sample_id: str,
+    sampler_id: str,
+    policy_version: int,
+    partition: int | None = None,
+    offset: int | None = None,
+) -> dict[str, Any]:
+    """The key-values that identify one fragment in a log line."""
+    fields: dict[str, Any] = {"sample_id": sample_id, "sampler_id": sampler_id, "policy_version": policy_version}
+    if partition is not None:
+        fields["partition"] = partition
+    if offset is not None:
+        fields["offset"] = offset
+    return fields
+
+
+def fragment_context(
+    sample_id: str,
+    sampler_id: str,
+    policy_version: int,
+    partition: int | None = None,
+    offset: int | None = None,
+) -> Any:
+    """Context manager binding a fragment's identity to every log line inside it."""
+    return structlog.contextvars.bound_contextvars(
+        **fragment_fields(sample_id, sampler_id, policy_version, partition, offset)
+    )

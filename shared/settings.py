@@ -1,0 +1,278 @@
+"""Typed settings: defaults < YAML file in ``configs/`` < ``FLYWHEEL_<SECTION>_<FIELD>`` environment.
+
+One model serves every service. Each section is a frozen pydantic model with ``extra="forbid"``
+so an unknown key in YAML fails at start-up, and an unknown ``FLYWHEEL_...`` variable does too.
+Environment names are ``FLYWHEEL_`` + section + ``_`` + field, upper case:
+``FLYWHEEL_KAFKA_BOOTSTRAP``, ``FLYWHEEL_TRAINER_MAX_STALENESS``, ``FLYWHEEL_RUN``.
+
+This module imports neither torch nor gymnasium, so config errors surface in well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+ENV_PREFIX = "FLYWHEEL_"
+# Variables with the prefix that are not settings fields.
+NON_SETTING_ENV = {"FLYWHEEL_CONFIG", "FLYWHEEL_HOME", "FLYWHEEL_CACHE", "FLYWHEEL_SAMPLER_ID"}
+NON_SETTING_ENV_PREFIXES = ("FLYWHEEL_INFRA_", "FLYWHEEL_TEST_", "FLYWHEEL_BENCH_")
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the offending field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KafkaSettings(_Section):
+    bootstrap: str = "127.0.0.1:9092"
+    """Comma-separated bootstrap servers of the Kafka cluster."""
+    samples_partitions: int = Field(4, ge=1, le=1024)
+    """Partitions of ``<run>.samples``; at least the number of samplers keeps them fair."""
+    replication_factor: int = Field(1, ge=1, le=16)
+    """Replication factor of every run topic (1 on a single broker)."""
+    samples_retention_ms: int = Field(6 * 3600 * 1000, ge=60_000)
+    """How long unconsumed fragments are kept (``retention.ms`` of the samples topic)."""
+    dlq_retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=60_000)
+    """Retention of the dead-letter topic."""
+    heartbeats_retention_ms: int = Field(3600 * 1000, ge=60_000)
+    """Retention of the heartbeats topic."""
+    compression: Literal["lz4", "gzip", "zstd", "none"] = "lz4"
+    """Producer compression codec."""
+    max_message_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024)
+    """Largest fragment accepted (also ``max.message.bytes`` of the samples topic)."""
+    request_timeout_ms: int = Field(30_000, ge=1000)
+    """Client request timeout."""
+
+
+class StoreSettings(_Section):
+    backend: Literal["s3", "local"] = "s3"
+    """Object store: ``s3`` (any S3 API) or ``local`` (a directory, for single-machine stacks)."""
+    local_root: Path = Path(".flywheel/store")
+    """Root directory of the ``local`` backend."""
+
+
+class S3Settings(_Section):
+    endpoint: str | None = None
+    """S3 endpoint URL (``http://127.0.0.1:9000``); unset means AWS's default endpoint."""
+    bucket: str = "flywheel"
+    """Bucket holding every run's policies and checkpoints."""
+    region: str = "us-east-1"
+    """Region passed to the S3 client."""
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint_is_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError(f"must start with http:// or https://, got {v=}")
+        return v
+
+
+class EnvSettings(_Section):
+    id: str = "CartPole-v1"
+    """Gymnasium environment id."""
+    num_envs: int = Field(8, ge=1, le=4096)
+    """Environments stepped together by one sampler (the ``envs`` axis of a fragment)."""
+    fragment_steps: int = Field(64, ge=1, le=100_000)
+    """Steps per fragment (``T``)."""
+    latency_median_ms: float = Field(0.0, ge=0.0)
+    """Benchmarks only: median of a log-normal delay added to every env step (0 = none)."""
+    latency_sigma: float = Field(1.0, ge=0.0, le=5.0)
+    """Benchmarks only: sigma of that log-normal delay."""
+
+
+class SamplerSettings(_Section):
+    sync_interval_s: float = Field(2.0, gt=0)
+    """Fallback: how often the sampler polls the policy marker besides announcements."""
+    max_in_flight: int = Field(8, ge=1)
+    """Fragments sent but not yet acknowledged by Kafka before the sampler waits."""
+    max_fragments_per_s: float = Field(0.0, ge=0)
+    """Cap on the send rate (0 = unlimited)."""
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    """Heartbeat period (also sent at once when the policy version changes)."""
+    seed: int | None = None
+    """Base seed of the envs and the action sampling (None = random)."""
+    torch_threads: int = Field(1, ge=1)
+    """Intra-op threads for inference."""
+
+
+class TrainerSettings(_Section):
+    batch_fragments: int = Field(4, ge=1)
+    """Fragments per update."""
+    poll_max_records: int = Field(64, ge=1)
+    """Bound on records returned by one ``getmany``."""
+    max_staleness: int = Field(4, ge=0)
+    """Fragments made by a policy more than this many versions old are dropped."""
+    publish_every: int = Field(1, ge=1)
+    """Publish a policy candidate every N updates."""
+    checkpoint_every: int = Field(50, ge=1)
+    """Write a full checkpoint every N updates."""
+    learning_rate: float = Field(2.5e-4, gt=0)
+    gamma: float = Field(0.99, gt=0, le=1)
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    clip_coef: float = Field(0.2, gt=0)
+    """PPO clip range around the proximal policy."""
+    behaviour_weight_cap: float = Field(5.0, ge=1.0)
+    """Upper truncation of the importance weight pi_prox / pi_behaviour (decoupled PPO)."""
+    epochs: int = Field(4, ge=1)
+    minibatches: int = Field(4, ge=1)
+    ent_coef: float = Field(0.0, ge=0)
+    vf_coef: float = Field(0.5, ge=0)
+    max_grad_norm: float = Field(0.5, gt=0)
+    normalize_advantages: bool = True
+    hidden: int = Field(64, ge=4)
+    """Width of the two hidden layers of actor and critic."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto`` uses CUDA when present."""
+    seed: int = 1
+    torch_threads: int = Field(1, ge=1)
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    return_window: int = Field(100, ge=1)
+    """Episodes in the reported mean return."""
+
+
+class ParamsyncSettings(_Section):
+    keep_versions: int = Field(10, ge=1)
+    """Published versions (records and blobs) kept; older ones are deleted."""
+    sampler_timeout_s: float = Field(10.0, gt=0)
+    """A sampler silent for this long is no longer live."""
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+
+
+class AdminSettings(_Section):
+    token: SecretStr | None = None
+    """Bearer token for mutating endpoints (from the environment only: FLYWHEEL_ADMIN_TOKEN)."""
+    insecure_dev: bool = False
+    """Allow starting without a token (mutations then unauthenticated). Development only."""
+    refresh_interval_s: float = Field(2.0, gt=0)
+    """How often backlog (consumer lag) is recomputed."""
+
+
+class HttpSettings(_Section):
+    host: str = "127.0.0.1"
+    """Interface for /healthz and /metrics (and the admin API)."""
+    port: int = Field(8000, ge=0, le=65535)
+    """Port; 0 picks a free one."""
+
+
+class LogSettings(_Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class Settings(_Section):
+    """Everything a Flywheel process can be configured with."""
+
+    run: str = "default"
+    """Run name: prefixes every topic and object-store key, so runs share a cluster."""
+    mode: Literal["async", "sync"] = "async"
+    """``sync`` is the synchronous baseline used by the benchmarks."""
+    kafka: KafkaSettings = KafkaSettings()
+    store: StoreSettings = StoreSettings()
+    s3: S3Settings = S3Settings()
+    env: EnvSettings = EnvSettings()
+    sampler: SamplerSettings = SamplerSettings()
+    trainer: TrainerSettings = TrainerSettings()
+    paramsync: ParamsyncSettings = ParamsyncSettings()
+    admin: AdminSettings = AdminSettings()
+    http: HttpSettings = HttpSettings()
+    log: LogSettings = LogSettings()
+
+    @field_validator("run")
+    @classmethod
+    def _run_is_topic_safe(cls, v: str) -> str:
+        ok = v and len(v) <= 100 and all(c.isalnum() or c in "-_" for c in v)
+        if not ok:
+            raise ValueError(f"must be 1-100 chars of letters, digits, '-' or '_', got {v=}")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> Settings:
+        if self.store.backend == "s3" and not self.s3.bucket:
+            raise ValueError(f"s3.bucket is required when store.backend='s3', got {self.s3.bucket=}")
+        if self.trainer.minibatches > self.trainer.batch_fragments * self.env.fragment_steps * self.env.num_envs:
+            raise ValueError(f"trainer.minibatches exceeds the batch size: {self.trainer.minibatches=}")
+        return self
+
+    def redacted(self) -> dict[str, Any]:
+        """The resolved config as JSON-safe data with secrets masked, for the start-up log line."""
+        data: dict[str, Any] = json.loads(self.model_dump_json())
+        if self.admin.token is not None:
+            data["admin"]["token"] = "***"
+        return data
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    sections = {name for name, f in Settings.model_fields.items() if isinstance(f.default, BaseModel)}
+    top = set(Settings.model_fields) - sections
+    out: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX) or key in NON_SETTING_ENV or key.startswith(NON_SETTING_ENV_PREFIXES):
+            continue
+        rest = key[len(ENV_PREFIX) :].lower()
+        if rest in top:
+            out[rest] = value
+            continue
+        section, _, field = rest.partition("_")
+        if section not in sections or not field:
+            raise ConfigError(f"unknown setting in environment: {key} (no such field)")
+        model = Settings.model_fields[section].annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        if field not in model.model_fields:
+            raise ConfigError(f"unknown setting in environment: {key} (no field {section}.{field})")
+        out.setdefault(section, {})[field] = value
+    return out
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(merged.get(k), dict):
+            merged[k] = _merge(merged[k], v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def _format_validation(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "<root>"
+        lines.append(f"  {field}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def load_settings(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Resolve the settings; raise :class:`ConfigError` naming the field on any problem.
+
+    ``path`` defaults to ``$FLYWHEEL_CONFIG``; with neither, only defaults and environment apply.
+    """
+    environ = os.environ if environ is None else environ
+    path = path if path is not None else environ.get("FLYWHEEL_CONFIG")
+    data: dict[str, Any] = {}
+    source = "defaults + environment"
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        data = loaded
+        source = f"{p} + environment"
+    data = _merge(data, _env_overrides(environ))
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(exc, source)) from None
