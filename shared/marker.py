@@ -70,10 +70,10 @@ class VersionedStore:
     def blob_key(self, sha256: str) -> str:
         return f"{self.prefix}/blobs/{sha256}.safetensors"
 
-    def put_blob(self, data: bytes) -> tuple[str, str]:
-        """Write a payload (content-addressed; idempotent). Returns ``(key, sha256)``."""
+    def put_blob(self, data: bytes, key: str | None = None) -> tuple[str, str]:
+        """Write a payload (content-addressed unless ``key`` is given; idempotent). Returns ``(key, sha256)``."""
         sha = hashlib.sha256(data).hexdigest()
-        key = self.blob_key(sha)
+        key = key or self.blob_key(sha)
         if not self.store.exists(key):
             self.store.put(key, data)
         return key, sha

@@ -1,0 +1,1 @@
+"""Flywheel's four services: sampler, trainer, paramsync, admin."""

@@ -1,0 +1,1 @@
+"""paramsync: verifies policy candidates, moves the version marker, announces, measures sync latency."""

@@ -1,0 +1,1 @@
+"""The sampler: steps envs with the latest policy it has and streams fragments to Kafka."""

@@ -1,0 +1,100 @@
+"""Stepping vectorised envs with batched torch inference into :class:`Fragment`s. No I/O here."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from shared.fragment import Fragment
+from shared.rl.envs import make_vector_env
+from shared.rl.model import ActorCritic, load_weights
+
+
+class RolloutWorker:
+    """Owns ``num_envs`` envs and a behaviour policy; :meth:`collect` makes one fragment."""
+
+    def __init__(
+        self,
+        env_id: str,
+        num_envs: int,
+        fragment_steps: int,
+        sampler_id: str,
+        hidden: int,
+        seed: int | None = None,
+        latency_median_ms: float = 0.0,
+        latency_sigma: float = 1.0,
+    ) -> None:
+        self.env_id = env_id
+        self.sampler_id = sampler_id
+        self.steps = fragment_steps
+        self.envs = make_vector_env(env_id, num_envs, latency_median_ms, latency_sigma, seed)
+        obs_dim = int(np.prod(self.envs.single_observation_space.shape))
+        self.model = ActorCritic(obs_dim, int(self.envs.single_action_space.n), hidden)
+        self.model.eval()
+        self.generator = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(np.random.bytes(4)))
+        self.policy_version: int | None = None
+        obs, _ = self.envs.reset(seed=seed)
+        self._obs = np.asarray(obs, dtype=np.float32)
+        self._ep_return = np.zeros(num_envs, np.float64)
+        self._ep_len = np.zeros(num_envs, np.int64)
+        self.num_envs = num_envs
+
+    def set_policy(self, version: int, weights: bytes) -> None:
+        """Adopt a policy (between fragments only); raises WeightsError if it does not fit."""
+        load_weights(self.model, weights)
+        self.policy_version = version
+
+    @torch.no_grad()
+    def collect(self) -> Fragment:
+        """Step every env ``fragment_steps`` times with the current policy."""
+        if self.policy_version is None:
+            raise RuntimeError("no policy loaded yet")
+        T, N = self.steps, self.num_envs
+        obs_buf = np.empty((T, N, *self._obs.shape[1:]), np.float32)
+        actions = np.empty((T, N), np.int64)
+        logp = np.empty((T, N), np.float32)
+        rewards = np.empty((T, N), np.float32)
+        terminated = np.empty((T, N), np.uint8)
+        truncated = np.empty((T, N), np.uint8)
+        trunc_obs: list[np.ndarray] = []
+        ep_returns: list[float] = []
+        ep_lengths: list[int] = []
+        for t in range(T):
+            obs_buf[t] = self._obs
+            dist = self.model.dist(torch.from_numpy(self._obs))
+            action = torch.multinomial(dist.probs, 1, generator=self.generator).squeeze(-1)
+            actions[t] = action.numpy()
+            logp[t] = dist.log_prob(action).numpy()
+            obs, reward, term, trunc, info = self.envs.step(actions[t])
+            rewards[t] = reward
+            terminated[t] = term
+            truncated[t] = trunc & ~term
+            self._ep_return += reward
+            self._ep_len += 1
+            for i in np.flatnonzero(term | trunc):
+                if truncated[t, i]:
+                    trunc_obs.append(np.asarray(info["final_obs"][i], np.float32))
+                ep_returns.append(float(self._ep_return[i]))
+                ep_lengths.append(int(self._ep_len[i]))
+                self._ep_return[i] = 0.0
+                self._ep_len[i] = 0
+            self._obs = np.asarray(obs, dtype=np.float32)
+        obs_shape = self._obs.shape[1:]
+        return Fragment(
+            obs=obs_buf,
+            actions=actions,
+            logp=logp,
+            rewards=rewards,
+            terminated=terminated,
+            truncated=truncated,
+            trunc_obs=np.stack(trunc_obs) if trunc_obs else np.zeros((0, *obs_shape), np.float32),
+            last_obs=self._obs.copy(),
+            episode_returns=np.asarray(ep_returns, np.float32),
+            episode_lengths=np.asarray(ep_lengths, np.int32),
+            policy_version=self.policy_version,
+            sampler_id=self.sampler_id,
+            env_id=self.env_id,
+        )
+
+    def close(self) -> None:
+        self.envs.close()

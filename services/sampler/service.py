@@ -1,0 +1,211 @@
+"""The sampler service: policy in (S3 marker + announcements), fragments out (Kafka).
+
+Between fragments it adopts newer policies (announcements on ``<run>.policy``, the marker polled
+every ``sync_interval_s`` as a fallback, ``sync`` commands on ``<run>.control``); it never changes
+policy mid-fragment. Sends are bounded by ``max_in_flight`` and optionally rate-capped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+from aiokafka import TopicPartition
+from prometheus_client import Counter, Gauge
+
+from shared.fragment import encode_fragment
+from shared.kafka import Topics, ensure_topics, make_consumer, make_producer
+from shared.logging import fragment_fields, get_logger
+from shared.marker import VersionedStore
+from shared.messages import ControlCommand, PolicyMessage, SamplerBeat
+from shared.rl.model import WeightsError
+from shared.service import RateMeter
+from shared.settings import Settings
+from shared.store import open_store
+from services.sampler.rollout import RolloutWorker
+
+ENV_STEPS = Counter("flywheel_sampler_env_steps_total", "Env steps taken", ["sampler"])
+FRAGMENTS = Counter("flywheel_sampler_fragments_produced_total", "Fragments acknowledged by Kafka", ["sampler"])
+SEND_ERRORS = Counter("flywheel_sampler_send_errors_total", "Fragments Kafka refused", ["sampler"])
+VERSION = Gauge("flywheel_sampler_policy_version", "Policy version the sampler acts with", ["sampler"])
+ADOPTIONS = Counter("flywheel_sampler_policy_adoptions_total", "Policy versions adopted", ["sampler", "trigger"])
+IN_FLIGHT = Gauge("flywheel_sampler_in_flight_fragments", "Fragments sent, not yet acknowledged", ["sampler"])
+
+
+def default_sampler_id() -> str:
+    return os.environ.get("FLYWHEEL_SAMPLER_ID") or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+class Sampler:
+    name = "sampler"
+
+    def __init__(self, settings: Settings, sampler_id: str | None = None) -> None:
+        self.settings = settings
+        self.id = sampler_id or default_sampler_id()
+        self.topics = Topics.for_run(settings.run)
+        self.log = get_logger(sampler_id=self.id)
+        self.policies = VersionedStore(open_store(settings), settings.run, "policy")
+        e = settings.env
+        self.worker = RolloutWorker(e.id, e.num_envs, e.fragment_steps, self.id, settings.trainer.hidden,
+                                    settings.sampler.seed, e.latency_median_ms, e.latency_sigma)
+        self.producer = make_producer(settings)
+        self.inbox = make_consumer(settings, group_id=None)
+        self.in_flight = asyncio.Semaphore(settings.sampler.max_in_flight)
+        self.adopted_at: float | None = None
+        self.fragments = 0
+        self.env_steps = 0
+        self.steps_rate = RateMeter()
+        self.recent_returns: deque[float] = deque(maxlen=100)
+        self._wanted_version: int | None = None
+        self._sync_requested = False
+        self._last_marker_poll = 0.0
+        self._last_beat = 0.0
+        self._pending: set[asyncio.Future[Any]] = set()
+        self._labels = {"sampler": self.id}
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        await ensure_topics(self.settings)
+        await self.producer.start()
+        await self.inbox.start()
+        tps = [TopicPartition(self.topics.policy, 0), TopicPartition(self.topics.control, 0)]
+        self.inbox.assign(tps)
+        await self.inbox.seek_to_end(*tps)  # only what is announced from now on; the marker covers the past
+
+    async def run(self, stop_event: asyncio.Event) -> None:
+        await self._wait_for_first_policy(stop_event)
+        next_send = time.monotonic()
+        cap = self.settings.sampler.max_fragments_per_s
+        while not stop_event.is_set():
+            await self._refresh_policy()
+            frag = await asyncio.to_thread(self.worker.collect)
+            await self._send(frag)
+            self.recent_returns.extend(float(r) for r in frag.episode_returns)
+            await self._maybe_heartbeat()
+            if cap > 0:
+                next_send += 1.0 / cap
+                delay = next_send - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                else:
+                    next_send = time.monotonic()
+
+    async def stop(self) -> None:
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+        await self.producer.stop()  # flushes what is buffered
+        await self.inbox.stop()
+        self.worker.close()
+
+    def health(self) -> dict[str, Any]:
+        return {"ok": True, "id": self.id, "policy_version": self.worker.policy_version, "fragments": self.fragments}
+
+    # ---- policy ----------------------------------------------------------------------------
+    async def _wait_for_first_policy(self, stop_event: asyncio.Event) -> None:
+        waited = 0.0
+        while not stop_event.is_set():
+            if await self._adopt_latest("start"):
+                return
+            if waited % 5.0 < 0.5:
+                self.log.info("waiting_for_policy", marker=self.policies.marker_key)
+            await asyncio.sleep(0.5)
+            waited += 0.5
+
+    async def _adopt_latest(self, trigger: str) -> bool:
+        """Load the marker's version if newer than ours. True if a policy was adopted."""
+        found = await asyncio.to_thread(self.policies.load_newer, self.worker.policy_version)
+        if found is None:
+            return False
+        record, data = found
+        try:
+            self.worker.set_policy(record.version, data)
+        except WeightsError as exc:
+            self.log.warning("policy_rejected", version=record.version, reason=str(exc))
+            return False
+        self.adopted_at = time.time()
+        VERSION.labels(**self._labels).set(record.version)
+        ADOPTIONS.labels(trigger=trigger, **self._labels).inc()
+        self.log.info("policy_adopted", policy_version=record.version, trigger=trigger, sha256=record.sha256[:12])
+        await self._heartbeat()  # paramsync measures sync latency from this
+        return True
+
+    async def _refresh_policy(self) -> None:
+        """Between fragments: read announcements/commands, then adopt when something is newer."""
+        batches = await self.inbox.getmany(timeout_ms=0)
+        for records in batches.values():
+            for rec in records:
+                self._handle_inbox(rec.topic, rec.key, rec.value)
+        now = time.monotonic()
+        current = self.worker.policy_version
+        if self._sync_requested:
+            self._sync_requested = False
+            await self._adopt_latest("control")
+        elif self._wanted_version is not None and (current is None or self._wanted_version > current):
+            await self._adopt_latest("announce")
+        elif now - self._last_marker_poll >= self.settings.sampler.sync_interval_s:
+            self._last_marker_poll = now
+            await self._adopt_latest("poll")
+
+    def _handle_inbox(self, topic: str, key: bytes | None, value: bytes | None) -> None:
+        try:
+            if topic == self.topics.control and value is not None:
+                cmd = ControlCommand.model_validate_json(value)
+                self._sync_requested = True
+                self.log.info("control_received", command=cmd.command, request_id=cmd.request_id)
+            elif topic == self.topics.policy and value is not None:
+                msg = PolicyMessage.model_validate_json(value)
+                if msg.type == "announce":
+                    self._wanted_version = max(self._wanted_version or -1, msg.version)
+        except ValueError as exc:
+            self.log.warning("inbox_message_ignored", topic=topic, reason=str(exc)[:200])
+
+    # ---- fragments -------------------------------------------------------------------------
+    async def _send(self, frag: Any) -> None:
+        headers, payload = encode_fragment(frag)
+        await self.in_flight.acquire()
+        IN_FLIGHT.labels(**self._labels).inc()
+        fut = await self.producer.send(self.topics.samples, payload, key=self.id.encode(), headers=headers)
+        self._pending.add(fut)
+        ids = fragment_fields(frag.sample_id, frag.sampler_id, frag.policy_version)
+
+        def done(f: asyncio.Future[Any]) -> None:
+            self._pending.discard(f)
+            self.in_flight.release()
+            IN_FLIGHT.labels(**self._labels).dec()
+            if f.cancelled() or f.exception() is not None:
+                SEND_ERRORS.labels(**self._labels).inc()
+                self.log.error("fragment_send_failed", error=str(f.exception()), **ids)
+                return
+            meta = f.result()
+            self.fragments += 1
+            self.env_steps += frag.steps
+            self.steps_rate.add(frag.steps)
+            FRAGMENTS.labels(**self._labels).inc()
+            ENV_STEPS.labels(**self._labels).inc(frag.steps)
+            self.log.info("fragment_produced", steps=frag.steps, episodes=len(frag.episode_returns),
+                          partition=meta.partition, offset=meta.offset, **{k: v for k, v in ids.items()})
+
+        fut.add_done_callback(done)
+
+    # ---- heartbeats ------------------------------------------------------------------------
+    async def _maybe_heartbeat(self) -> None:
+        if time.monotonic() - self._last_beat >= self.settings.sampler.heartbeat_interval_s:
+            await self._heartbeat()
+
+    async def _heartbeat(self) -> None:
+        self._last_beat = time.monotonic()
+        beat = SamplerBeat(
+            id=self.id,
+            policy_version=self.worker.policy_version,
+            adopted_at=self.adopted_at,
+            steps_per_s=self.steps_rate.rate(),
+            fragments=self.fragments,
+            env_steps=self.env_steps,
+            recent_return_mean=sum(self.recent_returns) / len(self.recent_returns) if self.recent_returns else None,
+        )
+        await self.producer.send(self.topics.heartbeats, beat.to_bytes(), key=self.id.encode())

@@ -1,0 +1,1 @@
+"""The trainer: pulls fragments from Kafka, updates the model, then commits what it trained."""

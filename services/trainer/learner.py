@@ -1,0 +1,107 @@
+"""The learner's state: model, optimizer, counters; checkpoint (de)serialisation. No I/O here."""
+
+from __future__ import annotations
+
+import io
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shared.fragment import Fragment, FragmentSpec
+from shared.rl.model import ActorCritic, load_weights, weights_to_bytes
+from shared.settings import TrainerSettings
+from services.trainer.update import UpdateConfig, UpdateStats, ppo_update
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device='cuda' but CUDA is not available")
+    return torch.device(name)
+
+
+@dataclass
+class LearnerCounters:
+    updates: int = 0
+    env_steps_trained: int = 0
+    fragments_trained: int = 0
+    policy_version: int = 0
+    recent_returns: deque[float] = field(default_factory=lambda: deque(maxlen=100))
+
+
+class Learner:
+    """Model + optimizer + counters; :meth:`update` trains on fragments, :meth:`state_bytes` checkpoints."""
+
+    def __init__(self, spec: FragmentSpec, cfg: TrainerSettings) -> None:
+        torch.manual_seed(cfg.seed)
+        self.device = pick_device(cfg.device)
+        self.model = ActorCritic.for_spec(spec, cfg.hidden).to(self.device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.learning_rate, eps=1e-5)
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.update_cfg = UpdateConfig(
+            gamma=cfg.gamma,
+            gae_lambda=cfg.gae_lambda,
+            clip_coef=cfg.clip_coef,
+            behaviour_weight_cap=cfg.behaviour_weight_cap,
+            epochs=cfg.epochs,
+            minibatches=cfg.minibatches,
+            ent_coef=cfg.ent_coef,
+            vf_coef=cfg.vf_coef,
+            max_grad_norm=cfg.max_grad_norm,
+            normalize_advantages=cfg.normalize_advantages,
+        )
+        self.counters = LearnerCounters(recent_returns=deque(maxlen=cfg.return_window))
+
+    def record_returns(self, frag: Fragment) -> None:
+        self.counters.recent_returns.extend(float(r) for r in frag.episode_returns)
+
+    def update(self, fragments: list[Fragment]) -> UpdateStats:
+        stats = ppo_update(self.model, self.optimizer, fragments, self.update_cfg, self.device, self.generator)
+        self.counters.updates += 1
+        self.counters.env_steps_trained += stats.env_steps
+        self.counters.fragments_trained += len(fragments)
+        return stats
+
+    def weights(self) -> bytes:
+        return weights_to_bytes(self.model)
+
+    def load_policy_weights(self, data: bytes) -> None:
+        load_weights(self.model, data)
+
+    def state_bytes(self, offsets: dict[str, int]) -> bytes:
+        """A full checkpoint, loadable with ``torch.load(weights_only=True)``."""
+        c = self.counters
+        state: dict[str, Any] = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "updates": c.updates,
+            "env_steps_trained": c.env_steps_trained,
+            "fragments_trained": c.fragments_trained,
+            "policy_version": c.policy_version,
+            "recent_returns": list(c.recent_returns),
+            "offsets": dict(offsets),
+            "torch_rng": torch.get_rng_state(),
+            "generator_rng": self.generator.get_state(),
+        }
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        return buf.getvalue()
+
+    def restore(self, data: bytes) -> dict[str, int]:
+        """Load a checkpoint written by :meth:`state_bytes`; returns its consumed offsets."""
+        state = torch.load(io.BytesIO(data), map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        c = self.counters
+        c.updates = int(state["updates"])
+        c.env_steps_trained = int(state["env_steps_trained"])
+        c.fragments_trained = int(state["fragments_trained"])
+        c.policy_version = int(state["policy_version"])
+        c.recent_returns.clear()
+        c.recent_returns.extend(float(r) for r in state["recent_returns"])
+        torch.set_rng_state(state["torch_rng"])
+        self.generator.set_state(state["generator_rng"])
+        return {str(k): int(v) for k, v in state["offsets"].items()}

@@ -1,0 +1,163 @@
+"""Configuration of the local (Docker-free) infrastructure: ports, paths, credentials."""
+
+from __future__ import annotations
+
+import os
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+KAFKA_POM = REPO_ROOT / "deploy" / "kafka" / "pom.xml"
+KAFKA_LOG4J2 = REPO_ROOT / "deploy" / "kafka" / "log4j2.properties"
+
+DEFAULT_KAFKA_PORT = 9092
+DEFAULT_CONTROLLER_PORT = 9093
+DEFAULT_S3_PORT = 9000
+DEFAULT_BUCKET = "flywheel"
+DEFAULT_TIMEOUT_S = 120.0
+
+# The stack the test-suite starts when no endpoints are given (tests/conftest.py): its own home and
+# ports, so it never collides with a `make up` stack.
+TEST_HOME = REPO_ROOT / ".flywheel" / "test-infra"
+TEST_KAFKA_PORT = 19092
+TEST_CONTROLLER_PORT = 19093
+TEST_S3_PORT = 19000
+
+# moto accepts any credentials; these are the conventional placeholder values.
+S3_ACCESS_KEY = "testing"
+S3_SECRET_KEY = "testing"
+S3_REGION = "us-east-1"
+
+HEALTHCHECK_TOPIC = "_flywheel_healthcheck"
+HEALTHCHECK_KEY = "_flywheel_healthcheck"
+
+
+class InfraError(RuntimeError):
+    """The local infrastructure could not be brought up, inspected or stopped (message says why)."""
+
+
+@dataclass(frozen=True)
+class InfraEndpoints:
+    """Where a running Kafka broker and S3 endpoint can be reached, and how to authenticate."""
+
+    kafka_bootstrap: str
+    s3_endpoint: str
+    bucket: str
+    access_key: str = S3_ACCESS_KEY
+    secret_key: str = S3_SECRET_KEY
+    region: str = S3_REGION
+
+    def as_env(self) -> dict[str, str]:
+        """The environment variables that point Flywheel's services at these endpoints."""
+        return {
+            "FLYWHEEL_KAFKA_BOOTSTRAP": self.kafka_bootstrap,
+            "FLYWHEEL_S3_ENDPOINT": self.s3_endpoint,
+            "FLYWHEEL_S3_BUCKET": self.bucket,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": self.region,
+        }
+
+
+def _env_port(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise InfraError(f"{name}={raw!r} is not a port number") from None
+
+
+@dataclass(frozen=True)
+class InfraConfig:
+    """Everything that identifies one local stack: its home directory and its ports."""
+
+    home: Path
+    kafka_port: int
+    controller_port: int
+    s3_port: int
+    bucket: str
+
+    @classmethod
+    def resolve(
+        cls,
+        home: str | os.PathLike[str] | None = None,
+        kafka_port: int | None = None,
+        controller_port: int | None = None,
+        s3_port: int | None = None,
+        bucket: str | None = None,
+    ) -> InfraConfig:
+        """Explicit arguments win, then FLYWHEEL_INFRA_* environment variables, then defaults."""
+        home_path = Path(home or os.environ.get("FLYWHEEL_INFRA_HOME") or REPO_ROOT / ".flywheel")
+        cfg = cls(
+            home=home_path.expanduser().resolve(),
+            kafka_port=kafka_port or _env_port("FLYWHEEL_INFRA_KAFKA_PORT", DEFAULT_KAFKA_PORT),
+            controller_port=controller_port
+            or _env_port("FLYWHEEL_INFRA_CONTROLLER_PORT", DEFAULT_CONTROLLER_PORT),
+            s3_port=s3_port or _env_port("FLYWHEEL_INFRA_S3_PORT", DEFAULT_S3_PORT),
+            bucket=bucket or DEFAULT_BUCKET,
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        ports = {"kafka": self.kafka_port, "controller": self.controller_port, "s3": self.s3_port}
+        for name, port in ports.items():
+            if not 1 <= port <= 65535:
+                raise InfraError(f"{name} port {port} is outside 1..65535")
+        if len(set(ports.values())) != len(ports):
+            raise InfraError(f"the kafka, controller and s3 ports must differ, got {ports}")
+        if not (3 <= len(self.bucket) <= 63) or self.bucket != self.bucket.lower():
+            raise InfraError(f"bucket name {self.bucket!r} is not a valid S3 bucket name")
+
+    @property
+    def kafka_dir(self) -> Path:
+        return self.home / "kafka"
+
+    @property
+    def kafka_data_dir(self) -> Path:
+        return self.kafka_dir / "data"
+
+    @property
+    def kafka_properties(self) -> Path:
+        return self.kafka_dir / "server.properties"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.home / "logs"
+
+    @property
+    def pids_dir(self) -> Path:
+        return self.home / "pids"
+
+    @property
+    def env_file(self) -> Path:
+        return self.home / "infra.env"
+
+    @property
+    def endpoints(self) -> InfraEndpoints:
+        return InfraEndpoints(
+            kafka_bootstrap=f"127.0.0.1:{self.kafka_port}",
+            s3_endpoint=f"http://127.0.0.1:{self.s3_port}",
+            bucket=self.bucket,
+        )
+
+
+def cache_root() -> Path:
+    """Downloads shared by every checkout: ${FLYWHEEL_CACHE:-~/.cache/flywheel}."""
+    return Path(os.environ.get("FLYWHEEL_CACHE") or Path.home() / ".cache" / "flywheel").expanduser()
+
+
+def kafka_version() -> str:
+    """The Kafka version pinned in deploy/kafka/pom.xml (the single source of truth)."""
+    try:
+        root = ET.parse(KAFKA_POM).getroot()
+    except (OSError, ET.ParseError) as exc:
+        raise InfraError(f"cannot read the Kafka version from {KAFKA_POM}: {exc}") from exc
+    ns = "{http://maven.apache.org/POM/4.0.0}"
+    node = root.find(f"{ns}properties/{ns}kafka.version")
+    if node is None or not (node.text or "").strip():
+        raise InfraError(f"{KAFKA_POM} has no <properties><kafka.version>")
+    return (node.text or "").strip()

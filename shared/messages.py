@@ -1,0 +1,110 @@
+"""JSON messages on the ``policy``, ``control`` and ``heartbeats`` topics (fragments: shared.fragment).
+
+Every message is one pydantic model; unknown fields are ignored so newer senders do not break
+older readers. Keys: policy messages are keyed ``candidate`` / ``announce`` (the topic is
+compacted: the latest of each survives), heartbeats by the sender's id.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.marker import VersionRecord
+
+KEY_CANDIDATE = b"candidate"
+KEY_ANNOUNCE = b"announce"
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+class PolicyMessage(_Msg):
+    """A candidate (trainer -> paramsync) or an announcement (paramsync -> samplers)."""
+
+    type: Literal["candidate", "announce"]
+    version: int
+    blob: str
+    sha256: str
+    size: int
+    trainer_step: int
+    created_at: float
+    sent_at: float = Field(default_factory=time.time)
+
+    @classmethod
+    def of(cls, type_: Literal["candidate", "announce"], rec: VersionRecord) -> PolicyMessage:
+        return cls(type=type_, version=rec.version, blob=rec.blob, sha256=rec.sha256, size=rec.size,
+                   trainer_step=rec.trainer_step, created_at=rec.created_at)
+
+    def record(self) -> VersionRecord:
+        return VersionRecord(version=self.version, blob=self.blob, sha256=self.sha256, size=self.size,
+                             trainer_step=self.trainer_step, created_at=self.created_at)
+
+
+class ControlCommand(_Msg):
+    """An operator's command from the admin API. ``sync``: reload the latest policy now."""
+
+    command: Literal["sync"]
+    request_id: str
+    issued_at: float = Field(default_factory=time.time)
+
+
+class SamplerBeat(_Msg):
+    kind: Literal["sampler"] = "sampler"
+    id: str
+    policy_version: int | None
+    adopted_at: float | None = None
+    """When this sampler started acting on ``policy_version`` (its clock)."""
+    steps_per_s: float = 0.0
+    fragments: int = 0
+    env_steps: int = 0
+    recent_return_mean: float | None = None
+    ts: float = Field(default_factory=time.time)
+
+
+class TrainerBeat(_Msg):
+    kind: Literal["trainer"] = "trainer"
+    id: str
+    policy_version: int
+    updates: int
+    env_steps_trained: int
+    fragments_trained: int
+    samples_per_s: float
+    last_update_at: float | None
+    staleness_mean: float | None
+    staleness_max: int | None
+    return_mean: float | None
+    return_count: int
+    fragments_dropped_stale: int
+    fragments_dead_lettered: int
+    ts: float = Field(default_factory=time.time)
+
+
+class ParamsyncBeat(_Msg):
+    kind: Literal["paramsync"] = "paramsync"
+    id: str
+    published_version: int | None
+    sync_latency_p50_s: float | None
+    sync_latency_p95_s: float | None
+    live_samplers: int
+    ts: float = Field(default_factory=time.time)
+
+
+Heartbeat = SamplerBeat | TrainerBeat | ParamsyncBeat
+
+
+class _AnyBeat(BaseModel):
+    beat: Heartbeat = Field(discriminator="kind")
+
+
+def parse_heartbeat(data: bytes) -> Heartbeat:
+    """Decode a heartbeat; raises pydantic.ValidationError or ValueError when malformed."""
+    import json
+
+    return _AnyBeat.model_validate({"beat": json.loads(data)}).beat

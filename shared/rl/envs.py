@@ -1,0 +1,59 @@
+"""Vectorised gymnasium envs, the latency wrapper of the benchmarks, and the fragment spec."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import AutoresetMode
+
+from shared.fragment import FragmentSpec
+
+
+class LogNormalLatency(gym.Wrapper):  # type: ignore[type-arg]
+    """Sleeps a log-normal time on every step: an env whose steps have heavy-tailed latency.
+
+    With ``median_ms`` m and ``sigma`` s the p99 is m * exp(2.326 s) (s=1: about 10 m).
+    """
+
+    def __init__(self, env: gym.Env, median_ms: float, sigma: float, seed: int | None = None) -> None:  # type: ignore[type-arg]
+        super().__init__(env)
+        self._mu = float(np.log(median_ms / 1000.0))
+        self._sigma = sigma
+        self._rng = np.random.default_rng(seed)
+
+    def step(self, action: Any) -> Any:
+        time.sleep(float(self._rng.lognormal(self._mu, self._sigma)))
+        return self.env.step(action)
+
+
+def make_vector_env(
+    env_id: str, num_envs: int, latency_median_ms: float = 0.0, latency_sigma: float = 1.0, seed: int | None = None
+) -> gym.vector.VectorEnv:  # type: ignore[type-arg]
+    """``num_envs`` copies stepped in one process; finished episodes reset in the same step."""
+    wrappers = []
+    if latency_median_ms > 0:
+        wrappers.append(lambda e: LogNormalLatency(e, latency_median_ms, latency_sigma))
+    return gym.make_vec(
+        env_id,
+        num_envs=num_envs,
+        vectorization_mode="sync",
+        vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP},
+        wrappers=wrappers or None,
+    )
+
+
+def fragment_spec(env_id: str, max_bytes: int) -> FragmentSpec:
+    """Observation shape and action count of ``env_id`` (discrete actions, box observations)."""
+    env = gym.make(env_id)
+    try:
+        obs_space, act_space = env.observation_space, env.action_space
+    finally:
+        env.close()
+    if not isinstance(act_space, gym.spaces.Discrete):
+        raise ValueError(f"env.id={env_id!r}: only Discrete action spaces are supported, got {act_space}")
+    if not isinstance(obs_space, gym.spaces.Box):
+        raise ValueError(f"env.id={env_id!r}: only Box observation spaces are supported, got {obs_space}")
+    return FragmentSpec(obs_shape=tuple(obs_space.shape), num_actions=int(act_space.n), max_bytes=max_bytes)

@@ -1,0 +1,75 @@
+"""The actor-critic network and its weights as safetensors bytes (never pickle)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import nn
+from torch.distributions import Categorical
+
+from shared.fragment import FragmentSpec
+
+
+def _layer(layer: nn.Linear, std: float = float(np.sqrt(2)), bias: float = 0.0) -> nn.Linear:
+    # Orthogonal init as in CleanRL's PPO (https://iclr-blog-track.github.io/2022/03/25/ppo-implementation-details/)
+    nn.init.orthogonal_(layer.weight, std)
+    nn.init.constant_(layer.bias, bias)
+    return layer
+
+
+class ActorCritic(nn.Module):
+    """Separate two-layer tanh MLPs for the policy logits and the state value."""
+
+    def __init__(self, obs_dim: int, num_actions: int, hidden: int = 64) -> None:
+        super().__init__()
+        self.obs_dim = obs_dim
+        self.num_actions = num_actions
+        self.actor = nn.Sequential(
+            _layer(nn.Linear(obs_dim, hidden)), nn.Tanh(),
+            _layer(nn.Linear(hidden, hidden)), nn.Tanh(),
+            _layer(nn.Linear(hidden, num_actions), std=0.01),
+        )
+        self.critic = nn.Sequential(
+            _layer(nn.Linear(obs_dim, hidden)), nn.Tanh(),
+            _layer(nn.Linear(hidden, hidden)), nn.Tanh(),
+            _layer(nn.Linear(hidden, 1), std=1.0),
+        )
+
+    @classmethod
+    def for_spec(cls, spec: FragmentSpec, hidden: int) -> ActorCritic:
+        """A model for the envs ``spec`` describes (observations flattened)."""
+        return cls(int(np.prod(spec.obs_shape)), spec.num_actions, hidden)
+
+    def dist(self, obs: torch.Tensor) -> Categorical:
+        return Categorical(logits=self.actor(obs))
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.critic(obs).squeeze(-1)
+
+
+def weights_to_bytes(model: nn.Module) -> bytes:
+    """The model's parameters as a safetensors blob (CPU, contiguous)."""
+    return st_save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
+
+
+class WeightsError(ValueError):
+    """A weights blob does not fit the model (missing keys, wrong shapes, non-finite values)."""
+
+
+def load_weights(model: nn.Module, data: bytes) -> None:
+    """Load a safetensors blob into ``model``, refusing anything that does not fit exactly."""
+    try:
+        tensors = st_load(data)
+    except Exception as exc:  # safetensors raises several types for a bad header
+        raise WeightsError(f"not a safetensors blob: {exc}") from None
+    own = model.state_dict()
+    if set(tensors) != set(own):
+        raise WeightsError(f"keys differ: missing {sorted(set(own) - set(tensors))}, extra {sorted(set(tensors) - set(own))}")
+    for k, v in tensors.items():
+        if v.shape != own[k].shape or v.dtype != own[k].dtype:
+            raise WeightsError(f"{k}: shape {tuple(v.shape)} {v.dtype}, want {tuple(own[k].shape)} {own[k].dtype}")
+        if not torch.isfinite(v).all():
+            raise WeightsError(f"{k} holds NaN or infinite values")
+    model.load_state_dict(tensors)

@@ -1,0 +1,136 @@
+"""What every service process shares: the entrypoint, /healthz + /metrics, shutdown on SIGTERM.
+
+A service is a class with ``start()``, ``run()`` (returns when ``stop_event`` is set) and
+``stop()``; :func:`serve` wires it to signals and the small HTTP server. Entrypoints validate
+settings *before* importing torch (see :func:`entrypoint`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from shared.logging import configure_logging, get_logger
+from shared.settings import ConfigError, Settings, load_settings
+
+
+class Service(Protocol):
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def run(self, stop_event: asyncio.Event) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def health(self) -> dict[str, Any]:
+        """Small JSON for /healthz; ``ok`` False turns it into a 503."""
+        ...
+
+
+def entrypoint(service: str, argv: list[str] | None = None) -> Settings:
+    """Parse ``--config``, validate settings, configure logging, log the resolved config once.
+
+    Exits with status 2 and a message naming the field on invalid configuration.
+    """
+    parser = argparse.ArgumentParser(prog=f"python -m services.{service}", description=f"Flywheel {service}")
+    parser.add_argument("--config", help="YAML file in configs/ (default: $FLYWHEEL_CONFIG)")
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        sys.stderr.write(f"flywheel {service}: {exc}\n")
+        raise SystemExit(2) from None
+    configure_logging(service, settings.run, settings.log.level)
+    get_logger().info("config_resolved", config=settings.redacted())
+    return settings
+
+
+def http_app(svc: Service) -> Any:
+    """A FastAPI app with /healthz and /metrics for ``svc``."""
+    from fastapi import FastAPI, Response
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    app = FastAPI(title=f"flywheel {svc.name}", docs_url=None, redoc_url=None)
+
+    @app.get("/healthz")
+    def healthz() -> Response:
+        body = svc.health()
+        return Response(json.dumps(body), status_code=200 if body.get("ok") else 503, media_type="application/json")
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind early so a taken port fails at start-up with a clear message."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        raise SystemExit(f"cannot listen on http.host={host} http.port={port}: {exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(svc: Service, settings: Settings, app: Any | None = None) -> None:
+    """Run ``svc`` with its HTTP server until SIGTERM/SIGINT; then stop it cleanly."""
+    import uvicorn
+
+    log = get_logger()
+    stop_event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_event.set)
+    sock = bind_socket(settings.http.host, settings.http.port)
+    config = uvicorn.Config(app or http_app(svc), log_config=None, access_log=False, lifespan="on")
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    http_task = asyncio.create_task(server.serve(sockets=[sock]))
+    log.info("http_listening", host=settings.http.host, port=sock.getsockname()[1])
+    try:
+        await svc.start()
+        await svc.run(stop_event)
+    finally:
+        log.info("stopping", reason="signal" if stop_event.is_set() else "run returned")
+        try:
+            await svc.stop()
+        finally:
+            server.should_exit = True
+            await http_task
+    log.info("stopped")
+
+
+class RateMeter:
+    """Events per second over a sliding window."""
+
+    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window = window_s
+        self.clock = clock
+        self._events: list[tuple[float, float]] = []
+
+    def add(self, amount: float) -> None:
+        now = self.clock()
+        self._events.append((now, amount))
+        cutoff = now - self.window
+        while self._events and self._events[0][0] < cutoff:
+            self._events.pop(0)
+
+    def rate(self) -> float:
+        now = self.clock()
+        events = [(t, a) for t, a in self._events if t >= now - self.window]
+        if len(events) < 2:
+            return 0.0
+        span = max(now - events[0][0], 1e-6)
+        return sum(a for _, a in events) / span

@@ -1,0 +1,399 @@
+"""Structure of docker-compose.yml and deploy/Dockerfile.
+
+No Docker engine is needed: the files are parsed and checked against what the design promises
+(official Kafka image in KRaft mode, pinned images, one Dockerfile for the four services,
+healthchecks and start-up ordering, a scalable sampler) and against the local stack (the same
+broker settings, valid Flywheel settings). `docker compose config` runs only where Docker works.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "docker-compose.yml"
+DOCKERFILE = REPO / "deploy" / "Dockerfile"
+DOCKERIGNORE = REPO / ".dockerignore"
+CONFIG = REPO / "configs" / "cartpole.yaml"
+
+FLYWHEEL_SERVICES = ("trainer", "paramsync", "admin", "sampler")
+INFRA_SERVICES = ("kafka", "minio", "minio-init", "prometheus")
+HTTP_PORTS = {"trainer": 8000, "paramsync": 8000, "admin": 8080, "sampler": 8000}
+MINIO_MIN_RELEASE = dt.datetime(2025, 8, 29, tzinfo=dt.UTC)
+RELEASE_TAG = re.compile(r"RELEASE\.(\d{4}-\d{2}-\d{2}T\d{2}-\d{2}-\d{2}Z)")
+# ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?message}, ${VAR?message}
+INTERPOLATION = re.compile(r"\$\{(\w+)(?:(:?-)([^}]*)|(:?\?)([^}]*))?\}")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    data = yaml.safe_load(COMPOSE.read_text())
+    assert isinstance(data, dict) and isinstance(data.get("services"), dict)
+    return data
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict) -> dict[str, dict]:
+    return compose["services"]
+
+
+def _env(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: "" if v is None else str(v) for k, v in env.items()}
+
+
+def _interpolate(value: str, given: dict[str, str]) -> str:
+    """Compose-style variable substitution; required variables without a value must be in `given`."""
+
+    def sub(m: re.Match[str]) -> str:
+        name, dash_op, default, q_op, _msg = m.groups()
+        if name in given:
+            return given[name]
+        if dash_op is not None:
+            return default
+        raise AssertionError(f"${{{name}}} is required but the test did not provide it")
+
+    return INTERPOLATION.sub(sub, value.replace("$$", "\0")).replace("\0", "$")
+
+
+def _image_ref(image: str) -> tuple[str, str]:
+    """(repository, tag) of an image reference; a digest suffix is ignored."""
+    name = image.split("@", 1)[0]
+    repo, sep, tag = name.rpartition(":")
+    if not sep or "/" in tag:
+        return name, ""
+    return repo, tag
+
+
+def _healthcheck_cmd(service: dict) -> str:
+    test = service["healthcheck"]["test"]
+    if isinstance(test, list):
+        assert test[0] in ("CMD", "CMD-SHELL"), f"healthcheck test must start with CMD or CMD-SHELL: {test}"
+        return " ".join(test[1:])
+    return test
+
+
+def _dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs with line continuations joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        full = (pending + line).strip()
+        pending = ""
+        if full:
+            instr, _, args = full.partition(" ")
+            out.append((instr.upper(), args.strip()))
+    assert not pending, "Dockerfile ends inside a line continuation"
+    return out
+
+
+# ---- services and images ----------------------------------------------------------------------
+
+
+def test_all_services_present(services: dict) -> None:
+    missing = set(FLYWHEEL_SERVICES + INFRA_SERVICES) - set(services)
+    assert not missing, f"docker-compose.yml lacks services {sorted(missing)}"
+
+
+def test_every_pulled_image_is_pinned(services: dict) -> None:
+    for name, svc in services.items():
+        assert "image" in svc or "build" in svc, f"{name}: needs an image or a build"
+        if "build" in svc:
+            continue  # built locally from this repository
+        repo, tag = _image_ref(svc["image"])
+        assert tag, f"{name}: image {svc['image']!r} has no tag"
+        assert tag != "latest" and "latest" not in tag.split("-"), (
+            f"{name}: image {svc['image']!r} is not pinned"
+        )
+
+
+def test_kafka_is_official_image_in_kraft_mode(compose: dict, services: dict) -> None:
+    kafka = services["kafka"]
+    repo, tag = _image_ref(kafka["image"])
+    assert repo == "apache/kafka", f"expected the official apache/kafka image, got {kafka['image']!r}"
+    assert re.fullmatch(r"4\.\d+\.\d+", tag), f"expected a pinned 4.x.y tag, got {tag!r}"
+
+    env = _env(kafka)
+    assert not any("ZOOKEEPER" in k for k in env), "Kafka 4 has no ZooKeeper mode"
+    assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
+    assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == f"{env['KAFKA_NODE_ID']}@kafka:9093"
+    assert env["KAFKA_LISTENERS"] == "PLAINTEXT://:9092,CONTROLLER://:9093"
+    assert env["KAFKA_ADVERTISED_LISTENERS"] == "PLAINTEXT://kafka:9092"
+    assert env["KAFKA_CONTROLLER_LISTENER_NAMES"] == "CONTROLLER"
+    assert env["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false", "topics are created by the services from config"
+    # The image formats its storage with CLUSTER_ID: 16 bytes, URL-safe base64 without padding.
+    assert len(base64.urlsafe_b64decode(env["CLUSTER_ID"] + "==")) == 16
+
+    # Data on a named volume at the configured log dir, so it survives `docker compose down`.
+    named = compose.get("volumes") or {}
+    volumes = [v.split(":") for v in kafka.get("volumes", [])]
+    assert [v[1] for v in volumes if v[0] in named] == [env["KAFKA_LOG_DIRS"]]
+
+    assert (
+        "/opt/kafka/bin/kafka-broker-api-versions.sh --bootstrap-server localhost:9092"
+        in _healthcheck_cmd(kafka)
+    )
+
+
+def _kafka_env_to_properties(env: dict[str, str]) -> dict[str, str]:
+    """The apache/kafka image's env -> server.properties mapping (KAFKA_FOO___BAR__BAZ -> foo-bar_baz)."""
+    not_props = {"KAFKA_HEAP_OPTS", "KAFKA_OPTS", "KAFKA_JMX_OPTS", "KAFKA_LOG4J_OPTS", "KAFKA_VERSION"}
+    props = {}
+    for key, value in env.items():
+        if key.startswith("KAFKA_") and key not in not_props:
+            name = key[len("KAFKA_") :].lower().replace("_", ".").replace("...", "-").replace("..", "_")
+            props[name] = value
+    return props
+
+
+def test_kafka_settings_match_the_local_stack(services: dict, tmp_path: Path) -> None:
+    from shared.infra.config import InfraConfig
+    from shared.infra.kafka import server_properties
+
+    local = {}
+    for line in server_properties(InfraConfig.resolve(home=tmp_path)).splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            local[key.strip()] = value.strip()
+    compose_props = _kafka_env_to_properties(_env(services["kafka"]))
+    # Addresses and paths legitimately differ between a container and a local process.
+    where = {"listeners", "advertised.listeners", "controller.quorum.voters", "log.dirs"}
+    local_settings = {k: v for k, v in local.items() if k not in where}
+    compose_settings = {k: v for k, v in compose_props.items() if k not in where}
+    assert compose_settings == local_settings
+
+
+def test_minio_pinned_to_recent_release(services: dict) -> None:
+    repo, tag = _image_ref(services["minio"]["image"])
+    assert repo in ("minio/minio", "quay.io/minio/minio"), f"unexpected MinIO image {repo!r}"
+    m = RELEASE_TAG.fullmatch(tag)
+    assert m, f"MinIO must be pinned to a RELEASE.<date> tag, got {tag!r}"
+    released = dt.datetime.strptime(m.group(1), "%Y-%m-%dT%H-%M-%SZ").replace(tzinfo=dt.UTC)
+    assert released > MINIO_MIN_RELEASE, f"MinIO {tag} predates {MINIO_MIN_RELEASE:%Y-%m-%d}"
+    assert services["minio"]["command"][:2] == ["server", "/data"]
+    assert "healthcheck" in services["minio"]
+
+
+def test_minio_init_creates_the_services_bucket_idempotently(services: dict) -> None:
+    init = services["minio-init"]
+    repo, tag = _image_ref(init["image"])
+    assert repo in ("minio/mc", "quay.io/minio/mc") and RELEASE_TAG.fullmatch(tag), init["image"]
+    assert init["depends_on"] == {"minio": {"condition": "service_healthy"}}
+    script = " ".join(init["command"]) if isinstance(init["command"], list) else init["command"]
+    assert "mc mb --ignore-existing" in script
+    bucket = _env(init)["BUCKET"]
+    for name in FLYWHEEL_SERVICES:
+        assert _env(services[name])["FLYWHEEL_S3_BUCKET"] == bucket, f"{name} uses another bucket"
+    # The services authenticate as the MinIO root user that minio-init and minio use.
+    minio_env = _env(services["minio"])
+    for name in FLYWHEEL_SERVICES:
+        env = _env(services[name])
+        assert env["AWS_ACCESS_KEY_ID"] == minio_env["MINIO_ROOT_USER"] == _env(init)["MINIO_ROOT_USER"]
+        assert (
+            env["AWS_SECRET_ACCESS_KEY"]
+            == minio_env["MINIO_ROOT_PASSWORD"]
+            == _env(init)["MINIO_ROOT_PASSWORD"]
+        )
+
+
+def test_prometheus_mounts_config_and_rules(services: dict) -> None:
+    prom = services["prometheus"]
+    repo, tag = _image_ref(prom["image"])
+    assert repo in ("prom/prometheus", "quay.io/prometheus/prometheus")
+    assert re.fullmatch(r"v3\.\d+\.\d+", tag), f"expected a pinned v3.x.y tag, got {tag!r}"
+    mounts = {}
+    for volume in prom["volumes"]:
+        source, target = volume.split(":")[:2]
+        mounts[target] = source
+    assert mounts.get("/etc/prometheus") == "./deploy/prometheus"
+    config_flag = next(a for a in prom["command"] if a.startswith("--config.file="))
+    config_in_container = Path(config_flag.split("=", 1)[1])
+    assert config_in_container.parent == Path("/etc/prometheus")
+    config = REPO / "deploy" / "prometheus" / config_in_container.name
+    rule_files = yaml.safe_load(config.read_text())["rule_files"]
+    assert rule_files == ["alerts.yml"] and (config.parent / "alerts.yml").is_file()
+    assert "9090:9090" in prom["ports"]
+    assert "/-/healthy" in _healthcheck_cmd(prom)
+
+
+def test_prometheus_scrapes_the_compose_services(services: dict) -> None:
+    cfg = yaml.safe_load((REPO / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    for name in ("trainer", "paramsync", "admin"):
+        targets = [t for sc in jobs[f"flywheel-{name}"]["static_configs"] for t in sc["targets"]]
+        assert targets == [f"{name}:{HTTP_PORTS[name]}"]
+    (dns,) = jobs["flywheel-sampler"]["dns_sd_configs"]
+    assert dns["names"] == ["sampler"] and dns["type"] == "A" and dns["port"] == HTTP_PORTS["sampler"]
+
+
+# ---- the four Flywheel services ---------------------------------------------------------------
+
+
+def test_flywheel_services_share_one_image_from_deploy_dockerfile(services: dict) -> None:
+    images = set()
+    for name in FLYWHEEL_SERVICES:
+        svc = services[name]
+        build = svc["build"]
+        assert build == {"context": ".", "dockerfile": "deploy/Dockerfile"}, f"{name}: {build}"
+        images.add(svc["image"])
+        assert svc["command"] == [f"services.{name}"], f"{name}: command {svc['command']}"
+    assert len(images) == 1, f"the four services must share one image name, got {images}"
+
+
+@pytest.mark.parametrize("name", FLYWHEEL_SERVICES)
+def test_compose_command_is_a_runnable_module(name: str) -> None:
+    # ENTRYPOINT ["python", "-m"] + command ["services.<name>"] needs a package __main__.
+    main = REPO / "services" / name / "__main__.py"
+    assert main.is_file(), f"`python -m services.{name}` needs {main.relative_to(REPO)}"
+
+
+def test_flywheel_services_settings_are_valid(services: dict) -> None:
+    """Each service's environment resolves, with the shared config file, to valid Flywheel settings."""
+    from shared.settings import load_settings
+
+    assert CONFIG.is_file()
+    for name in FLYWHEEL_SERVICES:
+        raw = _env(services[name])
+        assert raw["FLYWHEEL_CONFIG"] == f"/app/configs/{CONFIG.name}", f"{name}: another config file"
+        env = {k: _interpolate(v, {"FLYWHEEL_ADMIN_TOKEN": "test-token"}) for k, v in raw.items()}
+        settings = load_settings(CONFIG, environ=env)  # unknown FLYWHEEL_* variables raise
+        assert settings.kafka.bootstrap == "kafka:9092"
+        assert settings.store.backend == "s3"
+        assert settings.s3.endpoint == "http://minio:9000"
+        assert settings.http.host == "0.0.0.0", f"{name}: must listen beyond the container's loopback"
+        assert settings.http.port == HTTP_PORTS[name]
+
+
+def test_admin_requires_a_token_and_publishes_8080(services: dict) -> None:
+    admin = services["admin"]
+    token = _env(admin)["FLYWHEEL_ADMIN_TOKEN"]
+    assert re.fullmatch(r"\$\{FLYWHEEL_ADMIN_TOKEN:\?[^}]+\}", token), (
+        f"the token must be required: {token!r}"
+    )
+    assert admin["ports"] == ["8080:8080"]
+    for name in ("trainer", "paramsync", "sampler"):
+        assert "FLYWHEEL_ADMIN_TOKEN" not in _env(services[name]), f"{name} has no use for the admin token"
+
+
+@pytest.mark.parametrize("name", FLYWHEEL_SERVICES)
+def test_flywheel_service_healthcheck_and_ordering(services: dict, name: str) -> None:
+    svc = services[name]
+    cmd = _healthcheck_cmd(svc)
+    assert cmd.startswith("python -c "), f"{name}: the slim image has no curl; use python"
+    assert f"http://127.0.0.1:{HTTP_PORTS[name]}/healthz" in cmd
+    assert svc["depends_on"] == {
+        "kafka": {"condition": "service_healthy"},
+        "minio-init": {"condition": "service_completed_successfully"},
+    }
+    assert svc["restart"] == "unless-stopped"
+
+
+def test_healthy_dependencies_have_healthchecks(services: dict) -> None:
+    for name, svc in services.items():
+        deps = svc.get("depends_on") or {}
+        for dep, spec in deps.items() if isinstance(deps, dict) else []:
+            assert dep in services, f"{name} depends on unknown service {dep}"
+            if spec.get("condition") == "service_healthy":
+                assert "healthcheck" in services[dep], (
+                    f"{name} waits for {dep} to be healthy but it has no healthcheck"
+                )
+
+
+def test_sampler_is_scalable(services: dict) -> None:
+    sampler = services["sampler"]
+    for key in ("container_name", "ports", "hostname"):
+        assert key not in sampler, f"sampler must not set {key}: `--scale sampler=N` replicas would collide"
+    assert "deploy" not in sampler or "replicas" not in sampler["deploy"]
+
+
+# ---- Dockerfile -------------------------------------------------------------------------------
+
+
+def test_dockerfile_runs_services_with_python_m() -> None:
+    raw = _dockerfile_instructions()
+    args = {}
+    for instr, rest in raw:
+        if instr == "ARG" and "=" in rest:
+            key, _, default = rest.partition("=")
+            args[key] = default
+    # Build-arg defaults substituted, as a plain `docker build` would.
+    instructions = [
+        (i, re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), r)) for i, r in raw
+    ]
+    froms = [rest for instr, rest in instructions if instr == "FROM"]
+    assert froms, "Dockerfile has no FROM"
+    assert froms[-1].split()[0] == "python:3.11-slim"
+
+    last = {instr: rest for instr, rest in instructions}  # the last of each instruction wins
+    assert yaml.safe_load(last["ENTRYPOINT"]) == ["python", "-m"]
+    assert yaml.safe_load(last["CMD"]) == ["services.admin"]
+    assert "8000" in last["EXPOSE"].split()
+    user = last["USER"].split(":")[0]
+    assert user not in ("root", "0"), "the image must not run as root"
+    runs = [rest.replace('"', "") for instr, rest in instructions if instr == "RUN"]
+    project_installs = [r for r in runs if re.search(r"pip install [^&;|]*\s\.(\s|$)", r)]
+    assert project_installs, "the image must `pip install .` the project"
+    assert all("--extra-index-url https://download.pytorch.org/whl/cpu" in r for r in project_installs), (
+        "install CPU torch: pass --extra-index-url https://download.pytorch.org/whl/cpu"
+    )
+    copies = [rest for instr, rest in instructions if instr == "COPY"]
+    assert any(c.split()[0] == "configs" for c in copies), "the config files must be in the image"
+
+
+def test_dockerignore_keeps_local_state_out() -> None:
+    entries = {line.strip() for line in DOCKERIGNORE.read_text().splitlines() if line.strip()}
+    for required in (".git", ".venv", ".flywheel", ".env"):
+        assert required in entries, f".dockerignore must exclude {required}"
+
+
+# ---- docker compose itself, where it runs -----------------------------------------------------
+
+
+def _docker_compose_works() -> str | None:
+    """None when `docker compose` can be used here, else why not."""
+    if shutil.which("docker") is None:
+        return "no docker CLI on PATH"
+    try:
+        if subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode != 0:
+            return "`docker info` failed: no Docker engine answers"
+        if subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode != 0:
+            return "the docker compose plugin is not installed"
+    except subprocess.TimeoutExpired:
+        return "docker did not answer within 30 s"
+    return None
+
+
+def test_docker_compose_config_is_valid() -> None:
+    reason = _docker_compose_works()
+    if reason:
+        pytest.skip(f"docker compose config not run: {reason}")
+    env = {**os.environ, "FLYWHEEL_ADMIN_TOKEN": os.environ.get("FLYWHEEL_ADMIN_TOKEN", "test-token")}
+    proc = subprocess.run(
+        ["docker", "compose", "-f", str(COMPOSE), "config", "-q"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, f"docker compose config failed:\n{proc.stdout}\n{proc.stderr}"

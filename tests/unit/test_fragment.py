@@ -1,0 +1,133 @@
+import numpy as np
+import pytest
+
+from shared.fragment import (
+    H_SCHEMA,
+    Fragment,
+    FragmentError,
+    FragmentSpec,
+    decode_fragment,
+    encode_fragment,
+)
+from safetensors.numpy import save as st_save
+
+SPEC = FragmentSpec(obs_shape=(4,), num_actions=2, max_bytes=1 << 20)
+
+
+def make_fragment(steps: int = 5, envs: int = 3) -> Fragment:
+    rng = np.random.default_rng(0)
+    truncated = np.zeros((steps, envs), np.uint8)
+    truncated[2, 1] = 1
+    return Fragment(
+        obs=rng.normal(size=(steps, envs, 4)).astype(np.float32),
+        actions=rng.integers(0, 2, size=(steps, envs)),
+        logp=np.full((steps, envs), -0.69, np.float32),
+        rewards=np.ones((steps, envs), np.float32),
+        terminated=np.zeros((steps, envs), np.uint8),
+        truncated=truncated,
+        trunc_obs=rng.normal(size=(1, 4)).astype(np.float32),
+        last_obs=rng.normal(size=(envs, 4)).astype(np.float32),
+        episode_returns=np.array([12.0], np.float32),
+        episode_lengths=np.array([12], np.int32),
+        policy_version=3,
+        sampler_id="s-1",
+        env_id="CartPole-v1",
+    )
+
+
+def test_round_trip() -> None:
+    frag = make_fragment()
+    headers, payload = encode_fragment(frag)
+    back = decode_fragment(headers, payload, SPEC)
+    assert back.sample_id == frag.sample_id and back.policy_version == 3 and back.sampler_id == "s-1"
+    np.testing.assert_array_equal(back.obs, frag.obs)
+    np.testing.assert_array_equal(back.actions, frag.actions)
+    assert back.steps == 15
+
+
+def _tensors(frag: Fragment) -> dict[str, np.ndarray]:
+    from shared.fragment import _TENSORS
+
+    return {n: np.ascontiguousarray(getattr(frag, n), dtype=d) for n, d in _TENSORS.items()}
+
+
+def _with(frag: Fragment, **changes: np.ndarray) -> bytes:
+    t = _tensors(frag)
+    t.update(changes)
+    return st_save(t)
+
+
+def test_unknown_schema_version() -> None:
+    headers, payload = encode_fragment(make_fragment())
+    headers = [(k, b"99" if k == H_SCHEMA else v) for k, v in headers]
+    with pytest.raises(FragmentError, match="schema version '99'") as e:
+        decode_fragment(headers, payload, SPEC)
+    assert e.value.reason == "unknown_schema"
+
+
+@pytest.mark.parametrize("name", ["flywheel-schema", "sample-id", "sampler-id", "policy-version", "env-id"])
+def test_missing_header(name: str) -> None:
+    headers, payload = encode_fragment(make_fragment())
+    with pytest.raises(FragmentError, match=name) as e:
+        decode_fragment([h for h in headers if h[0] != name], payload, SPEC)
+    assert e.value.reason == "missing_header"
+
+
+def test_garbage_payload() -> None:
+    headers, _ = encode_fragment(make_fragment())
+    with pytest.raises(FragmentError, match="not a safetensors blob") as e:
+        decode_fragment(headers, b"\x00garbage\xff" * 10, SPEC)
+    assert e.value.reason == "undecodable"
+
+
+def test_wrong_shape() -> None:
+    frag = make_fragment()
+    headers, _ = encode_fragment(frag)
+    bad = _with(frag, obs=np.zeros((5, 3, 7), np.float32))
+    with pytest.raises(FragmentError, match=r"'obs' has shape \(5, 3, 7\), want \(5, 3, 4\)") as e:
+        decode_fragment(headers, bad, SPEC)
+    assert e.value.reason == "bad_shape"
+
+
+def test_wrong_dtype() -> None:
+    frag = make_fragment()
+    headers, _ = encode_fragment(frag)
+    bad = _with(frag, rewards=np.ones((5, 3), np.float64))
+    with pytest.raises(FragmentError, match="'rewards' has dtype float64") as e:
+        decode_fragment(headers, bad, SPEC)
+    assert e.value.reason == "bad_dtype"
+
+
+def test_non_finite() -> None:
+    frag = make_fragment()
+    headers, _ = encode_fragment(frag)
+    rewards = np.ones((5, 3), np.float32)
+    rewards[1, 1] = np.nan
+    with pytest.raises(FragmentError, match="'rewards' holds NaN") as e:
+        decode_fragment(headers, _with(frag, rewards=rewards), SPEC)
+    assert e.value.reason == "non_finite"
+
+
+def test_oversize() -> None:
+    headers, payload = encode_fragment(make_fragment())
+    with pytest.raises(FragmentError, match="exceeds the limit of 100") as e:
+        decode_fragment(headers, payload, FragmentSpec((4,), 2, max_bytes=100))
+    assert e.value.reason == "oversize"
+
+
+def test_action_out_of_range() -> None:
+    frag = make_fragment()
+    headers, _ = encode_fragment(frag)
+    with pytest.raises(FragmentError, match="actions outside") as e:
+        decode_fragment(headers, _with(frag, actions=np.full((5, 3), 9, np.int64)), SPEC)
+    assert e.value.reason == "bad_value"
+
+
+def test_missing_tensor() -> None:
+    frag = make_fragment()
+    headers, _ = encode_fragment(frag)
+    t = _tensors(frag)
+    del t["logp"]
+    with pytest.raises(FragmentError, match="lacks tensors") as e:
+        decode_fragment(headers, st_save(t), SPEC)
+    assert e.value.reason == "missing_tensor"
