@@ -48,14 +48,23 @@ class S3Endpoint:
 
     def client(self) -> Any:
         """A fresh boto3 S3 client (path-style addressing) for this endpoint."""
-        return infra_s3.client(self.endpoint_url, access_key=self.access_key, secret_key=self.secret_key,
-                               region=self.region, retries=3)
+        return infra_s3.client(
+            self.endpoint_url,
+            access_key=self.access_key,
+            secret_key=self.secret_key,
+            region=self.region,
+            retries=3,
+        )
 
     def env(self) -> dict[str, str]:
         """Environment variables that point a Flywheel process at this endpoint."""
-        return {"FLYWHEEL_S3_ENDPOINT": self.endpoint_url, "FLYWHEEL_S3_BUCKET": self.bucket,
-                "AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
-                "AWS_DEFAULT_REGION": self.region}
+        return {
+            "FLYWHEEL_S3_ENDPOINT": self.endpoint_url,
+            "FLYWHEEL_S3_BUCKET": self.bucket,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": self.region,
+        }
 
 
 def _show(request: pytest.FixtureRequest) -> Callable[[str], None]:
@@ -112,8 +121,14 @@ def docker_available() -> bool:
 def local_infra(request: pytest.FixtureRequest) -> InfraEndpoints:
     """The Docker-free stack in .flywheel/test-infra (started or reused; left running)."""
     try:
-        return ensure_up(TEST_HOME, kafka_port=TEST_KAFKA_PORT, controller_port=TEST_CONTROLLER_PORT,
-                         s3_port=TEST_S3_PORT, timeout_s=READY_TIMEOUT_S, progress=_show(request))
+        return ensure_up(
+            TEST_HOME,
+            kafka_port=TEST_KAFKA_PORT,
+            controller_port=TEST_CONTROLLER_PORT,
+            s3_port=TEST_S3_PORT,
+            timeout_s=READY_TIMEOUT_S,
+            progress=_show(request),
+        )
     except InfraError as exc:
         pytest.fail(f"the local test infrastructure did not come up:\n{exc}", pytrace=False)
 
@@ -149,8 +164,7 @@ def _kafka_container(request: pytest.FixtureRequest) -> Iterator[str]:
     container.start()
     try:
         bootstrap = f"{host}:{port}"
-        _retry(f"Kafka container at {bootstrap}",
-               lambda: run_coro(infra_kafka.roundtrip(bootstrap, 30.0)))
+        _retry(f"Kafka container at {bootstrap}", lambda: run_coro(infra_kafka.roundtrip(bootstrap, 30.0)))
         yield bootstrap
     finally:
         container.stop()
@@ -184,12 +198,16 @@ def kafka_bootstrap(request: pytest.FixtureRequest, docker_available: bool) -> s
     """Bootstrap servers ("host:port") of a working Kafka broker."""
     env = os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP")
     if env:
-        _retry(f"Kafka at FLYWHEEL_KAFKA_BOOTSTRAP={env}",
-               lambda: run_coro(infra_kafka.roundtrip(env, 30.0)), timeout_s=30.0)
+        _retry(
+            f"Kafka at FLYWHEEL_KAFKA_BOOTSTRAP={env}",
+            lambda: run_coro(infra_kafka.roundtrip(env, 30.0)),
+            timeout_s=30.0,
+        )
         return env
     if docker_available:
         return str(request.getfixturevalue("_kafka_container"))
-    return request.getfixturevalue("local_infra").kafka_bootstrap
+    local: InfraEndpoints = request.getfixturevalue("local_infra")
+    return local.kafka_bootstrap
 
 
 @pytest.fixture(scope="session")
@@ -197,10 +215,13 @@ def s3_endpoint(request: pytest.FixtureRequest, docker_available: bool) -> S3End
     """A working S3 endpoint whose bucket exists."""
     url = os.environ.get("FLYWHEEL_S3_ENDPOINT")
     if url:
-        ep = S3Endpoint(url, os.environ.get("FLYWHEEL_S3_BUCKET") or "flywheel",
-                        os.environ.get("AWS_ACCESS_KEY_ID") or "testing",
-                        os.environ.get("AWS_SECRET_ACCESS_KEY") or "testing",
-                        os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
+        ep = S3Endpoint(
+            url,
+            os.environ.get("FLYWHEEL_S3_BUCKET") or "flywheel",
+            os.environ.get("AWS_ACCESS_KEY_ID") or "testing",
+            os.environ.get("AWS_SECRET_ACCESS_KEY") or "testing",
+            os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+        )
         timeout_s = 30.0
     elif docker_available:
         ep = request.getfixturevalue("_minio_container")
@@ -209,10 +230,13 @@ def s3_endpoint(request: pytest.FixtureRequest, docker_available: bool) -> S3End
         local: InfraEndpoints = request.getfixturevalue("local_infra")
         ep = S3Endpoint(local.s3_endpoint, local.bucket, local.access_key, local.secret_key, local.region)
         timeout_s = 30.0
-    _retry(f"S3 at {ep.endpoint_url} (bucket {ep.bucket})",
-           lambda: infra_s3.roundtrip(ep.endpoint_url, ep.bucket, access_key=ep.access_key,
-                                      secret_key=ep.secret_key, region=ep.region),
-           timeout_s=timeout_s)
+    _retry(
+        f"S3 at {ep.endpoint_url} (bucket {ep.bucket})",
+        lambda: infra_s3.roundtrip(
+            ep.endpoint_url, ep.bucket, access_key=ep.access_key, secret_key=ep.secret_key, region=ep.region
+        ),
+        timeout_s=timeout_s,
+    )
     return ep
 
 

@@ -23,8 +23,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--controller-port", type=int, help="KRaft controller port")
     parser.add_argument("--s3-port", type=int, help="S3 endpoint port")
     parser.add_argument("--bucket", help="bucket to create (default: flywheel)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                        help="seconds to wait for the services to work (default: %(default)s)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds to wait for the services to work (default: %(default)s)",
+    )
     return parser
 
 
@@ -35,8 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     try:
         if args.command == "up":
-            ep = ensure_up(args.home, kafka_port=args.kafka_port, controller_port=args.controller_port,
-                           s3_port=args.s3_port, bucket=args.bucket, timeout_s=args.timeout)
+            ep = ensure_up(
+                args.home,
+                kafka_port=args.kafka_port,
+                controller_port=args.controller_port,
+                s3_port=args.s3_port,
+                bucket=args.bucket,
+                timeout_s=args.timeout,
+            )
             print(f"kafka bootstrap: {ep.kafka_bootstrap}")
             print(f"s3 endpoint:     {ep.s3_endpoint} (bucket {ep.bucket}, key/secret testing/testing)")
             return 0
@@ -47,8 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flywheel local infra in {cfg.home}")
         states = status(args.home)
         for st in states:
-            print(f"  {st.name:6} {'running' if st.running else 'stopped':8} "
-                  + (f"pid {st.pid}  {st.endpoint}" if st.running else ""))
+            print(
+                f"  {st.name:6} {'running' if st.running else 'stopped':8} "
+                + (f"pid {st.pid}  {st.endpoint}" if st.running else "")
+            )
         return 0 if all(st.running for st in states) else 3
     except InfraError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -81,8 +81,16 @@ def ensure_kafka_jars(progress: Progress) -> Path:
         shutil.rmtree(scratch, ignore_errors=True)
         shutil.rmtree(libs, ignore_errors=True)
         mvn_log = libs.parent / "mvn.log"
-        cmd = [mvn, "-q", "-B", "-f", str(KAFKA_POM), "dependency:copy-dependencies",
-               f"-DoutputDirectory={scratch}", "-DincludeScope=runtime"]
+        cmd = [
+            mvn,
+            "-q",
+            "-B",
+            "-f",
+            str(KAFKA_POM),
+            "dependency:copy-dependencies",
+            f"-DoutputDirectory={scratch}",
+            "-DincludeScope=runtime",
+        ]
         progress(f"fetching Kafka {version} from Maven Central into {libs.parent} (first run only) ...")
         started = time.monotonic()
         next_report = started + 10.0

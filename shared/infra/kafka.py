@@ -33,7 +33,7 @@ def running_ports(args: list[str]) -> tuple[int, int] | None:
     """(broker port, controller port) recorded on a running broker's command line."""
     for arg in args:
         if arg.startswith(_PORTS_FLAG):
-            broker, controller = arg[len(_PORTS_FLAG):].split(",")
+            broker, controller = arg[len(_PORTS_FLAG) :].split(",")
             return int(broker), int(controller)
     return None
 
@@ -85,8 +85,18 @@ def prepare(cfg: InfraConfig, java: str, libs: Path, progress: Callable[[str], N
         return
     cluster_id = _new_cluster_id()
     progress(f"formatting Kafka storage in {cfg.kafka_data_dir} (cluster id {cluster_id})")
-    cmd = [java, "-cp", f"{libs}/*", f"-Dlog4j2.configurationFile={KAFKA_LOG4J2}",
-           "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(cfg.kafka_properties)]
+    cmd = [
+        java,
+        "-cp",
+        f"{libs}/*",
+        f"-Dlog4j2.configurationFile={KAFKA_LOG4J2}",
+        "kafka.tools.StorageTool",
+        "format",
+        "-t",
+        cluster_id,
+        "-c",
+        str(cfg.kafka_properties),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     with open(log_path(cfg), "a") as log:
         log.write(f"\n===== flywheel infra: {' '.join(cmd)}\n{out.stdout}{out.stderr}")
@@ -100,10 +110,18 @@ def prepare(cfg: InfraConfig, java: str, libs: Path, progress: Callable[[str], N
 def start(cfg: InfraConfig, java: str, libs: Path) -> int:
     """Start the broker detached; returns its pid (also written to the pid file)."""
     cmd = [
-        java, *HEAP_OPTS, "-XX:+UseG1GC", "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true",
+        java,
+        *HEAP_OPTS,
+        "-XX:+UseG1GC",
+        "-XX:+ExitOnOutOfMemoryError",
+        "-Djava.awt.headless=true",
         f"{_PORTS_FLAG}{cfg.kafka_port},{cfg.controller_port}",
-        f"-Dlog4j2.configurationFile={KAFKA_LOG4J2}", f"-Dkafka.logs.dir={cfg.logs_dir}",
-        "-cp", f"{libs}/*", "kafka.Kafka", str(cfg.kafka_properties),
+        f"-Dlog4j2.configurationFile={KAFKA_LOG4J2}",
+        f"-Dkafka.logs.dir={cfg.logs_dir}",
+        "-cp",
+        f"{libs}/*",
+        "kafka.Kafka",
+        str(cfg.kafka_properties),
     ]
     return spawn(cmd, log_path=log_path(cfg), pidfile=pidfile(cfg), cwd=cfg.kafka_dir)
 
@@ -113,8 +131,8 @@ def check_ports(cfg: InfraConfig, pid: int) -> None:
     ports = running_ports(read_cmdline(pid) or [])
     if ports != (cfg.kafka_port, cfg.controller_port):
         raise InfraError(
-            f"our Kafka in {cfg.home} (pid {pid}) already runs with (broker, controller) ports {ports}, "
-            f"not {(cfg.kafka_port, cfg.controller_port)}; run `python -m shared.infra down --home {cfg.home}` "
+            f"our Kafka in {cfg.home} (pid {pid}) already runs with (broker, controller) ports {ports}, not "
+            f"{(cfg.kafka_port, cfg.controller_port)}; run `python -m shared.infra down --home {cfg.home}` "
             "first or use the same ports"
         )
 
@@ -137,16 +155,21 @@ async def roundtrip(bootstrap: str, timeout_s: float) -> None:
         finally:
             await admin.close()
         payload = uuid.uuid4().hex.encode()
-        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True,
-                                    request_timeout_ms=5000)
+        producer = AIOKafkaProducer(
+            bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, request_timeout_ms=5000
+        )
         await producer.start()
         try:
             meta = await producer.send_and_wait(HEALTHCHECK_TOPIC, payload)
         finally:
             await producer.stop()
         tp = TopicPartition(HEALTHCHECK_TOPIC, meta.partition)
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=HEALTHCHECK_TOPIC,
-                                    enable_auto_commit=False, request_timeout_ms=5000)
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap,
+            group_id=HEALTHCHECK_TOPIC,
+            enable_auto_commit=False,
+            request_timeout_ms=5000,
+        )
         await consumer.start()
         try:
             consumer.assign([tp])

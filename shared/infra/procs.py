@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 Matcher = Callable[[list[str]], bool]
+MAX_LOG_BYTES = 50 * 1024 * 1024  # a log this big is rotated to <name>.1 when its process restarts
 
 
 def read_cmdline(pid: int) -> list[str] | None:
@@ -60,10 +61,14 @@ def find_ours(pidfile: Path, matches: Matcher) -> int | None:
     return None
 
 
-def spawn(cmd: list[str], *, log_path: Path, pidfile: Path, cwd: Path, env: dict[str, str] | None = None) -> int:
+def spawn(
+    cmd: list[str], *, log_path: Path, pidfile: Path, cwd: Path, env: dict[str, str] | None = None
+) -> int:
     """Start `cmd` detached (own session, no stdin), appending its output to `log_path`."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     pidfile.parent.mkdir(parents=True, exist_ok=True)
+    if log_path.exists() and log_path.stat().st_size > MAX_LOG_BYTES:
+        log_path.replace(log_path.with_name(log_path.name + ".1"))
     with open(log_path, "ab") as log:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
         log.write(f"\n===== flywheel infra: starting at {stamp}: {' '.join(cmd)}\n".encode())

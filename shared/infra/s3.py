@@ -7,7 +7,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from shared.infra.config import HEALTHCHECK_KEY, S3_ACCESS_KEY, S3_REGION, S3_SECRET_KEY, InfraConfig, InfraError
+from shared.infra.config import (
+    HEALTHCHECK_KEY,
+    S3_ACCESS_KEY,
+    S3_REGION,
+    S3_SECRET_KEY,
+    InfraConfig,
+    InfraError,
+)
 from shared.infra.procs import read_cmdline, spawn
 
 
@@ -94,7 +101,10 @@ def ensure_bucket(s3: Any, bucket: str) -> None:
     try:
         s3.create_bucket(Bucket=bucket)
     except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+        if exc.response.get("Error", {}).get("Code") not in (
+            "BucketAlreadyOwnedByYou",
+            "BucketAlreadyExists",
+        ):
             raise
 
 

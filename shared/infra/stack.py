@@ -11,7 +11,15 @@ from pathlib import Path
 from shared.infra import kafka, s3
 from shared.infra.config import DEFAULT_TIMEOUT_S, InfraConfig, InfraEndpoints, InfraError
 from shared.infra.jars import ensure_kafka_jars, find_java
-from shared.infra.procs import describe_listener, file_lock, find_ours, is_running, port_is_free, read_cmdline, stop
+from shared.infra.procs import (
+    describe_listener,
+    file_lock,
+    find_ours,
+    is_running,
+    port_is_free,
+    read_cmdline,
+    stop,
+)
 from shared.infra.readiness import run_coro, wait_until
 
 Progress = Callable[[str], None]
@@ -68,8 +76,13 @@ def ensure_up(
             kafka.check_ports(cfg, kafka_pid)
         else:
             _require_free(cfg, cfg.kafka_port, "kafka", "--kafka-port", "FLYWHEEL_INFRA_KAFKA_PORT")
-            _require_free(cfg, cfg.controller_port, "kafka controller", "--controller-port",
-                          "FLYWHEEL_INFRA_CONTROLLER_PORT")
+            _require_free(
+                cfg,
+                cfg.controller_port,
+                "kafka controller",
+                "--controller-port",
+                "FLYWHEEL_INFRA_CONTROLLER_PORT",
+            )
         if s3_pid is not None:
             s3.check_port(cfg, s3_pid)
         else:
@@ -96,13 +109,18 @@ def ensure_up(
         took = wait_until(
             f"S3 at {ep.s3_endpoint}",
             lambda left: s3.roundtrip(ep.s3_endpoint, ep.bucket, timeout_s=min(left, 10.0)),
-            deadline=deadline, alive=lambda: is_running(pid_s3), log_path=s3.log_path(cfg), progress=progress,
+            deadline=deadline,
+            alive=lambda: is_running(pid_s3),
+            log_path=s3.log_path(cfg),
+            progress=progress,
         )
         progress(f"S3 ready at {ep.s3_endpoint} (bucket {ep.bucket}) after {took:.1f} s")
         took = wait_until(
             f"Kafka at {ep.kafka_bootstrap}",
             lambda left: run_coro(kafka.roundtrip(ep.kafka_bootstrap, min(left, 30.0))),
-            deadline=deadline, alive=lambda: is_running(pid_kafka), log_path=kafka.log_path(cfg),
+            deadline=deadline,
+            alive=lambda: is_running(pid_kafka),
+            log_path=kafka.log_path(cfg),
             progress=progress,
         )
         progress(f"Kafka ready at {ep.kafka_bootstrap} after {took:.1f} s")
@@ -122,6 +140,9 @@ def down(home: str | os.PathLike[str] | None = None, *, progress: Progress = _pr
     """Stop our own Kafka and S3 processes for `home` (by pid); data is kept. Returns what stopped."""
     cfg = InfraConfig.resolve(home)
     stopped: list[str] = []
+    if not cfg.home.is_dir():
+        progress(f"nothing to stop: {cfg.home} does not exist")
+        return stopped
     with file_lock(cfg.home / ".lock"):
         for name, pidfile, matches in (
             ("S3 server", s3.pidfile(cfg), s3.is_ours),
@@ -142,7 +163,9 @@ def status(home: str | os.PathLike[str] | None = None) -> list[ServiceState]:
     states: list[ServiceState] = []
     pid = find_ours(kafka.pidfile(cfg), lambda a: kafka.is_ours(cfg, a))
     ports = kafka.running_ports(read_cmdline(pid) or []) if pid else None
-    states.append(ServiceState("kafka", pid, f"127.0.0.1:{ports[0]} (controller {ports[1]})" if ports else None))
+    states.append(
+        ServiceState("kafka", pid, f"127.0.0.1:{ports[0]} (controller {ports[1]})" if ports else None)
+    )
     pid = find_ours(s3.pidfile(cfg), s3.is_ours)
     port = s3.running_port(read_cmdline(pid) or []) if pid else None
     states.append(ServiceState("s3", pid, f"http://127.0.0.1:{port}" if port else None))

@@ -36,8 +36,12 @@ async def test_kafka_round_trip_with_committed_offset(kafka_bootstrap: str, run_
         await producer.stop()
 
     tp = TopicPartition(topic, 1)
-    consumer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=f"{run_name}.g",
-                                enable_auto_commit=False, auto_offset_reset="earliest")
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=kafka_bootstrap,
+        group_id=f"{run_name}.g",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
     await consumer.start()
     try:
         consumer.assign([tp])
@@ -58,9 +62,20 @@ def test_s3_put_get(s3_endpoint: Any, s3_client: Any, run_name: str) -> None:
 
 
 def _up() -> tuple[subprocess.CompletedProcess[str], float]:
-    cmd = [sys.executable, "-m", "shared.infra", "up", "--home", str(TEST_HOME),
-           "--kafka-port", str(TEST_KAFKA_PORT), "--controller-port", str(TEST_CONTROLLER_PORT),
-           "--s3-port", str(TEST_S3_PORT)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shared.infra",
+        "up",
+        "--home",
+        str(TEST_HOME),
+        "--kafka-port",
+        str(TEST_KAFKA_PORT),
+        "--controller-port",
+        str(TEST_CONTROLLER_PORT),
+        "--s3-port",
+        str(TEST_S3_PORT),
+    ]
     started = time.monotonic()
     out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout}\n{out.stderr}"

@@ -1,0 +1,173 @@
+"""The admin REST API. ``GET /status`` is a stable contract (docs/api.md); mutations need a bearer token."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
+
+from services.admin.state import AdminState
+
+SAMPLER_FORGET_S = 600.0
+
+
+class PolicyStatus(BaseModel):
+    version: int | None = Field(description="Version behind the marker; null before the first publish")
+    sha256: str | None
+    published_at: float | None = Field(description="Unix time the version's record was created")
+
+
+class TrainerStatus(BaseModel):
+    alive: bool
+    step: int = Field(description="Trainer step: optimizer updates done (the checkpoint step)")
+    updates: int
+    samples_trained: int = Field(description="Env steps used in updates")
+    samples_per_s: float = Field(description="Env steps trained per second, last 10 s")
+    last_update_at: float | None
+    policy_version: int | None = Field(description="Latest version the trainer sent as a candidate")
+
+
+class SamplerStatus(BaseModel):
+    id: str
+    alive: bool
+    policy_version: int | None
+    steps_per_s: float
+    last_seen: float
+
+
+class BacklogStatus(BaseModel):
+    records: int | None = Field(description="Consumer lag of the trainer group on <run>.samples")
+    per_partition: dict[str, int]
+
+
+class SyncStatus(BaseModel):
+    latency_p50_s: float | None
+    latency_p95_s: float | None
+
+
+class StalenessStatus(BaseModel):
+    mean: float | None = Field(description="Mean policy lag (versions) of recently trained fragments")
+    max: int | None
+
+
+class ReturnStatus(BaseModel):
+    mean: float | None = Field(description="Mean return of the last episodes the trainer saw (window 100)")
+    count: int
+
+
+class Status(BaseModel):
+    run: str
+    policy: PolicyStatus
+    trainer: TrainerStatus
+    samplers: list[SamplerStatus]
+    backlog: BacklogStatus
+    sync: SyncStatus
+    staleness: StalenessStatus
+    episode_return: ReturnStatus
+
+
+class SyncAccepted(BaseModel):
+    request_id: str
+    policy_version: int = Field(description="The published version samplers are asked to load")
+    synced: bool | None = Field(description="With wait_s > 0: whether every live sampler reached it in time")
+    waited_s: float
+    samplers: dict[str, int | None] = Field(description="Live samplers and their versions at reply time")
+
+
+def get_state(request: Request) -> AdminState:
+    state: AdminState = request.app.state.admin
+    return state
+
+
+bearer = HTTPBearer(auto_error=False)
+
+
+def require_token(
+    request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> None:
+    token = get_state(request).settings.admin.token
+    if token is None:  # only reachable with admin.insecure_dev=true (checked at start-up)
+        return
+    if creds is None or not hmac.compare_digest(creds.credentials.encode(), token.get_secret_value().encode()):
+        raise HTTPException(status_code=401, detail="missing or wrong bearer token",
+                            headers={"WWW-Authenticate": "Bearer"})
+
+
+def create_app(state: AdminState) -> FastAPI:
+    app = FastAPI(title="Flywheel admin", version="1",
+                  description="Status of a Flywheel run and manual policy sync. See docs/api.md.")
+    app.state.admin = state
+    State = Annotated[AdminState, Depends(get_state)]
+
+    @app.get("/healthz")
+    def healthz(s: State) -> Response:
+        ok = s.health()["ok"]
+        return Response('{"ok": %s}' % ("true" if ok else "false"), status_code=200 if ok else 503,
+                        media_type="application/json")
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/status", response_model=Status)
+    async def status(s: State) -> Status:
+        now = time.time()
+        rec = await s.published()
+        v = s.view
+        tb = v.trainer.beat if v.trainer else None
+        pb = v.paramsync.beat if v.paramsync else None
+        samplers = [
+            SamplerStatus(id=sid, alive=s.alive(seen, now), policy_version=seen.beat.policy_version,
+                          steps_per_s=round(seen.beat.steps_per_s, 1), last_seen=seen.at)
+            for sid, seen in sorted(v.samplers.items()) if now - seen.at <= SAMPLER_FORGET_S
+        ]
+        return Status(
+            run=s.settings.run,
+            policy=PolicyStatus(version=rec.version if rec else None, sha256=rec.sha256 if rec else None,
+                                published_at=rec.created_at if rec else None),
+            trainer=TrainerStatus(
+                alive=s.alive(v.trainer, now), step=tb.updates if tb else 0, updates=tb.updates if tb else 0,
+                samples_trained=tb.env_steps_trained if tb else 0,
+                samples_per_s=round(tb.samples_per_s, 1) if tb else 0.0,
+                last_update_at=tb.last_update_at if tb else None, policy_version=tb.policy_version if tb else None),
+            samplers=samplers,
+            backlog=BacklogStatus(records=sum(v.lag.values()) if v.lag is not None else None,
+                                  per_partition={str(p): n for p, n in sorted((v.lag or {}).items())}),
+            sync=SyncStatus(latency_p50_s=pb.sync_latency_p50_s if pb else None,
+                            latency_p95_s=pb.sync_latency_p95_s if pb else None),
+            staleness=StalenessStatus(mean=tb.staleness_mean if tb else None, max=tb.staleness_max if tb else None),
+            episode_return=ReturnStatus(mean=tb.return_mean if tb else None, count=tb.return_count if tb else 0),
+        )
+
+    @app.post("/policy/sync", response_model=SyncAccepted, status_code=202,
+              dependencies=[Depends(require_token)],
+              responses={401: {"description": "Missing or wrong bearer token"},
+                         409: {"description": "No policy has been published yet"}})
+    async def policy_sync(
+        s: State, wait_s: Annotated[float, Query(ge=0, le=30, description="Wait up to this long for samplers")] = 0.0
+    ) -> SyncAccepted:
+        """Ask every sampler to load the latest published policy now (via ``<run>.control``)."""
+        rec = await s.published()
+        if rec is None:
+            raise HTTPException(status_code=409, detail="no policy has been published yet")
+        cmd = await s.request_sync()
+        t0 = time.monotonic()
+        synced: bool | None = None
+        if wait_s > 0:
+            synced = False
+            while time.monotonic() - t0 < wait_s:
+                versions = s.live_sampler_versions(time.time())
+                if versions and all(x is not None and x >= rec.version for x in versions.values()):
+                    synced = True
+                    break
+                await asyncio.sleep(0.02)
+        return SyncAccepted(request_id=cmd.request_id, policy_version=rec.version, synced=synced,
+                            waited_s=round(time.monotonic() - t0, 3), samplers=s.live_sampler_versions(time.time()))
+
+    return app

@@ -1,0 +1,137 @@
+"""What the admin service knows: heartbeats (read-only), consumer lag, the marker; and the control producer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import TopicPartition
+from prometheus_client import Gauge
+
+from shared.kafka import Topics, consumer_lag, ensure_topics, make_consumer, make_producer, trainer_group
+from shared.logging import get_logger
+from shared.marker import VersionedStore, VersionRecord
+from shared.messages import ControlCommand, ParamsyncBeat, SamplerBeat, TrainerBeat, parse_heartbeat
+from shared.settings import Settings
+from shared.store import open_store
+
+BACKLOG = Gauge("flywheel_backlog_records", "Records on <run>.samples not yet committed by the trainer group")
+BACKLOG_PARTITION = Gauge("flywheel_backlog_partition_records", "Backlog per partition", ["partition"])
+HEARTBEAT_HISTORY = 5000
+
+
+@dataclass
+class Seen:
+    beat: Any
+    at: float  # admin's clock when received
+
+
+@dataclass
+class ClusterView:
+    trainer: Seen | None = None
+    paramsync: Seen | None = None
+    samplers: dict[str, Seen] = field(default_factory=dict)
+    lag: dict[int, int] | None = None
+    lag_at: float | None = None
+
+
+class AdminState:
+    name = "admin"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.topics = Topics.for_run(settings.run)
+        self.policies = VersionedStore(open_store(settings), settings.run, "policy")
+        self.producer = make_producer(settings)
+        self.consumer = make_consumer(settings, group_id=None)
+        self.view = ClusterView()
+        self.log = get_logger()
+        self._started = False
+        self.alive_after_s = settings.paramsync.sampler_timeout_s
+
+    async def start(self) -> None:
+        await ensure_topics(self.settings)
+        await self.producer.start()
+        await self.consumer.start()
+        tp = TopicPartition(self.topics.heartbeats, 0)
+        self.consumer.assign([tp])
+        end = (await self.consumer.end_offsets([tp]))[tp]
+        begin = (await self.consumer.beginning_offsets([tp]))[tp]
+        self.consumer.seek(tp, max(begin, end - HEARTBEAT_HISTORY))
+        self._started = True
+
+    async def run(self, stop_event: asyncio.Event) -> None:
+        tasks = [asyncio.create_task(self._heartbeats(stop_event)), asyncio.create_task(self._lag_loop(stop_event))]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                t.result()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def stop(self) -> None:
+        await self.consumer.stop()
+        await self.producer.stop()
+
+    def health(self) -> dict[str, Any]:
+        return {"ok": self._started}
+
+    # ---- feeds -----------------------------------------------------------------------------
+    async def _heartbeats(self, stop_event: asyncio.Event) -> None:
+        while not stop_event.is_set():
+            polled = await self.consumer.getmany(timeout_ms=200)
+            for records in polled.values():
+                for rec in records:
+                    if rec.value is not None:
+                        self.observe(rec.value, rec.timestamp / 1000.0)
+
+    def observe(self, value: bytes, sent_at: float) -> None:
+        """Take one heartbeat in. Old ones (replayed at start) are dated by their record time."""
+        try:
+            beat = parse_heartbeat(value)
+        except ValueError:
+            return
+        seen = Seen(beat, min(time.time(), sent_at))
+        if isinstance(beat, SamplerBeat):
+            self.view.samplers[beat.id] = seen
+        elif isinstance(beat, TrainerBeat):
+            self.view.trainer = seen
+        elif isinstance(beat, ParamsyncBeat):
+            self.view.paramsync = seen
+
+    async def _lag_loop(self, stop_event: asyncio.Event) -> None:
+        while not stop_event.is_set():
+            try:
+                lag = await consumer_lag(self.settings, trainer_group(self.settings.run), self.topics.samples)
+                self.view.lag, self.view.lag_at = lag, time.time()
+                BACKLOG.set(sum(lag.values()))
+                for p, n in lag.items():
+                    BACKLOG_PARTITION.labels(partition=str(p)).set(n)
+            except Exception as exc:  # keep serving status with the last known lag
+                self.log.warning("lag_refresh_failed", error=str(exc))
+            try:
+                await asyncio.wait_for(stop_event.wait(), timeout=self.settings.admin.refresh_interval_s)
+            except TimeoutError:
+                pass
+
+    # ---- queries and commands --------------------------------------------------------------
+    def alive(self, seen: Seen | None, now: float) -> bool:
+        return seen is not None and now - seen.at <= self.alive_after_s
+
+    async def published(self) -> VersionRecord | None:
+        found = await asyncio.to_thread(self.policies.read_marker)
+        return None if found is None else found[0]
+
+    async def request_sync(self) -> ControlCommand:
+        cmd = ControlCommand(command="sync", request_id=uuid.uuid4().hex)
+        await self.producer.send_and_wait(self.topics.control, cmd.to_bytes(), key=b"sync")
+        self.log.info("manual_sync_requested", request_id=cmd.request_id)
+        return cmd
+
+    def live_sampler_versions(self, now: float) -> dict[str, int | None]:
+        return {sid: s.beat.policy_version for sid, s in self.view.samplers.items() if self.alive(s, now)}
