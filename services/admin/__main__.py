@@ -18,8 +18,11 @@ def main() -> None:
     from services.admin.state import AdminState
     from shared.service import serve
 
-    state = AdminState(settings)
-    asyncio.run(serve(state, settings, app=create_app(state)))
+    async def amain() -> None:
+        state = AdminState(settings)  # aiokafka clients need the running loop
+        await serve(state, settings, app=create_app(state))
+
+    asyncio.run(amain())
 
 
 if __name__ == "__main__":

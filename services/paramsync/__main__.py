@@ -13,7 +13,10 @@ def main() -> None:
     from shared.service import serve
 
     torch.set_num_threads(1)
-    asyncio.run(serve(Paramsync(settings), settings))
+    async def amain() -> None:
+        await serve(Paramsync(settings), settings)  # aiokafka clients need the running loop
+
+    asyncio.run(amain())
 
 
 if __name__ == "__main__":

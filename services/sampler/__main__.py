@@ -13,8 +13,10 @@ def main() -> None:
     from shared.service import serve
 
     torch.set_num_threads(settings.sampler.torch_threads)
-    sampler = Sampler(settings)
-    asyncio.run(serve(sampler, settings))
+    async def amain() -> None:
+        await serve(Sampler(settings), settings)  # aiokafka clients need the running loop
+
+    asyncio.run(amain())
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ def main() -> None:
     from shared.service import serve
 
     torch.set_num_threads(settings.trainer.torch_threads)
-    asyncio.run(serve(Trainer(settings), settings))
+    async def amain() -> None:
+        await serve(Trainer(settings), settings)  # aiokafka clients need the running loop
+
+    asyncio.run(amain())
 
 
 if __name__ == "__main__":

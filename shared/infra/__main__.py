@@ -57,10 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flywheel local infra in {cfg.home}")
         states = status(args.home)
         for st in states:
-            print(
-                f"  {st.name:6} {'running' if st.running else 'stopped':8} "
-                + (f"pid {st.pid}  {st.endpoint}" if st.running else "")
-            )
+            detail = f"running  pid {st.pid}  {st.endpoint}" if st.running else "stopped"
+            print(f"  {st.name:6} {detail}")
         return 0 if all(st.running for st in states) else 3
     except InfraError as exc:
         print(f"error: {exc}", file=sys.stderr)
