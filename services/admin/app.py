@@ -85,6 +85,7 @@ def get_state(request: Request) -> AdminState:
     return state
 
 
+State = Annotated[AdminState, Depends(get_state)]
 bearer = HTTPBearer(auto_error=False)
 
 
@@ -103,7 +104,6 @@ def create_app(state: AdminState) -> FastAPI:
     app = FastAPI(title="Flywheel admin", version="1",
                   description="Status of a Flywheel run and manual policy sync. See docs/api.md.")
     app.state.admin = state
-    State = Annotated[AdminState, Depends(get_state)]
 
     @app.get("/healthz")
     def healthz(s: State) -> Response:

@@ -1,0 +1,63 @@
+# Flywheel. `make up` runs the whole system; `make test` runs the tests. Both install what they need.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+SAMPLERS ?= 2
+CONFIG ?= configs/cartpole.yaml
+PYTEST_ARGS ?=
+ONLY ?=
+
+.PHONY: help install up down status infra-up infra-down test test-unit bench lint clean
+
+help:
+	@echo "make up        run the whole stack (docker compose if a Docker engine answers, else local processes)"
+	@echo "make down      stop it"
+	@echo "make status    what runs (local stack)"
+	@echo "make test      all tests (brings test Kafka + S3 up itself when no endpoints are given)"
+	@echo "make test-unit fast tests only"
+	@echo "make bench     the benchmark suite (ONLY=name for one figure) -> docs/benchmarks.md"
+	@echo "make infra-up / infra-down   just Kafka + S3 as local processes"
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+up: install
+	@if docker info >/dev/null 2>&1; then \
+		export FLYWHEEL_ADMIN_TOKEN=$${FLYWHEEL_ADMIN_TOKEN:-$$($(PY) -c 'import secrets; print(secrets.token_urlsafe(32))')}; \
+		echo "Docker engine found: docker compose up (admin token: $$FLYWHEEL_ADMIN_TOKEN)"; \
+		docker compose up -d --build --scale sampler=$(SAMPLERS) && docker compose ps; \
+	else \
+		echo "No Docker engine: running the same stack as local processes."; \
+		$(PY) -m shared.localstack up --samplers $(SAMPLERS) --config $(CONFIG); \
+	fi
+
+down: install
+	@if docker info >/dev/null 2>&1; then docker compose down; else $(PY) -m shared.localstack down; fi
+
+status: install
+	$(PY) -m shared.localstack status
+
+infra-up: install
+	$(PY) -m shared.infra up
+
+infra-down: install
+	$(PY) -m shared.infra down
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: install
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+bench: install
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m bench $(if $(ONLY),--only $(ONLY),)
+
+clean:
+	rm -rf .pytest_cache build *.egg-info
