@@ -1,0 +1,34 @@
+from services.paramsync.tracker import SyncTracker, percentile
+
+
+def test_latency_waits_for_every_live_sampler() -> None:
+    t = SyncTracker(sampler_timeout_s=10)
+    t.heartbeat("a", 0, at=0.0)
+    t.heartbeat("b", 0, at=0.0)
+    t.published(1, at=1.0)
+    assert t.heartbeat("a", 1, at=1.2) == []
+    assert t.heartbeat("b", 1, at=1.5) == [(1, 0.5)]
+    assert t.p(0.5) == 0.5
+
+
+def test_dead_samplers_do_not_block() -> None:
+    t = SyncTracker(sampler_timeout_s=2)
+    t.heartbeat("gone", 0, at=0.0)
+    t.heartbeat("a", 0, at=5.0)
+    t.published(1, at=5.0)
+    done = t.heartbeat("a", 1, at=5.3)
+    assert [v for v, _ in done] == [1] and abs(done[0][1] - 0.3) < 1e-9
+
+
+def test_newer_version_settles_older_ones() -> None:
+    t = SyncTracker(sampler_timeout_s=10)
+    t.published(1, at=0.0)
+    t.published(2, at=1.0)
+    done = t.heartbeat("a", 2, at=1.5)
+    assert [v for v, _ in done] == [1, 2]
+
+
+def test_percentile() -> None:
+    assert percentile([], 0.5) is None
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert percentile([5.0], 0.95) == 5.0
