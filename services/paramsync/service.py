@@ -34,6 +34,7 @@ SYNC_LATENCY = Histogram("flywheel_paramsync_sync_latency_seconds",
 PUBLISHED = Gauge("flywheel_paramsync_published_version", "Version behind the marker")
 CANDIDATES = Counter("flywheel_paramsync_candidates_total", "Candidates handled", ["outcome"])
 LIVE = Gauge("flywheel_paramsync_live_samplers", "Samplers with a recent heartbeat")
+PRUNE_EVERY = 10
 PUBLISH_SECONDS = Histogram("flywheel_paramsync_publish_seconds", "Verify + marker write + announce")
 
 
@@ -53,6 +54,7 @@ class Paramsync:
         self.candidates = make_consumer(settings, group_id=f"{settings.run}.paramsync")
         self.inbox = make_consumer(settings, group_id=None)
         self.published_version: int | None = None
+        self._publishes = 0
         self._started = False
 
     async def start(self) -> None:
@@ -139,7 +141,10 @@ class Paramsync:
         self.published_version = msg.version
         PUBLISHED.set(msg.version)
         await self._announce(record.version, msg)
-        removed = await asyncio.to_thread(self.policies.prune, self.settings.paramsync.keep_versions)
+        self._publishes += 1
+        removed: list[int] = []
+        if self._publishes % PRUNE_EVERY == 0:  # pruning lists and reads history: not on every publish
+            removed = await asyncio.to_thread(self.policies.prune, self.settings.paramsync.keep_versions)
         self.log.info("policy_published", policy_version=msg.version, sha256=msg.sha256[:12],
                       trainer_step=msg.trainer_step, pruned=removed or None)
         return "published"

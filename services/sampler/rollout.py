@@ -61,10 +61,9 @@ class RolloutWorker:
         ep_lengths: list[int] = []
         for t in range(T):
             obs_buf[t] = self._obs
-            dist = self.model.dist(torch.from_numpy(self._obs))
-            action = torch.multinomial(dist.probs, 1, generator=self.generator).squeeze(-1)
+            action, action_logp = self.model.act(torch.from_numpy(self._obs), self.generator)
             actions[t] = action.numpy()
-            logp[t] = dist.log_prob(action).numpy()
+            logp[t] = action_logp.numpy()
             obs, reward, term, trunc, info = self.envs.step(actions[t])
             rewards[t] = reward
             terminated[t] = term

@@ -74,7 +74,7 @@ def _advantages(model: ActorCritic, frag: Fragment, cfg: UpdateConfig, device: t
     returns = adv + values
     # The proximal policy: the weights as they are before this update's first gradient step.
     actions = _t(frag.actions, device, torch.long)
-    prox_logp = model.dist(obs).log_prob(actions)
+    prox_logp, _ = model.logp_entropy(obs, actions)
     return obs.flatten(0, 1), actions.flatten(), _t(frag.logp, device).flatten(), prox_logp.flatten(), adv.flatten(), returns.flatten()
 
 
@@ -103,8 +103,7 @@ def ppo_update(
         order = torch.randperm(batch, generator=generator).to(device)
         for start in range(0, batch - mb_size + 1, mb_size):
             idx = order[start : start + mb_size]
-            dist = model.dist(obs[idx])
-            logp = dist.log_prob(actions[idx])
+            logp, entropy = model.logp_entropy(obs[idx], actions[idx])
             ratio = torch.exp(logp - prox_logp[idx])
             mb_adv = adv[idx]
             if cfg.normalize_advantages and mb_adv.numel() > 1:
@@ -114,7 +113,7 @@ def ppo_update(
             surrogate = torch.min(ratio * mb_adv, ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef) * mb_adv)
             policy_loss = -(behaviour_weight[idx] * surrogate).mean()
             value_loss = 0.5 * (model.value(obs[idx]) - returns[idx]).pow(2).mean()
-            entropy = dist.entropy().mean()
+            entropy = entropy.mean()
             loss = policy_loss - cfg.ent_coef * entropy + cfg.vf_coef * value_loss
 
             optimizer.zero_grad(set_to_none=True)

@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from shared.infra.procs import Matcher, find_ours, tail
+from shared.infra.procs import Matcher, describe_listener, find_ours, is_running, port_is_free, tail
 
 SERVICES = ("trainer", "paramsync", "admin", "sampler")
 START_ORDER = ("trainer", "paramsync", "admin", "sampler")
@@ -45,6 +45,15 @@ def parse_key(key: str) -> tuple[str, int]:
     return service, 0
 
 
+def require_free(what: str, port: int, home: Path) -> None:
+    """Raise, naming the port and the process that holds it, unless 127.0.0.1:``port`` is free."""
+    if not port_is_free(port):
+        raise LocalStackError(
+            f"port {port} ({what}) on 127.0.0.1 is already in use by {describe_listener(port)}, which is "
+            f"not a process of the local stack in {home}; stop it or choose another port"
+        )
+
+
 def cmdline_matcher(service: str) -> Matcher:
     """Recognises ``<python> -m services.<service> ...`` (the pid-file check against recycled pids)."""
     module = f"services.{service}"
@@ -75,6 +84,16 @@ def find_service(pidfile: Path, service: str, home: Path) -> int | None:
         pidfile.unlink(missing_ok=True)
         return None
     return pid
+
+
+def wait_gone(pid: int, timeout_s: float) -> bool:
+    """Wait until ``pid`` has exited (reaping it if it is our child); False if it still runs."""
+    deadline = time.monotonic() + timeout_s
+    while is_running(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def http_status(url: str, timeout_s: float = 2.0) -> tuple[int | None, str]:

@@ -8,14 +8,19 @@ to ``<home>/prometheus.yml``: the ``flywheel-*`` targets are the ports this stac
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from shared.infra.config import REPO_ROOT
-from shared.infra.procs import Matcher
+from shared.infra.procs import Matcher, find_ours, is_running, port_is_free, spawn, stop
+from shared.localstack.process import require_free, wait_http_ok
 
 LOCAL_CONFIG = REPO_ROOT / "deploy" / "prometheus" / "prometheus.local.yml"
 NOT_INSTALLED = (
@@ -27,6 +32,14 @@ NOT_INSTALLED = (
 def binary() -> str | None:
     """Path of the ``prometheus`` executable, or None when it is not installed."""
     return shutil.which("prometheus")
+
+
+def pidfile(home: Path) -> Path:
+    return home / "pids" / "prometheus.pid"
+
+
+def log_path(home: Path) -> Path:
+    return home / "logs" / "prometheus.log"
 
 
 def tsdb_path(home: Path) -> Path:
@@ -75,3 +88,46 @@ def write_config(home: Path, targets: dict[str, list[int]], port: int) -> Path:
     tmp.write_text(header + yaml.safe_dump(cfg, sort_keys=False))
     tmp.replace(path)
     return path
+
+
+def find(home: Path) -> int | None:
+    """The pid of this home's running Prometheus, or None."""
+    return find_ours(pidfile(home), matcher(home))
+
+
+def ensure_running(
+    home: Path, port: int, targets: dict[str, list[int]], *, deadline: float, progress: Callable[[str], None]
+) -> int | None:
+    """Write the configuration, then reload the running Prometheus or start one and wait until ready.
+
+    Returns its pid, or None (after one line saying so) when Prometheus is not installed.
+    """
+    exe = binary()
+    if exe is None:
+        progress(NOT_INSTALLED)
+        return None
+    write_config(home, targets, port)
+    pid = find(home)
+    if pid is not None:
+        os.kill(pid, signal.SIGHUP)  # re-read the targets: samplers may have been scaled
+        progress(f"prometheus already running (pid {pid}), configuration reloaded")
+        return pid
+    if not port_is_free(port):
+        require_free("prometheus; or run without it: --no-prometheus", port, home)
+    log = log_path(home)
+    pid = spawn(command(exe, home, port), log_path=log, pidfile=pidfile(home), cwd=home)
+    started = pid
+    took = wait_http_ok(
+        f"prometheus (pid {pid})",
+        f"http://127.0.0.1:{port}/-/ready",
+        deadline=max(deadline, time.monotonic() + 30.0),
+        alive=lambda: is_running(started),
+        log_path=log,
+    )
+    progress(f"prometheus ready (pid {pid}) after {took:.1f} s on http://127.0.0.1:{port}, log {log}")
+    return pid
+
+
+def stop_running(home: Path) -> int | None:
+    """Stop this home's Prometheus (by pid); returns the pid stopped, or None."""
+    return stop(pidfile(home), matcher(home))

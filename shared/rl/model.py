@@ -45,6 +45,24 @@ class ActorCritic(nn.Module):
     def dist(self, obs: torch.Tensor) -> Categorical:
         return Categorical(logits=self.actor(obs))
 
+    def log_probs(self, obs: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities of every action, [..., A] (cheaper than building a distribution)."""
+        return torch.log_softmax(self.actor(obs), dim=-1)
+
+    def logp_entropy(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob of ``actions`` and the policy's entropy at ``obs``."""
+        lp = self.log_probs(obs)
+        logp = lp.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+        entropy = -(lp.exp() * lp).sum(-1)
+        return logp, entropy
+
+    @torch.no_grad()
+    def act(self, obs: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample actions; return them with their log-probs."""
+        lp = self.log_probs(obs)
+        actions = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)
+        return actions, lp.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(obs).squeeze(-1)
 
