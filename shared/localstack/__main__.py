@@ -21,6 +21,8 @@ from shared.localstack.process import LocalStackError, parse_key
 from shared.localstack.stack import DEFAULT_CONFIG, LocalStack
 from shared.localstack.state import StackState
 
+DEFAULT_ADMIN_URL = "http://127.0.0.1:8080"  # what the `flywheel` CLI assumes without --url
+
 
 def _out(line: str = "") -> None:
     sys.stdout.write(line + "\n")
@@ -74,7 +76,8 @@ def _up(args: argparse.Namespace, home: Path) -> int:
         _out(f"token:      {source} (mode 0600): export FLYWHEEL_ADMIN_TOKEN=$(cat {source})")
     else:
         _out(f"token:      from {source}")
-    _out(f"status:     flywheel status --url {stack.admin_url}    (processes: python -m shared.localstack status)")
+    url = "" if stack.admin_url == DEFAULT_ADMIN_URL else f" --url {stack.admin_url}"
+    _out(f"status:     flywheel status{url}    (processes: python -m shared.localstack status)")
     _out("stop:       make down    (or: python -m shared.localstack down)")
     return 0
 
@@ -84,8 +87,8 @@ def _status(home: Path) -> int:
     states = stack.status()
     _out(f"flywheel local stack in {home}")
     for st in states:
-        pid = f"pid {st.pid}" if st.pid else "pid -"
-        _out(f"  {st.name:<11} {'alive' if st.alive else 'DEAD ':<5}  {pid:<10}  {st.endpoint:<36}  {st.log}")
+        pid = f"pid {st.pid or '-'}" + ("" if st.alive or not st.pid else " (last)")
+        _out(f"  {st.name:<11} {'alive' if st.alive else 'DEAD ':<5}  {pid:<17}  {st.endpoint:<36}  {st.log}")
     if not any(st.alive for st in states):
         _out("nothing is running: python -m shared.localstack up")
     return 0 if all(st.alive for st in states) else 3

@@ -134,8 +134,8 @@ class LocalStack:
     def start(self, service: str, replica: int = 0) -> int:
         """Start one process (detached) unless it already runs; return its pid. Does not wait."""
         key = proc_key(service, replica)
-        pid = self.pid(service, replica)
-        if pid is not None:
+        if (pid := self.pid(service, replica)) is not None:
+            self._progress(f"{key} already running (pid {pid})")
             return pid
         port, log = self.port(service, replica), self.log_path(service, replica)
         require_free(key, port, self.home)
@@ -187,16 +187,16 @@ class LocalStack:
         deadline = time.monotonic() + timeout_s
         self.home.mkdir(parents=True, exist_ok=True)
         with file_lock(self.home / ".localstack.lock"):
+            wanted = self._layout(range(samplers))
+            for service, replica in wanted:  # before anything starts: a taken port fails fast
+                if self.pid(service, replica) is None:
+                    require_free(proc_key(service, replica), self.port(service, replica), self.home)
             self.endpoints(timeout_s)
             self._progress(f"admin token: {self.admin_token_source}")
             validate_config(self.config, self.service_env("trainer"))
             for replica in self.state.samplers():
                 if replica >= samplers:
                     self.stop("sampler", replica)
-            wanted = self._layout(range(samplers))
-            for service, replica in wanted:
-                if self.pid(service, replica) is None:
-                    require_free(proc_key(service, replica), self.port(service, replica), self.home)
             self.state.save(samplers=list(range(samplers)), prometheus=prometheus, config=str(self.config),
                             run=self.run)
             for service, replica in wanted:
