@@ -108,6 +108,8 @@ class SamplerSettings(_Section):
 class TrainerSettings(_Section):
     batch_fragments: int = Field(4, ge=1)
     """Fragments per update."""
+    batch_timeout_s: float = Field(5.0, gt=0)
+    """Train a partial batch when its oldest fragment has waited this long (a quiet topic)."""
     poll_max_records: int = Field(64, ge=1)
     """Bound on records returned by one ``getmany``."""
     max_staleness: int = Field(4, ge=0)

@@ -54,6 +54,7 @@ class Pending:
     offset: int
     frag: Fragment
     staleness: int
+    at: float  # monotonic time it was consumed
 
 
 class Trainer:
@@ -100,7 +101,9 @@ class Trainer:
             for tp, records in polled.items():
                 for rec in records:
                     await self._intake(tp, rec)
-            while len(self.buffer) >= batch and not stop_event.is_set():
+            while self.buffer and not stop_event.is_set() and (
+                len(self.buffer) >= batch or time.monotonic() - self.buffer[0].at > self.cfg.batch_timeout_s
+            ):
                 items, self.buffer = self.buffer[:batch], self.buffer[batch:]
                 await self._train(items)
             await self._commit()  # dropped / dead-lettered progress, when nothing is pending before it
@@ -138,7 +141,7 @@ class Trainer:
                           max_staleness=self.cfg.max_staleness, **ids)
             return
         self.ledger.consumed(tp, rec.offset, pending=True)
-        self.buffer.append(Pending(tp, rec.offset, frag, staleness))
+        self.buffer.append(Pending(tp, rec.offset, frag, staleness, time.monotonic()))
         self.log.info("fragment_consumed", staleness=staleness, **ids)
 
     async def _dead_letter(self, tp: TopicPartition, rec: ConsumerRecord[Any, Any], err: FragmentError) -> None:

@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--samplers", type=int, help="sampler replicas (default: as last time, else 2)")
     up.add_argument("--config", help="YAML config (default: as last time, else configs/cartpole.yaml)")
     up.add_argument("--run", help="run name, overriding the config's (default: as last time)")
+    up.add_argument("--store", choices=["local", "s3"],
+                    help="object store: local = <home>/store, kept across down/up (default); "
+                    "s3 = the local S3 server (moto: in memory, lost on down)")
     up.add_argument("--no-prometheus", action="store_true", help="do not run Prometheus")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait (default: %(default)s)")
     down = sub.add_parser("down", help="stop the services (samplers first, trainer last), then Kafka and S3")
@@ -54,19 +57,33 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _stack(home: Path, config: str | None = None, run: str | None = None) -> LocalStack:
-    """A LocalStack for ``home``, remembering the config and run of the last ``up``."""
+def _stack(
+    home: Path, config: str | None = None, run: str | None = None, store: str | None = None
+) -> LocalStack:
+    """A LocalStack for ``home``, remembering the config, run and store of the last ``up``."""
     last = StackState(home).load()
-    return LocalStack(home, config=config or last.get("config") or DEFAULT_CONFIG, run=run or last.get("run"))
+    return LocalStack(home, config=config or last.get("config") or DEFAULT_CONFIG, run=run or last.get("run"),
+                      store_backend=store or last.get("store_backend") or "local")
 
 
 def _up(args: argparse.Namespace, home: Path) -> int:
     last = StackState(home).load()
     samplers = args.samplers if args.samplers is not None else len(last.get("samplers") or [0, 1])
-    stack = _stack(home, args.config, args.run)
-    stack.up(samplers=samplers, timeout_s=args.timeout, prometheus=not args.no_prometheus)
+    stack = _stack(home, args.config, args.run, args.store)
+    now = {"config": str(stack.config), "run": stack.run, "store_backend": stack.store_backend}
+    changed = [k for k, v in now.items() if k in last and last[k] != v]
+    if changed and stack.pids():
+        _out(f"note: {', '.join(changed)} changed since the last up; processes already running keep the old "
+             "settings (down, then up, to apply them everywhere)")
+    try:
+        stack.up(samplers=samplers, timeout_s=args.timeout, prometheus=not args.no_prometheus)
+    except LocalStackError as exc:
+        raise LocalStackError(f"{exc}\n(what did start is still running: see `python -m shared.localstack "
+                              "status`, stop it with `python -m shared.localstack down`)") from None
     _out()
     _out(f"Flywheel is up: {samplers} sampler(s), config {stack.config}, state in {home}")
+    store = f"{home}/store (kept across down/up)" if stack.store_backend == "local" else "the S3 server"
+    _out(f"store:      {store}")
     _out("logs:")
     for st in stack.status():
         _out(f"  {st.name:<11} {st.log}")

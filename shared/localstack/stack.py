@@ -139,8 +139,8 @@ class LocalStack:
             return pid
         port, log = self.port(service, replica), self.log_path(service, replica)
         require_free(key, port, self.home)
-        pid = spawn(service_command(service), log_path=log, pidfile=self.pidfile(service, replica), cwd=REPO_ROOT,
-                    env=self.service_env(service, replica))
+        pid = spawn(service_command(service), log_path=log, pidfile=self.pidfile(service, replica),
+                    cwd=REPO_ROOT, env=self.service_env(service, replica))
         if service == "sampler":
             self.state.add_sampler(replica)
         self.state.record_pid(key, pid)
@@ -185,7 +185,6 @@ class LocalStack:
         if samplers < 0:
             raise LocalStackError(f"samplers must be >= 0, got {samplers=}")
         deadline = time.monotonic() + timeout_s
-        self.home.mkdir(parents=True, exist_ok=True)
         with file_lock(self.home / ".localstack.lock"):
             wanted = self._layout(range(samplers))
             for service, replica in wanted:  # before anything starts: a taken port fails fast
@@ -198,7 +197,7 @@ class LocalStack:
                 if replica >= samplers:
                     self.stop("sampler", replica)
             self.state.save(samplers=list(range(samplers)), prometheus=prometheus, config=str(self.config),
-                            run=self.run)
+                            run=self.run, store_backend=self.store_backend)
             for service, replica in wanted:
                 self.start(service, replica)
             for service, replica in wanted:
@@ -206,7 +205,8 @@ class LocalStack:
             if prometheus:
                 targets = {s: [self.port(s)] for s in ("trainer", "paramsync", "admin")}
                 targets["sampler"] = [self.port("sampler", r) for r in range(samplers)]
-                prom.ensure_running(self.home, self.prometheus_port, targets, deadline=deadline, progress=self._progress)
+                prom.ensure_running(self.home, self.prometheus_port, targets, deadline=deadline,
+                                    progress=self._progress)
 
     def down(self, infra: bool = True) -> None:
         """Stop samplers (together), admin, paramsync, then the trainer (it commits), Prometheus, infra."""

@@ -24,7 +24,9 @@ ADMIN_PORT, TRAINER_PORT, PARAMSYNC_PORT, SAMPLER_BASE_PORT = 18480, 18401, 1840
 
 
 @pytest.fixture
-def stack(kafka_bootstrap: str, s3_endpoint: S3Endpoint, run_name: str, tmp_path: Path) -> Iterator[LocalStack]:
+def stack(
+    kafka_bootstrap: str, s3_endpoint: S3Endpoint, run_name: str, tmp_path: Path
+) -> Iterator[LocalStack]:
     infra = InfraEndpoints(
         kafka_bootstrap=kafka_bootstrap,
         s3_endpoint=s3_endpoint.endpoint_url,
