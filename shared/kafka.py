@@ -144,33 +144,50 @@ class CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
             await self._on_assign(parts)
 
 
-async def consumer_lag(settings: Settings, group: str, topic: str) -> dict[int, int]:
-    """Records not yet committed by ``group`` on each partition of ``topic`` (end - committed).
+class LagProbe:
+    """Consumer lag of a group, with long-lived connections (cheap to call every second)."""
 
-    A partition the group never committed counts from the log start offset.
-    """
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap,
-                                request_timeout_ms=settings.kafka.request_timeout_ms)
-    probe = AIOKafkaConsumer(bootstrap_servers=settings.kafka.bootstrap, enable_auto_commit=False,
-                             request_timeout_ms=settings.kafka.request_timeout_ms)
-    await admin.start()
-    await probe.start()
-    try:
-        parts = probe.partitions_for_topic(topic)
+    def __init__(self, settings: Settings) -> None:
+        k = settings.kafka
+        self._admin = AIOKafkaAdminClient(bootstrap_servers=k.bootstrap, request_timeout_ms=k.request_timeout_ms)
+        self._probe = AIOKafkaConsumer(bootstrap_servers=k.bootstrap, enable_auto_commit=False,
+                                       request_timeout_ms=k.request_timeout_ms)
+
+    async def start(self) -> None:
+        await self._admin.start()
+        await self._probe.start()
+
+    async def stop(self) -> None:
+        await self._probe.stop()
+        await self._admin.close()
+
+    async def lag(self, group: str, topic: str) -> dict[int, int]:
+        """Records not yet committed by ``group`` on each partition of ``topic`` (end - committed).
+
+        A partition the group never committed counts from the log start offset.
+        """
+        parts = self._probe.partitions_for_topic(topic)
         if parts is None:
-            await probe._client.force_metadata_update()  # noqa: SLF001 - aiokafka offers no public refresh
-            parts = probe.partitions_for_topic(topic) or set()
+            await self._probe._client.force_metadata_update()  # noqa: SLF001 - aiokafka offers no public refresh
+            parts = self._probe.partitions_for_topic(topic) or set()
         tps = [TopicPartition(topic, p) for p in sorted(parts)]
         if not tps:
             return {}
-        ends, starts = await asyncio.gather(probe.end_offsets(tps), probe.beginning_offsets(tps))
-        committed = await admin.list_consumer_group_offsets(group, partitions=tps)
+        ends, starts = await asyncio.gather(self._probe.end_offsets(tps), self._probe.beginning_offsets(tps))
+        committed = await self._admin.list_consumer_group_offsets(group, partitions=tps)
         lag = {}
         for tp in tps:
             meta = committed.get(tp)
             pos = meta.offset if meta is not None and meta.offset >= 0 else starts[tp]
             lag[tp.partition] = max(0, ends[tp] - pos)
         return lag
+
+
+async def consumer_lag(settings: Settings, group: str, topic: str) -> dict[int, int]:
+    """One-shot :meth:`LagProbe.lag`."""
+    probe = LagProbe(settings)
+    await probe.start()
+    try:
+        return await probe.lag(group, topic)
     finally:
         await probe.stop()
-        await admin.close()

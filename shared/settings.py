@@ -97,6 +97,11 @@ class SamplerSettings(_Section):
     """Fragments sent but not yet acknowledged by Kafka before the sampler waits."""
     max_fragments_per_s: float = Field(0.0, ge=0)
     """Cap on the send rate (0 = unlimited)."""
+    max_backlog: int = Field(0, ge=0)
+    """Flow control: pause producing while the trainer group's lag exceeds this many fragments
+    (0 = off). Keeps samplers from filling Kafka with fragments that would only be dropped as stale."""
+    backlog_check_interval_s: float = Field(0.5, gt=0)
+    """How often the backlog is measured when ``max_backlog`` is on."""
     heartbeat_interval_s: float = Field(1.0, gt=0)
     """Heartbeat period (also sent at once when the policy version changes)."""
     seed: int | None = None

@@ -19,7 +19,7 @@ from aiokafka import TopicPartition
 from prometheus_client import Counter, Gauge
 
 from shared.fragment import encode_fragment
-from shared.kafka import Topics, ensure_topics, make_consumer, make_producer
+from shared.kafka import LagProbe, Topics, ensure_topics, make_consumer, make_producer, trainer_group
 from shared.logging import fragment_fields, get_logger
 from shared.marker import VersionedStore
 from shared.messages import ControlCommand, PolicyMessage, SamplerBeat
@@ -34,6 +34,8 @@ FRAGMENTS = Counter("flywheel_sampler_fragments_produced_total", "Fragments ackn
 SEND_ERRORS = Counter("flywheel_sampler_send_errors_total", "Fragments Kafka refused", ["sampler"])
 VERSION = Gauge("flywheel_sampler_policy_version", "Policy version the sampler acts with", ["sampler"])
 ADOPTIONS = Counter("flywheel_sampler_policy_adoptions_total", "Policy versions adopted", ["sampler", "trigger"])
+BACKPRESSURE = Counter("flywheel_sampler_backpressure_seconds_total", "Seconds paused because the backlog was full",
+                       ["sampler"])
 IN_FLIGHT = Gauge("flywheel_sampler_in_flight_fragments", "Fragments sent, not yet acknowledged", ["sampler"])
 
 
@@ -56,6 +58,8 @@ class Sampler:
         self.producer = make_producer(settings)
         self.inbox = make_consumer(settings, group_id=None)
         self.in_flight = asyncio.Semaphore(settings.sampler.max_in_flight)
+        self.lag_probe = LagProbe(settings) if settings.sampler.max_backlog > 0 else None
+        self._last_lag_check = 0.0
         self.adopted_at: float | None = None
         self.fragments = 0
         self.env_steps = 0
@@ -76,6 +80,8 @@ class Sampler:
         tps = [TopicPartition(self.topics.policy, 0), TopicPartition(self.topics.control, 0)]
         self.inbox.assign(tps)
         await self.inbox.seek_to_end(*tps)  # only what is announced from now on; the marker covers the past
+        if self.lag_probe is not None:
+            await self.lag_probe.start()
 
     async def run(self, stop_event: asyncio.Event) -> None:
         await self._wait_for_first_policy(stop_event)
@@ -83,6 +89,7 @@ class Sampler:
         cap = self.settings.sampler.max_fragments_per_s
         while not stop_event.is_set():
             await self._refresh_policy()
+            await self._respect_backlog(stop_event)
             frag = await asyncio.to_thread(self.worker.collect)
             await self._send(frag)
             self.recent_returns.extend(float(r) for r in frag.episode_returns)
@@ -100,10 +107,36 @@ class Sampler:
             await asyncio.gather(*self._pending, return_exceptions=True)
         await self.producer.stop()  # flushes what is buffered
         await self.inbox.stop()
+        if self.lag_probe is not None:
+            await self.lag_probe.stop()
         self.worker.close()
 
     def health(self) -> dict[str, Any]:
         return {"ok": True, "id": self.id, "policy_version": self.worker.policy_version, "fragments": self.fragments}
+
+    async def _respect_backlog(self, stop_event: asyncio.Event) -> None:
+        """Flow control: wait while the trainer's backlog is above ``max_backlog`` fragments."""
+        if self.lag_probe is None:
+            return
+        limit = self.settings.sampler.max_backlog
+        interval = self.settings.sampler.backlog_check_interval_s
+        paused_at: float | None = None
+        while not stop_event.is_set():
+            now = time.monotonic()
+            if paused_at is None and now - self._last_lag_check < interval:
+                return
+            self._last_lag_check = now
+            backlog = sum((await self.lag_probe.lag(trainer_group(self.settings.run), self.topics.samples)).values())
+            if backlog <= limit:
+                break
+            if paused_at is None:
+                paused_at = now
+                self.log.debug("backpressure_pause", backlog=backlog, max_backlog=limit)
+            await self._refresh_policy()
+            await self._maybe_heartbeat()
+            await asyncio.sleep(interval / 5)
+        if paused_at is not None:
+            BACKPRESSURE.labels(**self._labels).inc(time.monotonic() - paused_at)
 
     # ---- policy ----------------------------------------------------------------------------
     async def _wait_for_first_policy(self, stop_event: asyncio.Event) -> None:
@@ -169,7 +202,9 @@ class Sampler:
         headers, payload = encode_fragment(frag)
         await self.in_flight.acquire()
         IN_FLIGHT.labels(**self._labels).inc()
-        fut = await self.producer.send(self.topics.samples, payload, key=self.id.encode(), headers=headers)
+        # No key: the partitioner spreads fragments over all partitions, so two samplers never share
+        # one partition while others idle (ordering across fragments does not matter).
+        fut = await self.producer.send(self.topics.samples, payload, key=None, headers=headers)
         self._pending.add(fut)
         ids = fragment_fields(frag.sample_id, frag.sampler_id, frag.policy_version)
 
