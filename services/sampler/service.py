@@ -92,6 +92,8 @@ class Sampler:
             await self._respect_backlog(stop_event)
             frag = await asyncio.to_thread(self.worker.collect)
             await self._send(frag)
+            if self.settings.mode == "sync":
+                await self._wait_for_newer(frag.policy_version, stop_event)
             self.recent_returns.extend(float(r) for r in frag.episode_returns)
             await self._maybe_heartbeat()
             if cap > 0:
@@ -137,6 +139,16 @@ class Sampler:
             await asyncio.sleep(interval / 5)
         if paused_at is not None:
             BACKPRESSURE.labels(**self._labels).inc(time.monotonic() - paused_at)
+
+    async def _wait_for_newer(self, version: int, stop_event: asyncio.Event) -> None:
+        """Synchronous baseline: after sending, wait for the version trained on what was sent."""
+        while not stop_event.is_set():
+            await self._refresh_policy()
+            current = self.worker.policy_version
+            if current is not None and current > version:
+                return
+            await self._maybe_heartbeat()
+            await asyncio.sleep(0.002)
 
     # ---- policy ----------------------------------------------------------------------------
     async def _wait_for_first_policy(self, stop_event: asyncio.Event) -> None:

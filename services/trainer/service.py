@@ -24,7 +24,7 @@ from shared.fragment import Fragment, FragmentError, decode_fragment, header_dic
 from shared.kafka import CommitOnRevoke, Topics, ensure_topics, make_consumer, make_producer, trainer_group
 from shared.logging import fragment_fields, get_logger
 from shared.marker import VersionedStore, VersionRecord
-from shared.messages import KEY_CANDIDATE, PolicyMessage, TrainerBeat
+from shared.messages import KEY_CANDIDATE, PolicyMessage, SamplerBeat, TrainerBeat, parse_heartbeat
 from shared.rl.envs import fragment_spec
 from shared.service import RateMeter
 from shared.settings import Settings
@@ -82,6 +82,11 @@ class Trainer:
         self.last_update_at: float | None = None
         self._last_beat = 0.0
         self._started = False
+        # Synchronous baseline (mode: sync): train only on the current version, from every live sampler.
+        self.sync = settings.mode == "sync"
+        self.max_staleness = 0 if self.sync else self.cfg.max_staleness
+        self._beats = make_consumer(settings, group_id=None) if self.sync else None
+        self._sampler_seen: dict[str, float] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -92,22 +97,61 @@ class Trainer:
             await self._publish(self.learner.counters.policy_version)  # a fresh run: version 0
         await self.consumer.start()
         self.consumer.subscribe([self.topics.samples], listener=CommitOnRevoke(self._on_revoke))
+        if self._beats is not None:
+            await self._beats.start()
+            tp = TopicPartition(self.topics.heartbeats, 0)
+            self._beats.assign([tp])
+            await self._beats.seek_to_end(tp)
         self._started = True
 
     async def run(self, stop_event: asyncio.Event) -> None:
-        batch = self.cfg.batch_fragments
         while not stop_event.is_set():
-            polled = await self.consumer.getmany(timeout_ms=200, max_records=self.cfg.poll_max_records)
+            polled = await self.consumer.getmany(timeout_ms=20 if self.sync else 200,
+                                                 max_records=self.cfg.poll_max_records)
             for tp, records in polled.items():
                 for rec in records:
                     await self._intake(tp, rec)
-            while self.buffer and not stop_event.is_set() and (
-                len(self.buffer) >= batch or time.monotonic() - self.buffer[0].at > self.cfg.batch_timeout_s
-            ):
-                items, self.buffer = self.buffer[:batch], self.buffer[batch:]
+            if self.sync:
+                await self._poll_live_samplers()
+            while not stop_event.is_set() and (items := self._next_batch()):
                 await self._train(items)
             await self._commit()  # dropped / dead-lettered progress, when nothing is pending before it
             await self._maybe_heartbeat()
+
+    def _next_batch(self) -> list[Pending]:
+        """The fragments to train on now, or [] to keep collecting."""
+        if not self.buffer:
+            return []
+        timed_out = time.monotonic() - self.buffer[0].at > self.cfg.batch_timeout_s
+        if self.sync:
+            # Synchronous baseline: one fragment of the current version from every live sampler.
+            have = {p.frag.sampler_id for p in self.buffer}
+            live = self._live_samplers()
+            if not timed_out and (not live or not live <= have):
+                return []
+            items, self.buffer = self.buffer, []
+            return items
+        batch = self.cfg.batch_fragments
+        if len(self.buffer) < batch and not timed_out:
+            return []
+        items, self.buffer = self.buffer[:batch], self.buffer[batch:]
+        return items
+
+    def _live_samplers(self) -> set[str]:
+        now = time.monotonic()
+        timeout = self.settings.paramsync.sampler_timeout_s
+        return {sid for sid, seen in self._sampler_seen.items() if now - seen <= timeout}
+
+    async def _poll_live_samplers(self) -> None:
+        assert self._beats is not None
+        for records in (await self._beats.getmany(timeout_ms=0)).values():
+            for rec in records:
+                try:
+                    beat = parse_heartbeat(rec.value or b"")
+                except ValueError:
+                    continue
+                if isinstance(beat, SamplerBeat):
+                    self._sampler_seen[beat.id] = time.monotonic()
 
     async def stop(self) -> None:
         if self._started:
@@ -115,6 +159,8 @@ class Trainer:
             if self.learner.counters.updates:
                 await self._checkpoint()
             await self.consumer.stop()
+            if self._beats is not None:
+                await self._beats.stop()
         await self.producer.stop()
 
     def health(self) -> dict[str, Any]:
@@ -133,12 +179,12 @@ class Trainer:
         ids = fragment_fields(frag.sample_id, frag.sampler_id, frag.policy_version, tp.partition, rec.offset)
         self.learner.record_returns(frag)
         staleness = max(0, self.learner.counters.policy_version - frag.policy_version)
-        if staleness > self.cfg.max_staleness:
+        if staleness > self.max_staleness:
             self.ledger.consumed(tp, rec.offset, pending=False)
             DROPPED.inc()
             self.dropped += 1
             self.log.info("fragment_dropped_stale", outcome="dropped_stale", staleness=staleness,
-                          max_staleness=self.cfg.max_staleness, **ids)
+                          max_staleness=self.max_staleness, **ids)
             return
         self.ledger.consumed(tp, rec.offset, pending=True)
         self.buffer.append(Pending(tp, rec.offset, frag, staleness, time.monotonic()))
