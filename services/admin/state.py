@@ -16,7 +16,7 @@ from shared.logging import get_logger
 from shared.marker import VersionedStore, VersionRecord
 from shared.messages import ControlCommand, ParamsyncBeat, SamplerBeat, TrainerBeat, parse_heartbeat
 from shared.settings import Settings
-from shared.store import open_store
+from shared.store import StoreError, open_store
 
 BACKLOG = Gauge("flywheel_backlog_records", "Records on <run>.samples not yet committed by the trainer group")
 BACKLOG_PARTITION = Gauge("flywheel_backlog_partition_records", "Backlog per partition", ["partition"])
@@ -50,6 +50,7 @@ class AdminState:
         self.view = ClusterView()
         self.log = get_logger()
         self._started = False
+        self._last_published: VersionRecord | None = None
         self.alive_after_s = settings.paramsync.sampler_timeout_s
 
     async def start(self) -> None:
@@ -124,8 +125,14 @@ class AdminState:
         return seen is not None and now - seen.at <= self.alive_after_s
 
     async def published(self) -> VersionRecord | None:
-        found = await asyncio.to_thread(self.policies.read_marker)
-        return None if found is None else found[0]
+        """The marker's record; on a store failure, the last one read (logged), so /status stays up."""
+        try:
+            found = await asyncio.to_thread(self.policies.read_marker)
+        except StoreError as exc:
+            self.log.warning("marker_read_failed", error=str(exc))
+            return self._last_published
+        self._last_published = None if found is None else found[0]
+        return self._last_published
 
     async def request_sync(self) -> ControlCommand:
         cmd = ControlCommand(command="sync", request_id=uuid.uuid4().hex)
