@@ -17,6 +17,7 @@ help:
 	@echo "make test      all tests (brings test Kafka + S3 up itself when no endpoints are given)"
 	@echo "make test-unit fast tests only"
 	@echo "make bench     the benchmark suite (ONLY=name for one figure) -> docs/benchmarks.md"
+	@echo "make lint      ruff + mypy --strict on shared/ and services/"
 	@echo "make infra-up / infra-down   just Kafka + S3 as local processes"
 
 $(STAMP): pyproject.toml
@@ -58,6 +59,11 @@ test-unit: install
 bench: install
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) -m bench $(if $(ONLY),--only $(ONLY),)
+
+lint: install
+	$(PY) -m pip install --quiet -e '.[test,dev]'
+	$(PY) -m ruff check shared services tests
+	$(PY) -m mypy
 
 clean:
 	rm -rf .pytest_cache build *.egg-info

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -96,7 +97,8 @@ async def serve(svc: Service, settings: Settings, app: Any | None = None) -> Non
     sock = bind_socket(settings.http.host, settings.http.port)
     config = uvicorn.Config(app or http_app(svc), log_config=None, access_log=False, lifespan="on")
     server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    # The service owns SIGTERM/SIGINT (stop_event above); uvicorn must not capture them.
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     http_task = asyncio.create_task(server.serve(sockets=[sock]))
     log.info("http_listening", host=settings.http.host, port=sock.getsockname()[1])
     try:

@@ -39,10 +39,14 @@ def _ago(ts: float | None) -> str:
 
 def render_status(s: dict[str, Any]) -> str:
     p, t, b, sy, st, er = s["policy"], s["trainer"], s["backlog"], s["sync"], s["staleness"], s["episode_return"]
-    fmt = lambda x, spec=".3g": "-" if x is None else format(x, spec)  # noqa: E731
+
+    def fmt(x: Any, spec: str = ".3g") -> str:
+        return "-" if x is None else format(x, spec)
+
     lines = [
         f"run {s['run']}",
-        f"policy    version {fmt(p['version'], 'd')}  sha256 {(p['sha256'] or '-')[:12]}  published {_ago(p['published_at'])}",
+        f"policy    version {fmt(p['version'], 'd')}  sha256 {(p['sha256'] or '-')[:12]}"
+        f"  published {_ago(p['published_at'])}",
         f"trainer   {'alive' if t['alive'] else 'DOWN'}  updates {t['updates']}  samples trained {t['samples_trained']}"
         f"  ({t['samples_per_s']:.0f}/s)  last update {_ago(t['last_update_at'])}",
         f"backlog   {fmt(b['records'], 'd')} records  {b['per_partition']}",

@@ -18,6 +18,7 @@ from typing import Any
 from aiokafka import TopicPartition
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.paramsync.tracker import SyncTracker
 from shared.kafka import Topics, ensure_topics, make_consumer, make_producer
 from shared.logging import get_logger
 from shared.marker import MarkerConflict, StaleVersion, VersionedStore
@@ -26,7 +27,6 @@ from shared.rl.envs import fragment_spec
 from shared.rl.model import ActorCritic, WeightsError, load_weights
 from shared.settings import Settings
 from shared.store import StoreError, open_store
-from services.paramsync.tracker import SyncTracker
 
 SYNC_LATENCY = Histogram("flywheel_paramsync_sync_latency_seconds",
                          "From a candidate's receipt to every live sampler acting on it",

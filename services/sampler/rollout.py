@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from shared.fragment import Fragment
-from shared.rl.envs import make_vector_env
+from shared.rl.envs import fragment_spec, make_vector_env
 from shared.rl.model import ActorCritic, load_weights
 
 
@@ -28,8 +28,8 @@ class RolloutWorker:
         self.sampler_id = sampler_id
         self.steps = fragment_steps
         self.envs = make_vector_env(env_id, num_envs, latency_median_ms, latency_sigma, seed)
-        obs_dim = int(np.prod(self.envs.single_observation_space.shape))
-        self.model = ActorCritic(obs_dim, int(self.envs.single_action_space.n), hidden)
+        spec = fragment_spec(env_id, max_bytes=1 << 30)
+        self.model = ActorCritic.for_spec(spec, hidden)
         self.model.eval()
         self.generator = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(np.random.bytes(4)))
         self.policy_version: int | None = None

@@ -18,6 +18,7 @@ from typing import Any
 from aiokafka import TopicPartition
 from prometheus_client import Counter, Gauge
 
+from services.sampler.rollout import RolloutWorker
 from shared.fragment import encode_fragment
 from shared.kafka import LagProbe, Topics, ensure_topics, make_consumer, make_producer, trainer_group
 from shared.logging import fragment_fields, get_logger
@@ -27,7 +28,6 @@ from shared.rl.model import WeightsError
 from shared.service import RateMeter
 from shared.settings import Settings
 from shared.store import open_store
-from services.sampler.rollout import RolloutWorker
 
 ENV_STEPS = Counter("flywheel_sampler_env_steps_total", "Env steps taken", ["sampler"])
 FRAGMENTS = Counter("flywheel_sampler_fragments_produced_total", "Fragments acknowledged by Kafka", ["sampler"])

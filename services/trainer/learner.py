@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
+from services.trainer.update import UpdateConfig, UpdateStats, ppo_update
 from shared.fragment import Fragment, FragmentSpec
 from shared.rl.model import ActorCritic, load_weights, weights_to_bytes
 from shared.settings import TrainerSettings
-from services.trainer.update import UpdateConfig, UpdateStats, ppo_update
 
 
 def pick_device(name: str) -> torch.device:

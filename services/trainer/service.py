@@ -20,6 +20,8 @@ from aiokafka import TopicPartition
 from aiokafka.structs import ConsumerRecord
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.trainer.learner import Learner
+from services.trainer.ledger import OffsetLedger
 from shared.fragment import Fragment, FragmentError, decode_fragment, header_dict
 from shared.kafka import CommitOnRevoke, Topics, ensure_topics, make_consumer, make_producer, trainer_group
 from shared.logging import fragment_fields, get_logger
@@ -29,8 +31,6 @@ from shared.rl.envs import fragment_spec
 from shared.service import RateMeter
 from shared.settings import Settings
 from shared.store import open_store
-from services.trainer.learner import Learner
-from services.trainer.ledger import OffsetLedger
 
 CONSUMED = Counter("flywheel_trainer_fragments_consumed_total", "Records pulled from the samples topic")
 TRAINED = Counter("flywheel_trainer_fragments_trained_total", "Fragments used in an update")
@@ -268,7 +268,8 @@ class Trainer:
         c = self.learner.counters
         data = self.learner.state_bytes(self.ledger.snapshot())
         step = c.updates
-        key, sha = await asyncio.to_thread(self.checkpoints.put_blob, data, f"{self.checkpoints.prefix}/{step}/state.pt")
+        key, sha = await asyncio.to_thread(self.checkpoints.put_blob, data,
+                                           f"{self.checkpoints.prefix}/{step}/state.pt")
         rec = VersionRecord(version=step, blob=key, sha256=sha, size=len(data), trainer_step=step,
                             extra={"policy_version": c.policy_version, "offsets": self.ledger.snapshot()})
         current = await asyncio.to_thread(self.checkpoints.read_marker)
@@ -283,8 +284,8 @@ class Trainer:
         if found is not None:
             record, data = found
             offsets = self.learner.restore(data)
-            self.log.info("checkpoint_restored", update=record.version, policy_version=self.learner.counters.policy_version,
-                          checkpoint_offsets=offsets)
+            self.log.info("checkpoint_restored", update=record.version,
+                          policy_version=self.learner.counters.policy_version, checkpoint_offsets=offsets)
         published = await asyncio.to_thread(self.policies.load_newer, self.learner.counters.policy_version)
         if published is not None:
             # The policy samplers act on is newer than the checkpoint (a crash after publishing):

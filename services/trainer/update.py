@@ -50,7 +50,9 @@ def _t(x: object, device: torch.device, dtype: torch.dtype = torch.float32) -> t
 
 
 @torch.no_grad()
-def _advantages(model: ActorCritic, frag: Fragment, cfg: UpdateConfig, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _advantages(
+    model: ActorCritic, frag: Fragment, cfg: UpdateConfig, device: torch.device
+) -> tuple[torch.Tensor, ...]:
     """GAE with the *current* critic; truncated steps bootstrap from their final observation."""
     obs = _t(frag.obs, device)  # [T, N, *O]
     rewards = _t(frag.rewards, device).clone()  # [T, N]
@@ -75,7 +77,8 @@ def _advantages(model: ActorCritic, frag: Fragment, cfg: UpdateConfig, device: t
     # The proximal policy: the weights as they are before this update's first gradient step.
     actions = _t(frag.actions, device, torch.long)
     prox_logp, _ = model.logp_entropy(obs, actions)
-    return obs.flatten(0, 1), actions.flatten(), _t(frag.logp, device).flatten(), prox_logp.flatten(), adv.flatten(), returns.flatten()
+    per_step = (actions, _t(frag.logp, device), prox_logp, adv, returns)
+    return (obs.flatten(0, 1), *(x.flatten() for x in per_step))
 
 
 def ppo_update(
@@ -117,7 +120,7 @@ def ppo_update(
             loss = policy_loss - cfg.ent_coef * entropy + cfg.vf_coef * value_loss
 
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             optimizer.step()
 

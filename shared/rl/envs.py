@@ -12,13 +12,13 @@ from gymnasium.vector import AutoresetMode
 from shared.fragment import FragmentSpec
 
 
-class LogNormalLatency(gym.Wrapper):  # type: ignore[type-arg]
+class LogNormalLatency(gym.Wrapper):
     """Sleeps a log-normal time on every step: an env whose steps have heavy-tailed latency.
 
     With ``median_ms`` m and ``sigma`` s the p99 is m * exp(2.326 s) (s=1: about 10 m).
     """
 
-    def __init__(self, env: gym.Env, median_ms: float, sigma: float, seed: int | None = None) -> None:  # type: ignore[type-arg]
+    def __init__(self, env: gym.Env, median_ms: float, sigma: float, seed: int | None = None) -> None:
         super().__init__(env)
         self._mu = float(np.log(median_ms / 1000.0))
         self._sigma = sigma
@@ -31,7 +31,7 @@ class LogNormalLatency(gym.Wrapper):  # type: ignore[type-arg]
 
 def make_vector_env(
     env_id: str, num_envs: int, latency_median_ms: float = 0.0, latency_sigma: float = 1.0, seed: int | None = None
-) -> gym.vector.VectorEnv:  # type: ignore[type-arg]
+) -> gym.vector.VectorEnv:
     """``num_envs`` copies stepped in one process; finished episodes reset in the same step."""
     wrappers = []
     if latency_median_ms > 0:

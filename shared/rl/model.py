@@ -64,7 +64,8 @@ class ActorCritic(nn.Module):
         return actions, lp.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.critic(obs).squeeze(-1)
+        value: torch.Tensor = self.critic(obs).squeeze(-1)
+        return value
 
 
 def weights_to_bytes(model: nn.Module) -> bytes:
@@ -84,7 +85,8 @@ def load_weights(model: nn.Module, data: bytes) -> None:
         raise WeightsError(f"not a safetensors blob: {exc}") from None
     own = model.state_dict()
     if set(tensors) != set(own):
-        raise WeightsError(f"keys differ: missing {sorted(set(own) - set(tensors))}, extra {sorted(set(tensors) - set(own))}")
+        missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+        raise WeightsError(f"keys differ: missing {missing}, extra {extra}")
     for k, v in tensors.items():
         if v.shape != own[k].shape or v.dtype != own[k].dtype:
             raise WeightsError(f"{k}: shape {tuple(v.shape)} {v.dtype}, want {tuple(own[k].shape)} {own[k].dtype}")

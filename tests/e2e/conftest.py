@@ -15,7 +15,9 @@ from shared.localstack.stack import LocalStack
 
 
 @pytest.fixture
-def make_stack(kafka_bootstrap: str, s3_endpoint: Any, run_name: str, tmp_path: Path) -> Iterator[Callable[..., LocalStack]]:
+def make_stack(
+    kafka_bootstrap: str, s3_endpoint: Any, run_name: str, tmp_path: Path
+) -> Iterator[Callable[..., LocalStack]]:
     stacks: list[LocalStack] = []
     infra = InfraEndpoints(kafka_bootstrap=kafka_bootstrap, s3_endpoint=s3_endpoint.endpoint_url,
                            bucket=s3_endpoint.bucket, access_key=s3_endpoint.access_key,

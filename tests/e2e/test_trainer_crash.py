@@ -113,7 +113,8 @@ def test_trainer_killed_and_restarted_loses_nothing(make_stack: Any, run_name: s
     for p, off in twice:
         assert off >= committed_at_kill.get(p, 0), (p, off, committed_at_kill)
     # ...and the consumed-but-uncommitted tail of run 1 was indeed re-delivered.
-    uncommitted_run1 = {(e["partition"], e["offset"]) for e in first if e["offset"] >= committed_at_kill.get(e["partition"], 0)}
+    uncommitted_run1 = {(e["partition"], e["offset"]) for e in first
+                        if e["offset"] >= committed_at_kill.get(e["partition"], 0)}
     assert uncommitted_run1 <= twice
     print(f"\nproduced {len(produced)} records; committed at kill {committed_at_kill}; "
           f"seen twice {len(twice)}; outcomes run1 {Counter(e['event'] for e in first)}, "

@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+from safetensors.numpy import save as st_save
 
 from shared.fragment import (
     H_SCHEMA,
@@ -9,7 +10,6 @@ from shared.fragment import (
     decode_fragment,
     encode_fragment,
 )
-from safetensors.numpy import save as st_save
 
 SPEC = FragmentSpec(obs_shape=(4,), num_actions=2, max_bytes=1 << 20)
 

@@ -1,0 +1,402 @@
+"""What every figure shares: the bench's own infra and ports, a stack runner, metric scraping,
+log reading, windows, statistics and the machine description.
+
+The suite never touches a ``make up`` stack or the test-suite's: its Kafka + S3 live in
+``.flywheel/bench`` on 29092/29093/29000 and its services on 28xxx; every stack gets a fresh run
+name (so fresh topics, consumer groups and store prefix) and a fresh home under
+``.flywheel/bench/runs/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+import shared.infra
+from shared.infra.config import REPO_ROOT, InfraEndpoints
+from shared.localstack.stack import LocalStack
+
+BENCH_HOME = REPO_ROOT / ".flywheel" / "bench"
+KAFKA_PORT, CONTROLLER_PORT, S3_PORT = 29092, 29093, 29000
+ADMIN_PORT, TRAINER_PORT, PARAMSYNC_PORT, SAMPLER_BASE_PORT = 28080, 28101, 28102, 28110
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "cartpole.yaml"
+
+
+def say(msg: str) -> None:
+    sys.stdout.write(f"[bench {time.strftime('%H:%M:%S')}] {msg}\n")
+    sys.stdout.flush()
+
+
+# ---- statistics ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spread:
+    """Median and range of repeated measurements."""
+
+    median: float
+    lo: float
+    hi: float
+    n: int
+    values: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Spread:
+        vs = [float(v) for v in values]
+        if not vs:
+            return cls(float("nan"), float("nan"), float("nan"), 0, ())
+        return cls(statistics.median(vs), min(vs), max(vs), len(vs), tuple(vs))
+
+    def fmt(self, digits: int = 0, unit: str = "") -> str:
+        if self.n == 0:
+            return "n/a"
+        f = f"{{:,.{digits}f}}"
+        body = f.format(self.median)
+        if self.n > 1:
+            body += f" ({f.format(self.lo)}-{f.format(self.hi)})"
+        return body + unit
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"median": self.median, "min": self.lo, "max": self.hi, "n": self.n, "values": list(self.values)}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 1]."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+# ---- the machine -----------------------------------------------------------------------------
+def machine() -> dict[str, Any]:
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = round(int(line.split()[1]) / 1024 / 1024, 1)
+    except OSError:
+        pass
+    import torch
+
+    return {
+        "cores": os.cpu_count(),
+        "cpu_model": model,
+        "mem_gib": mem_gib,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "os": f"{platform.system()} {platform.release()}",
+    }
+
+
+def loadavg() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_ts(value: str) -> float:
+    """An ISO timestamp from a log line -> epoch seconds."""
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+# ---- context handed to every figure ----------------------------------------------------------
+@dataclass
+class Context:
+    """The suite's infra endpoints, a stamp for run names, and the options of this invocation."""
+
+    infra: InfraEndpoints
+    stamp: str
+    quick: bool = False
+    profile: bool = False
+    out_dir: Path = field(default_factory=lambda: REPO_ROOT / "docs")
+
+    def run_name(self, figure: str, suffix: str = "") -> str:
+        return f"bench-{figure}-{self.stamp}{('-' + suffix) if suffix else ''}".replace("_", "-")
+
+    def scale(self, seconds: float) -> float:
+        """Window lengths shrink under --quick (a smoke run of the suite, not for the doc)."""
+        return max(2.0, seconds / 5.0) if self.quick else seconds
+
+
+def bench_infra() -> InfraEndpoints:
+    return shared.infra.ensure_up(BENCH_HOME, kafka_port=KAFKA_PORT, controller_port=CONTROLLER_PORT,
+                                  s3_port=S3_PORT, progress=lambda m: None)
+
+
+# ---- metrics and logs ------------------------------------------------------------------------
+def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
+    """A /metrics page as {sample name: value summed over labels}."""
+    text = httpx.get(url, timeout=timeout).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + float(s.value)
+    return out
+
+
+def read_events(path: Path, event: str | None = None, since: float | None = None) -> list[dict[str, Any]]:
+    """JSON log lines of ``path`` (optionally one event, optionally at/after epoch ``since``),
+    each with ``_t`` (epoch seconds of its timestamp)."""
+    out: list[dict[str, Any]] = []
+    if not path.exists():
+        return out
+    with path.open("r", errors="replace") as fh:
+        for line in fh:
+            if not line.startswith("{"):
+                continue
+            if event is not None and f'"{event}"' not in line:
+                continue
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            if event is not None and d.get("event") != event:
+                continue
+            ts = d.get("timestamp")
+            if not isinstance(ts, str):
+                continue
+            d["_t"] = parse_ts(ts)
+            if since is not None and d["_t"] < since:
+                continue
+            out.append(d)
+    return out
+
+
+_POOL = ThreadPoolExecutor(max_workers=12)
+
+
+def _try_scrape(url: str) -> dict[str, float] | None:
+    try:
+        return scrape(url)
+    except httpx.HTTPError:
+        return None
+
+
+# ---- a stack ---------------------------------------------------------------------------------
+class BenchStack:
+    """One LocalStack run on the bench infra with settings overrides; metrics, logs, admin status."""
+
+    def __init__(self, ctx: Context, run: str, overrides: dict[str, Any] | None = None,
+                 config: Path = DEFAULT_CONFIG) -> None:
+        self.ctx = ctx
+        self.run = run
+        env = {k: str(v) for k, v in (overrides or {}).items()}
+        self.home = BENCH_HOME / "runs" / run
+        self.stack = LocalStack(self.home, config=config, run=run, env=env, infra=ctx.infra,
+                                admin_port=ADMIN_PORT, trainer_port=TRAINER_PORT, paramsync_port=PARAMSYNC_PORT,
+                                sampler_base_port=SAMPLER_BASE_PORT, store_backend="local",
+                                progress=lambda m: None)
+        self.samplers = 0
+
+    # lifecycle
+    def up(self, samplers: int, timeout_s: float = 180.0) -> float:
+        """Start (or scale to) ``samplers`` samplers plus trainer, paramsync, admin; return seconds taken."""
+        t0 = time.monotonic()
+        self.stack.up(samplers=samplers, timeout_s=timeout_s, prometheus=False)
+        self.samplers = samplers
+        return time.monotonic() - t0
+
+    def down(self) -> None:
+        self.stack.down(infra=False)
+
+    # observation
+    def metrics_url(self, service: str, replica: int = 0) -> str:
+        return f"http://127.0.0.1:{self.stack.port(service, replica)}/metrics"
+
+    def scrape(self, service: str, replica: int = 0) -> dict[str, float]:
+        return scrape(self.metrics_url(service, replica))
+
+    def counters(self) -> dict[str, float]:
+        """Trainer counters + the samplers' summed env steps, scraped concurrently (one instant)."""
+        urls = [self.metrics_url("trainer")] + [self.metrics_url("sampler", r) for r in range(self.samplers)]
+        t_mid = time.monotonic()
+        pages = list(_POOL.map(_try_scrape, urls))
+        t_mid = (t_mid + time.monotonic()) / 2
+        t = pages[0]
+        if t is None:
+            raise httpx.HTTPError("trainer /metrics did not answer")
+        steps = sum(p.get("flywheel_sampler_env_steps_total", 0.0) for p in pages[1:] if p is not None)
+        backpressure = sum(p.get("flywheel_sampler_backpressure_seconds_total", 0.0) for p in pages[1:] if p)
+        return {
+            "t": t_mid,
+            "backpressure": backpressure,
+            "trained": t.get("flywheel_trainer_env_steps_trained_total", 0.0),
+            "busy": t.get("flywheel_trainer_busy_seconds_total", 0.0),
+            "updates": t.get("flywheel_trainer_updates_total", 0.0),
+            "dropped": t.get("flywheel_trainer_fragments_dropped_stale_total", 0.0),
+            "consumed": t.get("flywheel_trainer_fragments_consumed_total", 0.0),
+            "sampled": steps,
+        }
+
+    def status(self) -> dict[str, Any]:
+        r = httpx.get(f"{self.stack.admin_url}/status", timeout=5.0)
+        r.raise_for_status()
+        body: dict[str, Any] = r.json()
+        return body
+
+    def log(self, service: str, replica: int = 0) -> Path:
+        return self.stack.log_path(service, replica)
+
+    def events(self, service: str, event: str | None = None, replica: int = 0,
+               since: float | None = None) -> list[dict[str, Any]]:
+        return read_events(self.log(service, replica), event, since)
+
+    def wait_for(self, what: str, cond: Callable[[], bool], timeout_s: float, poll_s: float = 0.25) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            try:
+                if cond():
+                    return time.monotonic() - t0
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(poll_s)
+        raise TimeoutError(f"{self.run}: {what} did not happen within {timeout_s:.0f} s")
+
+    def wait_trained(self, env_steps: float, timeout_s: float = 120.0) -> float:
+        return self.wait_for(f"{env_steps:.0f} env steps trained",
+                             lambda: self.counters()["trained"] >= env_steps, timeout_s, 0.5)
+
+
+@contextmanager
+def stack(ctx: Context, run: str, overrides: dict[str, Any] | None = None,
+          config: Path = DEFAULT_CONFIG) -> Iterator[BenchStack]:
+    st = BenchStack(ctx, run, overrides, config)
+    try:
+        yield st
+    finally:
+        try:
+            st.down()
+        except Exception as exc:  # never leave the suite half-way because a stop failed
+            say(f"warning: stopping {run} failed: {exc}")
+
+
+@dataclass(frozen=True)
+class Window:
+    """Rates over one measurement window between two counter snapshots."""
+
+    seconds: float
+    trained_per_s: float
+    sampled_per_s: float
+    busy_fraction: float
+    updates_per_s: float
+    dropped: float
+    backpressure_fraction: float  # mean over samplers of the fraction of time paused by flow control
+
+    @classmethod
+    def between(cls, a: dict[str, float], b: dict[str, float], samplers: int = 1) -> Window:
+        dt = max(b["t"] - a["t"], 1e-9)
+        return cls(dt, (b["trained"] - a["trained"]) / dt, (b["sampled"] - a["sampled"]) / dt,
+                   (b["busy"] - a["busy"]) / dt, (b["updates"] - a["updates"]) / dt, b["dropped"] - a["dropped"],
+                   (b["backpressure"] - a["backpressure"]) / dt / max(samplers, 1))
+
+
+def measure_windows(st: BenchStack, window_s: float, repeats: int) -> list[Window]:
+    """``repeats`` back-to-back windows of ``window_s`` seconds each."""
+    out: list[Window] = []
+    prev = st.counters()
+    for _ in range(repeats):
+        time.sleep(window_s)
+        cur = st.counters()
+        out.append(Window.between(prev, cur, st.samplers))
+        prev = cur
+    return out
+
+
+# ---- the samples topic, read back after a run ------------------------------------------------
+@dataclass(frozen=True)
+class FragmentInfo:
+    created_at: float  # the sampler's wall clock when the fragment was made
+    steps: int
+    returns: tuple[float, ...]  # returns of the episodes that ended in it
+    sampler_id: str
+    policy_version: int
+
+
+def read_samples(ctx: Context, run: str, timeout_s: float = 60.0) -> list[FragmentInfo]:
+    """Every fragment on ``<run>.samples``, decoded, sorted by creation time. Read after the run,
+    so the reading never competes with the measured processes for CPU."""
+    import asyncio
+
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from shared.fragment import FragmentSpec, decode_fragment
+    from shared.kafka import Topics
+
+    topic = Topics.for_run(run).samples
+    spec = FragmentSpec(obs_shape=(4,), num_actions=2, max_bytes=64 * 1024 * 1024)
+
+    async def go() -> list[FragmentInfo]:
+        c = AIOKafkaConsumer(bootstrap_servers=ctx.infra.kafka_bootstrap, enable_auto_commit=False,
+                             group_id=None, fetch_max_bytes=64 * 1024 * 1024,
+                             max_partition_fetch_bytes=16 * 1024 * 1024)
+        await c.start()
+        out: list[FragmentInfo] = []
+        try:
+            parts = c.partitions_for_topic(topic)
+            if not parts:
+                await c._client.force_metadata_update()  # noqa: SLF001
+                parts = c.partitions_for_topic(topic) or set()
+            tps = [TopicPartition(topic, p) for p in sorted(parts)]
+            c.assign(tps)
+            await c.seek_to_beginning(*tps)
+            ends = await c.end_offsets(tps)
+            done = {tp for tp in tps if ends[tp] == 0}
+            deadline = time.monotonic() + timeout_s
+            while len(done) < len(tps) and time.monotonic() < deadline:
+                polled = await c.getmany(timeout_ms=500, max_records=2000)
+                for tp, recs in polled.items():
+                    for rec in recs:
+                        f = decode_fragment(rec.headers, rec.value, spec)
+                        out.append(FragmentInfo(f.created_at, f.steps, tuple(float(r) for r in f.episode_returns),
+                                                f.sampler_id, f.policy_version))
+                        if rec.offset + 1 >= ends[tp]:
+                            done.add(tp)
+        finally:
+            await c.stop()
+        out.sort(key=lambda f: f.created_at)
+        return out
+
+    return asyncio.run(go())
+
+
+def episode_curve(frags: list[FragmentInfo]) -> list[tuple[float, int, float]]:
+    """(seconds since the first fragment, env steps so far, return) for every finished episode,
+    in the order the fragments were made."""
+    if not frags:
+        return []
+    t0 = frags[0].created_at
+    steps = 0
+    out: list[tuple[float, int, float]] = []
+    for f in frags:
+        steps += f.steps
+        for r in f.returns:
+            out.append((f.created_at - t0, steps, r))
+    return out

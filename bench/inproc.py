@@ -1,0 +1,172 @@
+"""The same sampler and trainer code (RolloutWorker + Learner) joined in one process by a
+``queue.Queue``: the yardstick the Kafka pipeline is divided by, and the bare loops of
+``service_efficiency``.
+
+The in-memory pipeline mirrors the services' semantics: sampler threads adopt the newest policy
+between fragments, put fragments on a bounded queue (the flow control: ``sampler.max_backlog``
+fragments, at least 2), and the learner drops fragments older than ``trainer.max_staleness``
+versions, trains on ``trainer.batch_fragments`` at a time and publishes a new version every
+``trainer.publish_every`` updates (weights serialised to bytes, as the trainer does).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shared.fragment import Fragment
+from shared.rl.envs import fragment_spec
+from shared.settings import Settings
+from services.sampler.rollout import RolloutWorker
+from services.trainer.learner import Learner
+
+
+@dataclass
+class _PolicyBox:
+    version: int
+    weights: bytes
+    lock: threading.Lock
+
+
+def _worker(settings: Settings, i: int, seed: int) -> RolloutWorker:
+    e = settings.env
+    return RolloutWorker(e.id, e.num_envs, e.fragment_steps, f"inproc-{i}", settings.trainer.hidden, seed=seed,
+                         latency_median_ms=e.latency_median_ms, latency_sigma=e.latency_sigma)
+
+
+class InProcessPipeline:
+    """``samplers`` sampler threads -> queue.Queue -> the Learner in the calling thread."""
+
+    def __init__(self, settings: Settings, samplers: int = 2, seed: int = 0) -> None:
+        torch.set_num_threads(settings.trainer.torch_threads)
+        self.s = settings
+        self.learner = Learner(fragment_spec(settings.env.id, settings.kafka.max_message_bytes), settings.trainer)
+        self.box = _PolicyBox(0, self.learner.weights(), threading.Lock())
+        self.q: queue.Queue[Fragment] = queue.Queue(maxsize=max(2, settings.sampler.max_backlog))
+        self.workers = [_worker(settings, i, seed + i) for i in range(samplers)]
+        self.stop_event = threading.Event()
+        self.trained = 0
+        self.dropped = 0
+        self.busy_s = 0.0
+        self._threads = [threading.Thread(target=self._sample, args=(w,), daemon=True) for w in self.workers]
+
+    def _sample(self, w: RolloutWorker) -> None:
+        while not self.stop_event.is_set():
+            with self.box.lock:
+                version, weights = self.box.version, self.box.weights
+            if w.policy_version != version:
+                w.set_policy(version, weights)
+            frag = w.collect()
+            while not self.stop_event.is_set():
+                try:
+                    self.q.put(frag, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def run_for(self, seconds: float) -> None:
+        """Train for ``seconds`` (in the calling thread)."""
+        cfg = self.s.trainer
+        batch: list[Fragment] = []
+        end = time.monotonic() + seconds
+        c = self.learner.counters
+        while time.monotonic() < end:
+            try:
+                frag = self.q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self.learner.record_returns(frag)
+            if c.policy_version - frag.policy_version > cfg.max_staleness:
+                self.dropped += 1
+                continue
+            batch.append(frag)
+            if len(batch) < cfg.batch_fragments:
+                continue
+            t0 = time.perf_counter()
+            stats = self.learner.update(batch)
+            self.busy_s += time.perf_counter() - t0
+            self.trained += stats.env_steps
+            batch = []
+            if c.updates % cfg.publish_every == 0:
+                weights = self.learner.weights()
+                with self.box.lock:
+                    self.box.version, self.box.weights = c.policy_version + 1, weights
+                c.policy_version += 1
+
+    def close(self) -> None:
+        self.stop_event.set()
+        for t in self._threads:
+            t.join(timeout=10)
+        for w in self.workers:
+            w.close()
+
+
+def inproc_windows(settings: Settings, samplers: int, warmup_s: float, window_s: float,
+                   repeats: int) -> list[tuple[float, float]]:
+    """(trained env steps/s, learner busy fraction) for each window after a warm-up."""
+    pipe = InProcessPipeline(settings, samplers)
+    pipe.start()
+    try:
+        pipe.run_for(warmup_s)
+        out = []
+        for _ in range(repeats):
+            steps0, busy0, t0 = pipe.trained, pipe.busy_s, time.monotonic()
+            pipe.run_for(window_s)
+            dt = time.monotonic() - t0
+            out.append(((pipe.trained - steps0) / dt, (pipe.busy_s - busy0) / dt))
+        return out
+    finally:
+        pipe.close()
+
+
+def bare_rollout_rate(settings: Settings, seconds: float, warmup_s: float = 2.0) -> float:
+    """Env steps/s of one RolloutWorker stepped in a bare loop (policy loaded once, never changed)."""
+    torch.set_num_threads(settings.sampler.torch_threads)
+    learner = Learner(fragment_spec(settings.env.id, settings.kafka.max_message_bytes), settings.trainer)
+    w = _worker(settings, 0, 0)
+    w.set_policy(0, learner.weights())
+    try:
+        end = time.monotonic() + warmup_s
+        while time.monotonic() < end:
+            w.collect()
+        steps, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            steps += w.collect().steps
+        return steps / (time.monotonic() - t0)
+    finally:
+        w.close()
+
+
+def bare_learner_rate(settings: Settings, seconds: float, warmup_s: float = 2.0) -> float:
+    """Env steps trained/s of Learner.update in a bare loop on batches of ``batch_fragments`` fragments
+    (collected beforehand with the initial policy, reused round robin)."""
+    torch.set_num_threads(settings.trainer.torch_threads)
+    learner = Learner(fragment_spec(settings.env.id, settings.kafka.max_message_bytes), settings.trainer)
+    w = _worker(settings, 0, 0)
+    w.set_policy(0, learner.weights())
+    frags = [w.collect() for _ in range(16)]
+    w.close()
+    b = settings.trainer.batch_fragments
+    k = 0
+
+    def step() -> int:
+        nonlocal k
+        batch = [frags[(k + j) % len(frags)] for j in range(b)]
+        k += b
+        return learner.update(batch).env_steps
+
+    end = time.monotonic() + warmup_s
+    while time.monotonic() < end:
+        step()
+    steps, t0 = 0, time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        steps += step()
+    return steps / (time.monotonic() - t0)
