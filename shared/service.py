@@ -54,6 +54,32 @@ def entrypoint(service: str, argv: list[str] | None = None) -> Settings:
     return settings
 
 
+def run_main(service: str, build: Callable[[Settings], tuple[Service, Any]]) -> None:
+    """The whole life of a service process: settings, then ``build`` (heavy imports go there),
+    then :func:`serve` until SIGTERM. ``build`` runs inside the event loop (aiokafka needs one)
+    and returns the service and its HTTP app (None: the default /healthz + /metrics app)."""
+    settings = entrypoint(service)
+
+    async def amain() -> None:
+        svc, app = build(settings)
+        await serve(svc, settings, app=app)
+
+    asyncio.run(amain())
+
+
+async def run_until_first_error(*coros: Any) -> None:
+    """Run coroutines as tasks until all finish or one fails; cancel the rest; re-raise the error."""
+    tasks = [asyncio.create_task(c) for c in coros]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            t.result()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def http_app(svc: Service) -> Any:
     """A FastAPI app with /healthz and /metrics for ``svc``."""
     from fastapi import FastAPI, Response

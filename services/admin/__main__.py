@@ -1,13 +1,13 @@
 """``python -m services.admin --config configs/cartpole.yaml``: the admin API on http.host:http.port."""
 
-import asyncio
 import sys
+from typing import Any
 
-from shared.service import entrypoint
+from shared.service import run_main
+from shared.settings import Settings
 
 
-def main() -> None:
-    settings = entrypoint("admin")
+def build(settings: Settings) -> tuple[Any, Any]:
     if settings.admin.token is None and not settings.admin.insecure_dev:
         sys.stderr.write(
             "flywheel admin: admin.token is not set: export FLYWHEEL_ADMIN_TOKEN=<secret> "
@@ -16,13 +16,13 @@ def main() -> None:
         raise SystemExit(2)
     from services.admin.app import create_app
     from services.admin.state import AdminState
-    from shared.service import serve
 
-    async def amain() -> None:
-        state = AdminState(settings)  # aiokafka clients need the running loop
-        await serve(state, settings, app=create_app(state))
+    state = AdminState(settings)
+    return state, create_app(state)
 
-    asyncio.run(amain())
+
+def main() -> None:
+    run_main("admin", build)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from shared.kafka import Topics, consumer_lag, ensure_topics, make_consumer, mak
 from shared.logging import get_logger
 from shared.marker import VersionedStore, VersionRecord
 from shared.messages import ControlCommand, ParamsyncBeat, SamplerBeat, TrainerBeat, parse_heartbeat
+from shared.service import run_until_first_error
 from shared.settings import Settings
 from shared.store import StoreError, open_store
 
@@ -65,15 +66,7 @@ class AdminState:
         self._started = True
 
     async def run(self, stop_event: asyncio.Event) -> None:
-        tasks = [asyncio.create_task(self._heartbeats(stop_event)), asyncio.create_task(self._lag_loop(stop_event))]
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                t.result()
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await run_until_first_error(self._heartbeats(stop_event), self._lag_loop(stop_event))
 
     async def stop(self) -> None:
         await self.consumer.stop()

@@ -1,22 +1,23 @@
 """``python -m services.paramsync --config configs/cartpole.yaml``: wire settings to Paramsync."""
 
-import asyncio
+from typing import Any
 
-from shared.service import entrypoint
+from shared.service import run_main
+from shared.settings import Settings
 
 
-def main() -> None:
-    settings = entrypoint("paramsync")  # validates config before torch/gymnasium are imported
+def build(settings: Settings) -> tuple[Any, None]:
+    """Runs after the settings validated: torch and gymnasium are imported only now."""
     import torch
 
     from services.paramsync.service import Paramsync
-    from shared.service import serve
 
     torch.set_num_threads(1)
-    async def amain() -> None:
-        await serve(Paramsync(settings), settings)  # aiokafka clients need the running loop
+    return Paramsync(settings), None
 
-    asyncio.run(amain())
+
+def main() -> None:
+    run_main("paramsync", build)
 
 
 if __name__ == "__main__":

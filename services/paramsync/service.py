@@ -25,6 +25,7 @@ from shared.marker import MarkerConflict, StaleVersion, VersionedStore
 from shared.messages import KEY_ANNOUNCE, ControlCommand, ParamsyncBeat, PolicyMessage, SamplerBeat, parse_heartbeat
 from shared.rl.envs import fragment_spec
 from shared.rl.model import ActorCritic, WeightsError, load_weights
+from shared.service import run_until_first_error
 from shared.settings import Settings
 from shared.store import StoreError, open_store
 
@@ -73,17 +74,7 @@ class Paramsync:
         self._started = True
 
     async def run(self, stop_event: asyncio.Event) -> None:
-        tasks = [asyncio.create_task(self._candidate_loop(stop_event)),
-                 asyncio.create_task(self._inbox_loop(stop_event)),
-                 asyncio.create_task(self._beat_loop(stop_event))]
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                t.result()
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await run_until_first_error(self._candidate_loop(stop_event), self._inbox_loop(stop_event), self._beat_loop(stop_event))
 
     async def stop(self) -> None:
         await self.candidates.stop()

@@ -1,22 +1,23 @@
 """``python -m services.sampler --config configs/cartpole.yaml``: wire settings to the Sampler."""
 
-import asyncio
+from typing import Any
 
-from shared.service import entrypoint
+from shared.service import run_main
+from shared.settings import Settings
 
 
-def main() -> None:
-    settings = entrypoint("sampler")  # validates config before torch/gymnasium are imported
+def build(settings: Settings) -> tuple[Any, None]:
+    """Runs after the settings validated: torch and gymnasium are imported only now."""
     import torch
 
     from services.sampler.service import Sampler
-    from shared.service import serve
 
     torch.set_num_threads(settings.sampler.torch_threads)
-    async def amain() -> None:
-        await serve(Sampler(settings), settings)  # aiokafka clients need the running loop
+    return Sampler(settings), None
 
-    asyncio.run(amain())
+
+def main() -> None:
+    run_main("sampler", build)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,23 @@
 """``python -m services.trainer --config configs/cartpole.yaml``: wire settings to the Trainer."""
 
-import asyncio
+from typing import Any
 
-from shared.service import entrypoint
+from shared.service import run_main
+from shared.settings import Settings
 
 
-def main() -> None:
-    settings = entrypoint("trainer")  # validates config before torch/gymnasium are imported
+def build(settings: Settings) -> tuple[Any, None]:
+    """Runs after the settings validated: torch and gymnasium are imported only now."""
     import torch
 
     from services.trainer.service import Trainer
-    from shared.service import serve
 
     torch.set_num_threads(settings.trainer.torch_threads)
-    async def amain() -> None:
-        await serve(Trainer(settings), settings)  # aiokafka clients need the running loop
+    return Trainer(settings), None
 
-    asyncio.run(amain())
+
+def main() -> None:
+    run_main("trainer", build)
 
 
 if __name__ == "__main__":
