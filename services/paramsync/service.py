@@ -74,7 +74,9 @@ class Paramsync:
         self._started = True
 
     async def run(self, stop_event: asyncio.Event) -> None:
-        await run_until_first_error(self._candidate_loop(stop_event), self._inbox_loop(stop_event), self._beat_loop(stop_event))
+        await run_until_first_error(
+            self._candidate_loop(stop_event), self._inbox_loop(stop_event), self._beat_loop(stop_event)
+        )
 
     async def stop(self) -> None:
         await self.candidates.stop()
