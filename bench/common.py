@@ -262,6 +262,12 @@ class BenchStack:
         body: dict[str, Any] = r.json()
         return body
 
+    def status_samplers_producing(self) -> int:
+        """How many of this stack's samplers have produced a fragment (from their /metrics)."""
+        urls = [self.metrics_url("sampler", r) for r in range(self.samplers)]
+        pages = list(_POOL.map(_try_scrape, urls))
+        return sum(1 for p in pages if p and p.get("flywheel_sampler_fragments_produced_total", 0.0) > 0)
+
     def log(self, service: str, replica: int = 0) -> Path:
         return self.stack.log_path(service, replica)
 
@@ -400,3 +406,49 @@ def episode_curve(frags: list[FragmentInfo]) -> list[tuple[float, int, float]]:
         for r in f.returns:
             out.append((f.created_at - t0, steps, r))
     return out
+
+
+def rolling_mean(curve: list[tuple[float, int, float]], n: int) -> list[tuple[float, int, float]]:
+    """(t, steps, mean of the last ``n`` returns) from the n-th episode on."""
+    out: list[tuple[float, int, float]] = []
+    window: list[float] = []
+    total = 0.0
+    for t, steps, r in curve:
+        window.append(r)
+        total += r
+        if len(window) > n:
+            total -= window.pop(0)
+        if len(window) == n:
+            out.append((t, steps, total / n))
+    return out
+
+
+def return_at_steps(curve: list[tuple[float, int, float]], steps: int, n: int = 100) -> float:
+    """Mean of the last ``n`` episodes finished within the first ``steps`` env steps."""
+    rs = [r for _, s, r in curve if s <= steps][-n:]
+    return sum(rs) / len(rs) if rs else float("nan")
+
+
+def delete_topics(ctx: Context, prefix: str) -> int:
+    """Drop the topics of finished runs (names starting with ``prefix``) so the bench broker does
+    not accumulate them. Returns how many were deleted."""
+    import asyncio
+
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    async def go() -> int:
+        admin = AIOKafkaAdminClient(bootstrap_servers=ctx.infra.kafka_bootstrap)
+        await admin.start()
+        try:
+            names = [n for n in await admin.list_topics() if n.startswith(prefix)]
+            if names:
+                await admin.delete_topics(names)
+            return len(names)
+        finally:
+            await admin.close()
+
+    try:
+        return asyncio.run(go())
+    except Exception as exc:  # hygiene only
+        say(f"warning: could not delete topics {prefix}*: {exc}")
+        return 0

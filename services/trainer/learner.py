@@ -92,7 +92,9 @@ class Learner:
 
     def restore(self, data: bytes) -> dict[str, int]:
         """Load a checkpoint written by :meth:`state_bytes`; returns its consumed offsets."""
-        state = torch.load(io.BytesIO(data), map_location=self.device, weights_only=True)
+        # Load on the CPU: RNG states must stay CPU tensors; load_state_dict moves weights and
+        # optimizer state to the model's device.
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         c = self.counters
