@@ -89,7 +89,11 @@ def test_trainer_killed_and_restarted_loses_nothing(make_stack: Any, run_name: s
             break
         time.sleep(1)
     assert sum(lag.values()) == 0, f"trainer did not drain the backlog: {lag}"
-    stack.stop("trainer")
+    before_stop = len(log_events(log))
+    stack.stop("trainer")  # SIGTERM: finish the step, commit, checkpoint, exit
+    tail = [e["event"] for e in log_events(log)[before_stop:]]
+    assert "stopping" in tail and "stopped" in tail, tail
+    assert tail.index("stopping") < tail.index("checkpoint_written") < tail.index("stopped"), tail
 
     produced = asyncio.run(_all_samples(kafka_bootstrap, topic))
     events = log_events(log)

@@ -1,0 +1,98 @@
+"""``python -m bench``: run the benchmark figures, write docs/benchmarks.{md,json} and the plots.
+
+    python -m bench                      # every figure (~25 min on 2 cores)
+    python -m bench --only solve         # one figure (or a comma-separated list); the others are kept
+    python -m bench --list               # the figures
+    python -m bench --quick              # a smoke run with short windows, written to .flywheel/bench/quick/
+    python -m bench --profile --only service_efficiency   # + py-spy profiles under .flywheel/bench/profiles/
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from bench import report
+from bench.common import BENCH_HOME, Context, bench_infra, delete_topics, loadavg, machine, now_iso, say
+from bench.figures import FIGURES
+from shared.infra.config import REPO_ROOT
+
+
+def _command(argv: list[str]) -> str:
+    return " ".join([".venv/bin/python -m bench", *argv]).strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m bench", description="Flywheel benchmark suite")
+    p.add_argument("--only", help=f"comma-separated figures: {', '.join(FIGURES)}")
+    p.add_argument("--list", action="store_true", help="list the figures and exit")
+    p.add_argument("--quick", action="store_true", help="short windows; writes to .flywheel/bench/quick/, not docs/")
+    p.add_argument("--profile", action="store_true", help="py-spy the services where a figure supports it")
+    p.add_argument("--keep-infra", action="store_true", help="leave the bench Kafka + S3 running afterwards")
+    args = p.parse_args(argv)
+    if args.list:
+        for name, mod in FIGURES.items():
+            print(f"{name:20s} {mod.TITLE}  [target: {mod.TARGET}]")
+        return 0
+    names = list(FIGURES) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FIGURES]
+    if unknown:
+        p.error(f"unknown figure(s) {unknown}; choose from {', '.join(FIGURES)}")
+
+    out_dir = BENCH_HOME / "quick" if args.quick else REPO_ROOT / "docs"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / "benchmarks.json", out_dir / "benchmarks.md"
+    started = time.monotonic()
+    stamp = time.strftime("%m%d%H%M%S")
+    runs = BENCH_HOME / "runs"
+    if runs.is_dir():  # logs of earlier invocations' stacks (never of a running one: each has its own stamp)
+        for old in runs.iterdir():
+            if old.is_dir() and stamp not in old.name and time.time() - old.stat().st_mtime > 3600:
+                shutil.rmtree(old, ignore_errors=True)
+    say(f"bench infra: Kafka :29092, S3 :29000 in {BENCH_HOME}")
+    ctx = Context(infra=bench_infra(), stamp=stamp, quick=args.quick, profile=args.profile, out_dir=out_dir)
+    mach = machine()
+    say(f"machine: {mach['cores']} cores, {mach['cpu_model']}; figures: {', '.join(names)}")
+    failed = []
+    try:
+        for name in names:
+            mod = FIGURES[name]
+            data = report.load(json_path)
+            before, t0 = loadavg(), time.monotonic()
+            res, err = None, None
+            say(f"=== {name}: {mod.TITLE}")
+            try:
+                res = mod.run(ctx)
+            except Exception as exc:  # one broken figure must not lose the others
+                err = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
+                failed.append(name)
+            dur = time.monotonic() - t0
+            data["figures"][name] = report.entry(
+                name, mod.TITLE, mod.TARGET, res, command=_command(["--only", name] if args.only else argv),
+                machine=mach, date=now_iso(), duration_s=dur, load_before=before, load_after=loadavg(), error=err)
+            data["suite"] = {"last_command": _command(argv), "last_run": now_iso(),
+                             "last_duration_s": round(time.monotonic() - started, 1)}
+            report.save(json_path, data)
+            md_path.write_text(report.render(data))
+            say(f"=== {name}: {'FAILED ' + str(err) if err else 'done'} in {dur:.0f} s -> {md_path}")
+            if res is not None:
+                for r in res.headline:
+                    say(f"    {r.metric}: {r.value}" + (f"  (target {r.target})" if r.target else ""))
+            delete_topics(ctx, f"bench-{name.replace('_', '-')}-{stamp}")
+    finally:
+        if not args.keep_infra:
+            import shared.infra
+
+            shared.infra.down(BENCH_HOME, progress=lambda m: None)
+    say(f"suite took {time.monotonic() - started:.0f} s; {md_path}, {json_path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Figure 2: asynchronous vs synchronous training with heavy-tailed env latency, 8 samplers.
+
+Both modes run the same stack and settings; only ``mode`` differs. Throughput is env steps
+sampled per second (equal to trained in sync mode), the trainer's busy fraction is the rate of
+``flywheel_trainer_busy_seconds_total``, and the return is the mean of the last 100 episodes
+finished within the first ``STEPS`` env steps (read from the fragments on ``<run>.samples``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import gymnasium as gym
+
+from bench.common import (
+    Context,
+    Spread,
+    episode_curve,
+    percentile,
+    read_samples,
+    return_at_steps,
+    rolling_mean,
+    say,
+    stack,
+)
+from bench.plots import panels
+from bench.report import FigureResult, Row
+from shared.rl.envs import LogNormalLatency
+
+NAME = "async_vs_sync"
+TITLE = ("8 samplers, env steps with log-normal latency (median 2 ms, sigma 1.0): mode async vs mode sync "
+         "- env-steps/s, trainer busy fraction, return after the same number of env steps.")
+TARGET = "async >= 2.5x sync env-steps/s at equal return"
+SAMPLERS = 8
+MEDIAN_MS, SIGMA = 2.0, 1.0
+OVERRIDES = {
+    "FLYWHEEL_ENV_NUM_ENVS": 4,
+    "FLYWHEEL_ENV_LATENCY_MEDIAN_MS": MEDIAN_MS,
+    "FLYWHEEL_ENV_LATENCY_SIGMA": SIGMA,
+    "FLYWHEEL_TRAINER_BATCH_FRAGMENTS": 8,
+    "FLYWHEEL_SAMPLER_MAX_BACKLOG": 16,
+}
+
+
+def latency_probe(seconds: float, out: list[float]) -> None:
+    """Time every step of one CartPole env behind the same latency wrapper the samplers use."""
+    env = LogNormalLatency(gym.make("CartPole-v1"), MEDIAN_MS, SIGMA, seed=0)
+    env.reset(seed=0)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t0 = time.perf_counter()
+        _, _, term, trunc, _ = env.step(env.action_space.sample())
+        out.append((time.perf_counter() - t0) * 1000.0)
+        if term or trunc:
+            env.reset()
+    env.close()
+
+
+def run_mode(ctx: Context, mode: str, steps: int, probe_s: float) -> dict[str, Any]:
+    run = ctx.run_name(NAME, mode)
+    latencies: list[float] = []
+    series: list[dict[str, float]] = []
+    say(f"{NAME}: mode={mode}, {SAMPLERS} samplers, until {steps} env steps")
+    with stack(ctx, run, {"FLYWHEEL_MODE": mode, **OVERRIDES}) as st:
+        up_s = st.up(SAMPLERS)
+        probe = threading.Thread(target=latency_probe, args=(probe_s, latencies), daemon=True)
+        st.wait_trained(1, timeout_s=90)
+        probe.start()
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            c = st.counters()
+            series.append(c)
+            if c["sampled"] >= steps:
+                break
+            time.sleep(1.0)
+        status = st.status()
+        probe.join()
+    frags = read_samples(ctx, run)
+    curve = episode_curve(frags)
+    # Rates over 3 equal chunks of the polled series, skipping the first 10% (start-up transient).
+    t_first, t_last = series[0]["t"], series[-1]["t"]
+    start = t_first + 0.1 * (t_last - t_first)
+    pts = [c for c in series if c["t"] >= start]
+    chunks: list[dict[str, float]] = []
+    n = len(pts) - 1
+    for k in range(3):
+        a, b = pts[k * n // 3], pts[(k + 1) * n // 3]
+        dt = max(b["t"] - a["t"], 1e-9)
+        chunks.append({"sampled": (b["sampled"] - a["sampled"]) / dt, "trained": (b["trained"] - a["trained"]) / dt,
+                       "busy": (b["busy"] - a["busy"]) / dt})
+    wall_to_steps = next((f.created_at for f in _cumulative(frags, steps)), float("nan")) - frags[0].created_at
+    return {
+        "run": run,
+        "up_s": up_s,
+        "sampled_per_s": Spread.of(c["sampled"] for c in chunks),
+        "trained_per_s": Spread.of(c["trained"] for c in chunks),
+        "busy_fraction": Spread.of(c["busy"] for c in chunks),
+        "return_at_steps": return_at_steps(curve, steps, 100),
+        "return_at_steps_last20": return_at_steps(curve, steps, 20),
+        "wall_to_steps_s": wall_to_steps,
+        "staleness": status["staleness"],
+        "dropped_stale": series[-1]["dropped"],
+        "latency_ms": latencies,
+        "curve100": rolling_mean(curve, 100),
+    }
+
+
+def _cumulative(frags: list[Any], steps: int) -> list[Any]:
+    total = 0
+    for f in frags:
+        total += f.steps
+        if total >= steps:
+            return [f]
+    return []
+
+
+def run(ctx: Context) -> FigureResult:
+    steps = 10_000 if ctx.quick else 50_000
+    probe_s = ctx.scale(15)
+    a = run_mode(ctx, "async", steps, probe_s)
+    s = run_mode(ctx, "sync", steps, 0.5)
+    lat = a["latency_ms"]
+    p50, p99 = percentile(lat, 0.5), percentile(lat, 0.99)
+    speedup = a["sampled_per_s"].median / s["sampled_per_s"].median
+    ra, rs = a["return_at_steps"], s["return_at_steps"]
+    equal = ra >= 0.9 * rs
+    plot = panels(
+        ctx.out_dir / "benchmarks-async_vs_sync.png",
+        f"async vs sync, {SAMPLERS} samplers, env latency median {MEDIAN_MS:g} ms sigma {SIGMA:g}",
+        [("seconds since the first fragment", "mean return of the last 100 episodes",
+          [(m, [t for t, _, _ in r["curve100"]], [v for _, _, v in r["curve100"]]) for m, r in (("async", a),
+                                                                                             ("sync", s))]),
+         ("env steps", "mean return of the last 100 episodes",
+          [(m, [x for _, x, _ in r["curve100"]], [v for _, _, v in r["curve100"]]) for m, r in (("async", a),
+                                                                                             ("sync", s))])],
+    )
+    rows = []
+    for m, r in (("async", a), ("sync", s)):
+        rows.append(f"| {m} | {r['sampled_per_s'].fmt()} | {r['trained_per_s'].fmt()} | {r['busy_fraction'].fmt(2)} "
+                    f"| {r['return_at_steps']:.1f} | {r['return_at_steps_last20']:.1f} | {r['wall_to_steps_s']:.1f} "
+                    f"| {r['staleness']['mean'] or 0:.1f} / {r['staleness']['max']} | {r['dropped_stale']:.0f} |")
+    details = "\n".join([
+        f"| mode | env-steps/s sampled | env-steps/s trained | trainer busy fraction | return (last 100) at "
+        f"{steps:,} steps | return (last 20) | wall s to {steps:,} steps | staleness mean / max | dropped stale |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"Env-step latency, measured in the bench process while the async run was going (one CartPole env "
+        f"behind the same `LogNormalLatency` wrapper, {len(lat):,} steps): p50 {p50:.2f} ms, "
+        f"p90 {percentile(lat, 0.9):.2f} ms, p99 **{p99:.1f} ms**, max {max(lat):.1f} ms "
+        f"(nominal p99 = {MEDIAN_MS:g} ms x e^(2.326 x {SIGMA:g}) = {MEDIAN_MS * 10.24:.1f} ms; the excess is "
+        "sleep overshoot on a busy machine).",
+        "",
+        "Why the gap is what it is: a sampler steps its envs one after another, so a fragment "
+        f"({OVERRIDES['FLYWHEEL_ENV_NUM_ENVS']} envs x 32 steps = 128 heavy-tailed sleeps) takes about the same "
+        "time in both modes and the per-step tail mostly averages out within a fragment. In sync mode every "
+        "round also waits for the slowest of the 8 fragments, then for the update, the publish and every "
+        "sampler's adoption; async overlaps all of that with sampling and runs at the env-latency bound.",
+    ])
+    return FigureResult(
+        headline=[
+            Row("async / sync env-steps/s", f"{speedup:.2f}x", ">= 2.5x", speedup >= 2.5 and equal),
+            Row(f"return (last 100) at {steps:,} env steps, async vs sync", f"{ra:.1f} vs {rs:.1f}",
+                "equal", equal),
+            Row("trainer busy fraction, async vs sync",
+                f"{a['busy_fraction'].fmt(2)} vs {s['busy_fraction'].fmt(2)}"),
+            Row("env-step latency p99 (measured)", f"{p99:.1f} ms", "~20 ms", None),
+        ],
+        numbers={
+            "speedup": speedup, "steps": steps,
+            "latency_ms": {"p50": p50, "p90": percentile(lat, 0.9), "p99": p99, "max": max(lat), "n": len(lat)},
+            **{m: {k: v for k, v in r.items() if k not in ("latency_ms", "curve100")} for m, r in (("async", a),
+                                                                                                  ("sync", s))},
+        },
+        settings={"samplers": SAMPLERS, **{k.removeprefix("FLYWHEEL_").lower(): v for k, v in OVERRIDES.items()},
+                  "mode": "async | sync", "env_steps": steps},
+        method=(f"Each mode: a fresh stack with {SAMPLERS} samplers; from the first update, counters polled every "
+                f"second until {steps:,} env steps were sampled. Rates over 3 equal chunks of that span (the first "
+                "10% skipped). Returns from the fragments on `<run>.samples` in creation order. "
+                "`num_envs` lowered to 4 (8 samplers x 4 envs on 2 cores); `trainer.batch_fragments` 8 in both "
+                "modes so an update sees the same 1,024 env steps (sync trains one fragment of every sampler), "
+                "and `sampler.max_backlog` 16 so flow control does not stop samplers while the trainer fills a "
+                "batch of 8. One run per mode (time budget)."),
+        details_md=details,
+        plots=[plot],
+    )

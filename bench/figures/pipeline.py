@@ -1,0 +1,74 @@
+"""Figure 1: what Kafka costs. Trained env-steps/s of the local stack (2 samplers, Kafka between
+them and the trainer) divided by the same RolloutWorker + Learner code joined by a queue.Queue in
+one process."""
+
+from __future__ import annotations
+
+import time
+
+from bench.common import Context, Spread, measure_windows, say, stack
+from bench.inproc import inproc_windows
+from bench.report import FigureResult, Row
+from shared.settings import load_settings
+
+NAME = "pipeline"
+TITLE = "Trained env-steps/s through Kafka (local stack, 2 samplers) / the same code joined in memory."
+TARGET = ">= 0.9"
+SAMPLERS = 2
+
+
+def run(ctx: Context) -> FigureResult:
+    warmup, window, repeats = ctx.scale(8), ctx.scale(20), 3
+    settings = load_settings("configs/cartpole.yaml", environ={})
+
+    say(f"{NAME}: in-process pipeline, {SAMPLERS} sampler threads -> queue.Queue -> Learner")
+    mem = inproc_windows(settings, SAMPLERS, warmup, window, repeats)
+    mem_rate = Spread.of(r for r, _ in mem)
+    mem_busy = Spread.of(b for _, b in mem)
+
+    say(f"{NAME}: local stack, {SAMPLERS} samplers")
+    with stack(ctx, ctx.run_name(NAME)) as st:
+        up_s = st.up(SAMPLERS)
+        st.wait_trained(1, timeout_s=60)
+        time.sleep(warmup)
+        wins = measure_windows(st, window, repeats)
+        status = st.status()
+    kafka_rate = Spread.of(w.trained_per_s for w in wins)
+    kafka_busy = Spread.of(w.busy_fraction for w in wins)
+    sampled = Spread.of(w.sampled_per_s for w in wins)
+    bp = Spread.of(w.backpressure_fraction for w in wins)
+    ratio = kafka_rate.median / mem_rate.median
+
+    details = "\n".join([
+        "| | trained env-steps/s | learner busy fraction | notes |",
+        "|---|---|---|---|",
+        f"| Kafka pipeline (local stack) | {kafka_rate.fmt()} | {kafka_busy.fmt(2)} | sampled {sampled.fmt()} "
+        f"env-steps/s; samplers paused by flow control {bp.fmt(2)} of the time; staleness mean "
+        f"{status['staleness']['mean'] or 0:.1f}, max {status['staleness']['max']} |",
+        f"| in-memory (one process, threads) | {mem_rate.fmt()} | {mem_busy.fmt(2)} | "
+        f"{SAMPLERS} sampler threads share the GIL with the learner |",
+        "",
+        f"Ratio of medians: **{ratio:.2f}** (range over windows "
+        f"{kafka_rate.lo / mem_rate.hi:.2f}-{kafka_rate.hi / mem_rate.lo:.2f}). Stack start-up took {up_s:.0f} s "
+        "(not in the windows).",
+    ])
+    return FigureResult(
+        headline=[
+            Row("Kafka / in-memory trained env-steps/s", f"{ratio:.2f}", TARGET, ratio >= 0.9),
+            Row("trained env-steps/s, Kafka pipeline", kafka_rate.fmt()),
+            Row("trained env-steps/s, in-memory", mem_rate.fmt()),
+        ],
+        numbers={"ratio": ratio, "kafka_trained_per_s": kafka_rate, "inmem_trained_per_s": mem_rate,
+                 "kafka_busy_fraction": kafka_busy, "inmem_busy_fraction": mem_busy,
+                 "kafka_sampled_per_s": sampled, "kafka_backpressure_fraction": bp,
+                 "staleness": status["staleness"], "stack_up_s": up_s},
+        settings={"samplers": SAMPLERS, "warmup_s": warmup, "window_s": window, "windows": repeats},
+        method=(f"In-memory: {SAMPLERS} RolloutWorker threads put fragments on a queue.Queue bounded at "
+                "`sampler.max_backlog` fragments; the Learner (calling thread) drops fragments staler than "
+                "`max_staleness`, trains on `batch_fragments` at a time and hands new weights (bytes) to the "
+                "threads, which adopt them between fragments; torch 1 thread. Kafka: the local stack with the "
+                f"same config. Both: {warmup:.0f} s warm-up after the first update, then {repeats} windows of "
+                f"{window:.0f} s; rate = trained env steps / window (trainer counter "
+                "`flywheel_trainer_env_steps_trained_total`)."),
+        details_md=details,
+    )

@@ -1,0 +1,126 @@
+"""Figure 7: what the services cost on top of the pure code. Sampler env-steps/s inside the service
+vs RolloutWorker stepped in a bare loop; trainer env-steps trained/s inside the service vs
+Learner.update in a bare loop on the same batch size. Each measured alone on the machine."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+from bench.common import BENCH_HOME, BenchStack, Context, Spread, say, scrape, stack
+from bench.inproc import bare_learner_rate, bare_rollout_rate
+from bench.report import FigureResult, Row
+from shared.settings import load_settings
+
+NAME = "service_efficiency"
+TITLE = ("Service / bare-loop throughput: sampler env-steps/s (service vs RolloutWorker loop), trainer env-steps "
+         "trained/s (service vs Learner.update loop, same batch).")
+TARGET = ">= 0.5 each"
+OVERRIDES = {
+    "FLYWHEEL_SAMPLER_MAX_BACKLOG": 0,  # no flow control: the sampler runs alone, as fast as it can
+    "FLYWHEEL_TRAINER_MAX_STALENESS": 1_000_000,  # the trainer trains the backlog the sampler left
+}
+
+
+def _windows(url: str, metric: str, window: float, repeats: int) -> list[float]:
+    out = []
+    prev, t_prev = scrape(url).get(metric, 0.0), time.monotonic()
+    for _ in range(repeats):
+        time.sleep(window)
+        cur, t = scrape(url).get(metric, 0.0), time.monotonic()
+        out.append((cur - prev) / (t - t_prev))
+        prev, t_prev = cur, t
+    return out
+
+
+def _profile(ctx: Context, st: BenchStack, service: str, replica: int, seconds: float) -> subprocess.Popen[bytes] | None:
+    if not ctx.profile:
+        return None
+    pid = st.stack.pid(service, replica)
+    out = BENCH_HOME / "profiles" / f"{service}-{ctx.stamp}.speedscope.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    say(f"{NAME}: py-spy on {service} (pid {pid}) -> {out}")
+    return subprocess.Popen([str(Path(__import__("sys").executable).parent / "py-spy"), "record", "-p", str(pid),
+                             "-d", str(int(seconds)), "-r", "50", "-f", "speedscope", "-o", str(out), "--threads"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def run(ctx: Context) -> FigureResult:
+    warmup, window, repeats = ctx.scale(5), ctx.scale(10), 3
+    settings = load_settings("configs/cartpole.yaml", environ={})
+    say(f"{NAME}: bare RolloutWorker loop")
+    bare_s = Spread.of(bare_rollout_rate(settings, window) for _ in range(repeats))
+    say(f"{NAME}: bare Learner.update loop")
+    bare_t = Spread.of(bare_learner_rate(settings, window) for _ in range(repeats))
+
+    with stack(ctx, ctx.run_name(NAME), OVERRIDES) as st:
+        s = st.stack
+        s.start("trainer")  # publishes version 0, which the sampler needs
+        s.wait_healthy("trainer", timeout_s=90)
+        s.stop("trainer")
+        say(f"{NAME}: sampler service alone (no trainer, no flow control)")
+        s.start("sampler", 0)
+        s.wait_healthy("sampler", 0, timeout_s=90)
+        surl = st.metrics_url("sampler", 0)
+        st.wait_for("the first fragment", lambda: scrape(surl).get("flywheel_sampler_fragments_produced_total", 0) > 0,
+                    60, 0.2)
+        time.sleep(warmup)
+        prof = _profile(ctx, st, "sampler", 0, window * repeats)
+        svc_s = Spread.of(_windows(surl, "flywheel_sampler_env_steps_total", window, repeats))
+        if prof:
+            prof.wait(timeout=60)
+        produced = scrape(surl).get("flywheel_sampler_fragments_produced_total", 0.0)
+        s.stop("sampler", 0)
+        say(f"{NAME}: trainer service alone, on the backlog the sampler left ({produced:.0f} fragments)")
+        s.start("trainer")
+        s.wait_healthy("trainer", timeout_s=90)
+        turl = st.metrics_url("trainer")
+        st.wait_for("the first update", lambda: scrape(turl).get("flywheel_trainer_updates_total", 0) > 0, 60, 0.2)
+        time.sleep(warmup)
+        prof = _profile(ctx, st, "trainer", 0, window * repeats)
+        svc_t = Spread.of(_windows(turl, "flywheel_trainer_env_steps_trained_total", window, repeats))
+        if prof:
+            prof.wait(timeout=60)
+        tm = scrape(turl)
+        consumed = tm.get("flywheel_trainer_fragments_consumed_total", 0.0)
+        busy = tm.get("flywheel_trainer_busy_seconds_total", 0.0)
+        dropped = tm.get("flywheel_trainer_fragments_dropped_stale_total", 0.0)
+        update_s = [e["seconds"] for e in st.events("trainer", "update_done")]
+    backlog_left = produced - consumed
+    rs, rt = svc_s.median / bare_s.median, svc_t.median / bare_t.median
+    mean_update = sum(update_s) / len(update_s) if update_s else float("nan")
+    bs = settings.trainer.batch_fragments * settings.env.num_envs * settings.env.fragment_steps
+    details = "\n".join([
+        "| | service | bare loop | service / bare |",
+        "|---|---|---|---|",
+        f"| sampler env-steps/s | {svc_s.fmt()} | {bare_s.fmt()} | **{rs:.2f}** |",
+        f"| trainer env-steps trained/s | {svc_t.fmt()} | {bare_t.fmt()} | **{rt:.2f}** |",
+        "",
+        f"Trainer: mean `update_done.seconds` in the service {mean_update * 1000:.0f} ms for {bs} env steps "
+        f"(bare: {bs / bare_t.median * 1000:.0f} ms); the rest of its time goes to pulling and decoding fragments, "
+        f"publishing a policy after every update and logging. The backlog never ran dry during the windows "
+        f"({backlog_left:.0f} fragments were still unconsumed at the end; {dropped:.0f} dropped as stale).",
+    ])
+    return FigureResult(
+        headline=[
+            Row("sampler: service / bare RolloutWorker loop", f"{rs:.2f}", ">= 0.5", rs >= 0.5),
+            Row("trainer: service / bare Learner.update loop", f"{rt:.2f}", ">= 0.5", rt >= 0.5),
+            Row("sampler env-steps/s, service vs bare", f"{svc_s.fmt()} vs {bare_s.fmt()}"),
+            Row("trainer env-steps trained/s, service vs bare", f"{svc_t.fmt()} vs {bare_t.fmt()}"),
+        ],
+        numbers={"sampler_ratio": rs, "trainer_ratio": rt, "sampler_service": svc_s, "sampler_bare": bare_s,
+                 "trainer_service": svc_t, "trainer_bare": bare_t, "mean_update_s_service": mean_update,
+                 "backlog_left_fragments": backlog_left, "trainer_busy_s_total": busy},
+        settings={**{k.removeprefix("FLYWHEEL_").lower(): v for k, v in OVERRIDES.items()},
+                  "warmup_s": warmup, "window_s": window, "windows": repeats},
+        method=(f"Bare loops in the bench process (torch 1 thread): `RolloutWorker.collect()` with the initial policy; "
+                "`Learner.update()` on batches of `batch_fragments` fragments collected beforehand; "
+                f"{repeats} x {window:.0f} s each. Services: one stack, the trainer started once to publish version 0 "
+                f"and stopped; then one sampler alone (flow control off) for {warmup:.0f} s warm-up + {repeats} "
+                f"windows of {window:.0f} s (`flywheel_sampler_env_steps_total`); it is stopped and the trainer "
+                "started alone on the backlog it left (staleness limit off, so nothing is dropped), "
+                f"{warmup:.0f} s warm-up + {repeats} windows (`flywheel_trainer_env_steps_trained_total`). "
+                "Kafka runs beside each (it is part of the service's cost)."),
+        details_md=details,
+    )
