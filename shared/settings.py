@@ -123,6 +123,8 @@ class TrainerSettings(_Section):
     """Publish a policy candidate every N updates."""
     checkpoint_every: int = Field(50, ge=1)
     """Write a full checkpoint every N updates."""
+    keep_checkpoints: int = Field(3, ge=1)
+    """Checkpoints kept in the object store; older ones are deleted."""
     learning_rate: float = Field(2.5e-4, gt=0)
     gamma: float = Field(0.99, gt=0, le=1)
     gae_lambda: float = Field(0.95, ge=0, le=1)

@@ -266,18 +266,22 @@ class Trainer:
 
     async def _checkpoint(self) -> None:
         c = self.learner.counters
-        data = self.learner.state_bytes(self.ledger.snapshot())
         step = c.updates
+        current = await asyncio.to_thread(self.checkpoints.read_marker)
+        if current is not None and current[0].version >= step:
+            self.log.info("checkpoint_up_to_date", update=step)
+            return
+        offsets = self.ledger.snapshot()
+        data = self.learner.state_bytes(offsets)
         key, sha = await asyncio.to_thread(self.checkpoints.put_blob, data,
                                            f"{self.checkpoints.prefix}/{step}/state.pt")
         rec = VersionRecord(version=step, blob=key, sha256=sha, size=len(data), trainer_step=step,
-                            extra={"policy_version": c.policy_version, "offsets": self.ledger.snapshot()})
-        current = await asyncio.to_thread(self.checkpoints.read_marker)
-        if current is not None and current[0].version >= step:
-            return
+                            extra={"policy_version": c.policy_version, "offsets": offsets})
         await asyncio.to_thread(self.checkpoints.publish, rec, None if current is None else current[1])
         CHECKPOINTS.inc()
-        self.log.info("checkpoint_written", update=step, policy_version=c.policy_version, key=key)
+        pruned = await asyncio.to_thread(self.checkpoints.prune, self.cfg.keep_checkpoints)
+        self.log.info("checkpoint_written", update=step, policy_version=c.policy_version, key=key,
+                      pruned=pruned or None)
 
     async def _restore(self) -> None:
         found = await asyncio.to_thread(self.checkpoints.load_newer, None)
