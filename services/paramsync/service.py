@@ -90,27 +90,32 @@ class Paramsync:
     async def _candidate_loop(self, stop_event: asyncio.Event) -> None:
         while not stop_event.is_set():
             polled = await self.candidates.getmany(timeout_ms=200, max_records=50)
+            received = time.monotonic()
+            candidates = [msg for records in polled.values() for rec in records
+                          if (msg := self._parse_policy_message(rec.value, rec.offset)) is not None
+                          and msg.type == "candidate"]
+            if candidates:
+                # Only the newest of a burst is published: the older ones are already superseded.
+                newest = max(candidates, key=lambda m: m.version)
+                if len(candidates) > 1:
+                    CANDIDATES.labels(outcome="superseded").inc(len(candidates) - 1)
+                with PUBLISH_SECONDS.time():
+                    outcome = await self._publish(newest)
+                CANDIDATES.labels(outcome=outcome).inc()
+                if outcome == "published":
+                    self.tracker.published(newest.version, received)
             for tp, records in polled.items():
-                for rec in records:
-                    if rec.value is not None:
-                        await self._handle_policy_message(rec.value, rec.offset)
                 await self.candidates.commit({tp: records[-1].offset + 1})
 
-    async def _handle_policy_message(self, value: bytes, offset: int) -> None:
+    def _parse_policy_message(self, value: bytes | None, offset: int) -> PolicyMessage | None:
+        if value is None:
+            return None
         try:
-            msg = PolicyMessage.model_validate_json(value)
+            return PolicyMessage.model_validate_json(value)
         except ValueError as exc:
             CANDIDATES.labels(outcome="malformed").inc()
             self.log.warning("candidate_malformed", offset=offset, reason=str(exc)[:300])
-            return
-        if msg.type != "candidate":
-            return
-        received = time.monotonic()
-        with PUBLISH_SECONDS.time():
-            outcome = await self._publish(msg)
-        CANDIDATES.labels(outcome=outcome).inc()
-        if outcome == "published":
-            self.tracker.published(msg.version, received)
+            return None
 
     async def _publish(self, msg: PolicyMessage) -> str:
         record = msg.record()
