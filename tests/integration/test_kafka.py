@@ -92,7 +92,7 @@ async def test_killed_consumer_is_replaced_and_gets_exactly_the_uncommitted_reco
     await replacement.start()
     got: list[int] = []
     try:
-        deadline = time.monotonic() + 60  # the dead member's session (10 s) must expire first
+        deadline = time.monotonic() + 60  # the dead member's session (6 s) must expire first
         while time.monotonic() < deadline and len(got) < total - commit_upto:
             polled = await replacement.getmany(timeout_ms=500)
             for records in polled.values():
