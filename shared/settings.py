@@ -105,7 +105,8 @@ class SamplerSettings(_Section):
     heartbeat_interval_s: float = Field(1.0, gt=0)
     """Heartbeat period (also sent at once when the policy version changes)."""
     seed: int | None = None
-    """Base seed of the envs and the action sampling (None = random)."""
+    """Base seed of the envs and the action sampling, combined with the sampler id so every
+    sampler differs (None = random)."""
     torch_threads: int = Field(1, ge=1)
     """Intra-op threads for inference."""
 

@@ -12,6 +12,7 @@ import os
 import socket
 import time
 import uuid
+import zlib
 from collections import deque
 from typing import Any
 
@@ -39,6 +40,14 @@ BACKPRESSURE = Counter("flywheel_sampler_backpressure_seconds_total", "Seconds p
 IN_FLIGHT = Gauge("flywheel_sampler_in_flight_fragments", "Fragments sent, not yet acknowledged", ["sampler"])
 
 
+def sampler_seed(base: int | None, sampler_id: str) -> int | None:
+    """A seed per sampler: reproducible from ``sampler.seed``, different for every sampler id
+    (one shared seed would make samplers acting on the same version produce identical data)."""
+    if base is None:
+        return None
+    return (base * 1_000_003 + zlib.crc32(sampler_id.encode())) % 2**31
+
+
 def default_sampler_id() -> str:
     return os.environ.get("FLYWHEEL_SAMPLER_ID") or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
 
@@ -54,7 +63,7 @@ class Sampler:
         self.policies = VersionedStore(open_store(settings), settings.run, "policy")
         e = settings.env
         self.worker = RolloutWorker(e.id, e.num_envs, e.fragment_steps, self.id, settings.trainer.hidden,
-                                    settings.sampler.seed, e.latency_median_ms, e.latency_sigma)
+                                    sampler_seed(settings.sampler.seed, self.id), e.latency_median_ms, e.latency_sigma)
         self.producer = make_producer(settings)
         self.inbox = make_consumer(settings, group_id=None)
         self.in_flight = asyncio.Semaphore(settings.sampler.max_in_flight)

@@ -32,3 +32,12 @@ def test_percentile() -> None:
     assert percentile([], 0.5) is None
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
     assert percentile([5.0], 0.95) == 5.0
+
+
+def test_sampler_seeds_differ_per_sampler_and_repeat_per_id() -> None:
+    from services.sampler.service import sampler_seed
+
+    assert sampler_seed(None, "a") is None
+    assert sampler_seed(1, "sampler-0") == sampler_seed(1, "sampler-0")
+    assert sampler_seed(1, "sampler-0") != sampler_seed(1, "sampler-1")
+    assert sampler_seed(1, "sampler-0") != sampler_seed(2, "sampler-0")
