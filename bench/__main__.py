@@ -4,7 +4,8 @@
     python -m bench --only solve         # one figure (or a comma-separated list); the others are kept
     python -m bench --list               # the figures
     python -m bench --quick              # a smoke run with short windows, written to .flywheel/bench/quick/
-    python -m bench --profile --only service_efficiency   # + py-spy profiles under .flywheel/bench/profiles/
+    python -m bench --profile --only service_efficiency --out /tmp/prof
+        # + py-spy profiles of the services in .flywheel/bench/profiles/ (python -m bench.profile FILE)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the figures and exit")
     p.add_argument("--quick", action="store_true", help="short windows; writes to .flywheel/bench/quick/, not docs/")
     p.add_argument("--profile", action="store_true", help="py-spy the services where a figure supports it")
+    p.add_argument("--out", type=Path, help="write benchmarks.{md,json} and plots here instead of docs/")
     p.add_argument("--keep-infra", action="store_true", help="leave the bench Kafka + S3 running afterwards")
     args = p.parse_args(argv)
     if args.list:
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown figure(s) {unknown}; choose from {', '.join(FIGURES)}")
 
-    out_dir = BENCH_HOME / "quick" if args.quick else REPO_ROOT / "docs"
+    out_dir = args.out or (BENCH_HOME / "quick" if args.quick else REPO_ROOT / "docs")
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / "benchmarks.json", out_dir / "benchmarks.md"
     started = time.monotonic()

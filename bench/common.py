@@ -62,11 +62,13 @@ class Spread:
     def fmt(self, digits: int = 0, unit: str = "") -> str:
         if self.n == 0:
             return "n/a"
-        f = f"{{:,.{digits}f}}"
-        body = f.format(self.median)
-        if self.n > 1:
-            body += f" ({f.format(self.lo)}-{f.format(self.hi)})"
-        return body + unit
+        def f(x: float) -> str:
+            return "not reached" if x == float("inf") else f"{x:,.{digits}f}"
+
+        body = f(self.median) + (unit if self.median != float("inf") else "")
+        if self.n > 1 and self.lo != self.hi:
+            body += f" ({f(self.lo)}-{f(self.hi)})"
+        return body
 
     def as_dict(self) -> dict[str, Any]:
         return {"median": self.median, "min": self.lo, "max": self.hi, "n": self.n, "values": list(self.values)}
@@ -127,6 +129,18 @@ def parse_ts(value: str) -> float:
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
+_CLK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of ``pid`` (its threads included), or None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLK
+
+
 # ---- context handed to every figure ----------------------------------------------------------
 @dataclass
 class Context:
@@ -152,9 +166,12 @@ def bench_infra() -> InfraEndpoints:
 
 
 # ---- metrics and logs ------------------------------------------------------------------------
-def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
+_HTTP = httpx.Client(timeout=10.0)  # one client: a fresh httpx.get() per scrape costs ~0.05 s of CPU
+
+
+def scrape(url: str) -> dict[str, float]:
     """A /metrics page as {sample name: value summed over labels}."""
-    text = httpx.get(url, timeout=timeout).text
+    text = _HTTP.get(url).text
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -194,10 +211,13 @@ _POOL = ThreadPoolExecutor(max_workers=12)
 
 
 def _try_scrape(url: str) -> dict[str, float] | None:
-    try:
-        return scrape(url)
-    except httpx.HTTPError:
-        return None
+    for attempt in range(2):
+        try:
+            return scrape(url)
+        except httpx.HTTPError:
+            if attempt == 0:
+                time.sleep(0.05)
+    return None
 
 
 # ---- a stack ---------------------------------------------------------------------------------
@@ -215,6 +235,8 @@ class BenchStack:
                                 sampler_base_port=SAMPLER_BASE_PORT, store_backend="local",
                                 progress=lambda m: None)
         self.samplers = 0
+        self.scrape_misses = 0
+        self._last_sampler: dict[int, dict[str, float]] = {}
 
     # lifecycle
     def up(self, samplers: int, timeout_s: float = 180.0) -> float:
@@ -243,10 +265,19 @@ class BenchStack:
         t = pages[0]
         if t is None:
             raise httpx.HTTPError("trainer /metrics did not answer")
-        steps = sum(p.get("flywheel_sampler_env_steps_total", 0.0) for p in pages[1:] if p is not None)
-        backpressure = sum(p.get("flywheel_sampler_backpressure_seconds_total", 0.0) for p in pages[1:] if p)
+        # A sampler that did not answer this time keeps its last counters (they only grow), so one slow
+        # scrape under load cannot make the sum go down; how often that happened is counted.
+        for r, page in enumerate(pages[1:]):
+            if page is None:
+                self.scrape_misses += 1
+            else:
+                self._last_sampler[r] = page
+        known = [self._last_sampler[r] for r in range(self.samplers) if r in self._last_sampler]
+        steps = sum(p.get("flywheel_sampler_env_steps_total", 0.0) for p in known)
+        backpressure = sum(p.get("flywheel_sampler_backpressure_seconds_total", 0.0) for p in known)
         return {
             "t": t_mid,
+            **{f"cpu:{k}": v for k, v in self.cpu().items()},
             "backpressure": backpressure,
             "trained": t.get("flywheel_trainer_env_steps_trained_total", 0.0),
             "busy": t.get("flywheel_trainer_busy_seconds_total", 0.0),
@@ -257,10 +288,28 @@ class BenchStack:
         }
 
     def status(self) -> dict[str, Any]:
-        r = httpx.get(f"{self.stack.admin_url}/status", timeout=5.0)
+        r = _HTTP.get(f"{self.stack.admin_url}/status")
         r.raise_for_status()
         body: dict[str, Any] = r.json()
         return body
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds used so far by each process of the stack (samplers summed), Kafka, the S3 server and
+        this bench process - to see where the cores go."""
+        groups: dict[str, float] = {}
+        pids = dict(self.stack.pids())
+        for name in ("kafka", "s3"):
+            try:
+                pids[name] = int((BENCH_HOME / "pids" / f"{name}.pid").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                pass
+        pids["bench"] = os.getpid()
+        for name, pid in pids.items():
+            secs = cpu_seconds(pid)
+            if secs is not None:
+                key = "samplers" if name.startswith("sampler") else name
+                groups[key] = groups.get(key, 0.0) + secs
+        return groups
 
     def status_samplers_producing(self) -> int:
         """How many of this stack's samplers have produced a fragment (from their /metrics)."""
@@ -315,13 +364,25 @@ class Window:
     updates_per_s: float
     dropped: float
     backpressure_fraction: float  # mean over samplers of the fraction of time paused by flow control
+    cpu: dict[str, float] = field(default_factory=dict)  # cores used by each process group over the window
 
     @classmethod
     def between(cls, a: dict[str, float], b: dict[str, float], samplers: int = 1) -> Window:
         dt = max(b["t"] - a["t"], 1e-9)
         return cls(dt, (b["trained"] - a["trained"]) / dt, (b["sampled"] - a["sampled"]) / dt,
                    (b["busy"] - a["busy"]) / dt, (b["updates"] - a["updates"]) / dt, b["dropped"] - a["dropped"],
-                   (b["backpressure"] - a["backpressure"]) / dt / max(samplers, 1))
+                   (b["backpressure"] - a["backpressure"]) / dt / max(samplers, 1),
+                   {k[4:]: (b[k] - a.get(k, 0.0)) / dt for k in b if k.startswith("cpu:")})
+
+
+def cpu_table(windows: list[Window], total_cores: int | None = None) -> str:
+    """A Markdown line: median cores used by each process group over the windows."""
+    names = sorted({k for w in windows for k in w.cpu}, key=lambda k: -statistics.median(
+        [w.cpu.get(k, 0.0) for w in windows]))
+    parts = [f"{k} {statistics.median([w.cpu.get(k, 0.0) for w in windows]):.2f}" for k in names]
+    total = sum(statistics.median([w.cpu.get(k, 0.0) for w in windows]) for k in names)
+    cores = total_cores or os.cpu_count() or 1
+    return f"CPU (cores busy, median of windows): {', '.join(parts)}; total {total:.2f} of {cores}."
 
 
 def measure_windows(st: BenchStack, window_s: float, repeats: int) -> list[Window]:

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from services.sampler.rollout import RolloutWorker
+from services.trainer.learner import Learner
 from shared.fragment import Fragment
 from shared.rl.envs import fragment_spec
 from shared.settings import Settings
-from services.sampler.rollout import RolloutWorker
-from services.trainer.learner import Learner
 
 
 @dataclass
@@ -170,3 +170,41 @@ def bare_learner_rate(settings: Settings, seconds: float, warmup_s: float = 2.0)
     while time.monotonic() - t0 < seconds:
         steps += step()
     return steps / (time.monotonic() - t0)
+
+
+def sequential_solve(settings: Settings, seed: int, samplers: int = 2, max_s: float = 60.0,
+                     threshold: float = 475.0) -> dict[str, float | None]:
+    """The same RolloutWorkers + Learner in one loop with zero staleness: collect ``batch_fragments``
+    fragments (round robin over ``samplers`` workers), update, hand the new weights to every worker.
+    Returns wall seconds and env steps until the last-20 / last-100 mean return reaches ``threshold``."""
+    torch.set_num_threads(settings.trainer.torch_threads)
+    learner = Learner(fragment_spec(settings.env.id, settings.kafka.max_message_bytes), settings.trainer)
+    workers = [_worker(settings, i, seed * 1000 + i) for i in range(samplers)]
+    version, steps, k = 0, 0, 0
+    returns: list[float] = []
+    out: dict[str, float | None] = {"last20_s": None, "last20_steps": None, "last100_s": None, "last100_steps": None}
+    for w in workers:
+        w.set_policy(0, learner.weights())
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < max_s and out["last100_s"] is None:
+            frags = []
+            for _ in range(settings.trainer.batch_fragments):
+                frags.append(workers[k % samplers].collect())
+                k += 1
+            for f in frags:
+                steps += f.steps
+                for r in f.episode_returns:
+                    returns.append(float(r))
+                    for n in (20, 100):
+                        if out[f"last{n}_s"] is None and len(returns) >= n and sum(returns[-n:]) / n >= threshold:
+                            out[f"last{n}_s"], out[f"last{n}_steps"] = time.monotonic() - t0, steps
+            learner.update(frags)
+            version += 1
+            weights = learner.weights()
+            for w in workers:
+                w.set_policy(version, weights)
+    finally:
+        for w in workers:
+            w.close()
+    return out

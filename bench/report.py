@@ -71,8 +71,20 @@ def entry(name: str, title: str, target: str, res: FigureResult | None, *, comma
 def save(path: Path, data: dict[str, Any]) -> None:
     data["figures"] = {k: data["figures"][k] for k in sorted(data["figures"], key=_rank)}
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+    tmp.write_text(json.dumps(_finite(json.loads(json.dumps(data, default=_json_default))), indent=2,
+                              allow_nan=False) + "\n")
     tmp.replace(path)
+
+
+def _finite(o: Any) -> Any:
+    """JSON has no inf / NaN: write them as null ("not reached" / "not measured")."""
+    if isinstance(o, float) and (o != o or o in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_finite(v) for v in o]
+    return o
 
 
 def _json_default(o: Any) -> Any:
@@ -164,7 +176,8 @@ def _section(e: dict[str, Any]) -> str:
         s = ", ".join(f"`{k}={v}`" for k, v in e["settings"].items())
         lines.append(f"*Settings* (on top of `configs/cartpole.yaml`): {s}\n")
     la = e.get("loadavg_1m", {})
+    before, after = la.get("before") or float("nan"), la.get("after") or float("nan")
     lines.append(f"*Ran:* `{e['command']}` on {e['date']}, {e['duration_s']:.0f} s; {m.get('cores')} cores "
                  f"({m.get('cpu_model')}), {m.get('mem_gib')} GiB, Python {m.get('python')}, torch {m.get('torch')}; "
-                 f"load average {la.get('before', float('nan')):.1f} before, {la.get('after', float('nan')):.1f} after.\n")
+                 f"1-min load average {before:.1f} before, {after:.1f} after.\n")
     return "\n".join(lines)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from bench.common import Context, Spread, measure_windows, say, stack
+from bench.common import Context, Spread, cpu_table, measure_windows, say, stack
 from bench.inproc import inproc_windows
 from bench.report import FigureResult, Row
 from shared.settings import load_settings
@@ -51,6 +51,8 @@ def run(ctx: Context) -> FigureResult:
         f"Ratio of medians: **{ratio:.2f}** (range over windows "
         f"{kafka_rate.lo / mem_rate.hi:.2f}-{kafka_rate.hi / mem_rate.lo:.2f}). Stack start-up took {up_s:.0f} s "
         "(not in the windows).",
+        "",
+        "Kafka pipeline, " + cpu_table(wins),
     ])
     return FigureResult(
         headline=[
@@ -61,7 +63,8 @@ def run(ctx: Context) -> FigureResult:
         numbers={"ratio": ratio, "kafka_trained_per_s": kafka_rate, "inmem_trained_per_s": mem_rate,
                  "kafka_busy_fraction": kafka_busy, "inmem_busy_fraction": mem_busy,
                  "kafka_sampled_per_s": sampled, "kafka_backpressure_fraction": bp,
-                 "staleness": status["staleness"], "stack_up_s": up_s},
+                 "staleness": status["staleness"], "stack_up_s": up_s,
+                 "cpu_cores": [w.cpu for w in wins]},
         settings={"samplers": SAMPLERS, "warmup_s": warmup, "window_s": window, "windows": repeats},
         method=(f"In-memory: {SAMPLERS} RolloutWorker threads put fragments on a queue.Queue bounded at "
                 "`sampler.max_backlog` fragments; the Learner (calling thread) drops fragments staler than "

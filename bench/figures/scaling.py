@@ -3,9 +3,10 @@ trainer becomes the limit. One stack, scaled up in place (running samplers are k
 
 from __future__ import annotations
 
+import functools
 import time
 
-from bench.common import Context, Spread, measure_windows, say, stack
+from bench.common import BenchStack, Context, Spread, cpu_table, measure_windows, say, stack
 from bench.figures.async_vs_sync import MEDIAN_MS, OVERRIDES, SIGMA
 from bench.plots import lines
 from bench.report import FigureResult, Row
@@ -18,9 +19,15 @@ COUNTS = (1, 2, 4, 8)
 TARGETS = {2: 1.95, 4: 3.85, 8: 7.5}
 
 
+def _producing(st: BenchStack, n: int) -> bool:
+    return st.status_samplers_producing() >= n
+
+
 def run(ctx: Context) -> FigureResult:
     warmup, window, repeats = ctx.scale(6), ctx.scale(10), 3
     res: dict[int, dict[str, Spread]] = {}
+    cpu: dict[int, str] = {}
+    cpu_raw: dict[str, list[dict[str, float]]] = {}
     with stack(ctx, ctx.run_name(NAME), {"FLYWHEEL_MODE": "async", **OVERRIDES}) as st:
         for n in COUNTS:
             say(f"{NAME}: {n} samplers")
@@ -28,9 +35,11 @@ def run(ctx: Context) -> FigureResult:
             if n == 1:
                 st.wait_trained(1, timeout_s=90)
             # every new sampler has a policy and has produced
-            st.wait_for(f"{n} samplers producing", lambda n=n: st.status_samplers_producing() >= n, 60)
+            st.wait_for(f"{n} samplers producing", functools.partial(_producing, st, n), 60)
             time.sleep(warmup)
             wins = measure_windows(st, window, repeats)
+            cpu[n] = cpu_table(wins)
+            cpu_raw[str(n)] = [w.cpu for w in wins]
             res[n] = {
                 "sampled": Spread.of(w.sampled_per_s for w in wins),
                 "trained": Spread.of(w.trained_per_s for w in wins),
@@ -43,10 +52,10 @@ def run(ctx: Context) -> FigureResult:
     rows, headline = [], []
     for n in COUNTS:
         r = res[n]
-        rows.append(f"| {n} | {r['sampled'].fmt()} | **{rel[n]:.2f}x** | {r['trained'].fmt()} | {r['busy'].fmt(2)} "
+        rows.append(f"| {n} | {r['sampled'].fmt()} | **{rel[n]:.3f}x** | {r['trained'].fmt()} | {r['busy'].fmt(2)} "
                     f"| {r['backpressure'].fmt(2)} | {r['capacity'].fmt()} |")
         if n in TARGETS:
-            headline.append(Row(f"{n} samplers / 1", f"{rel[n]:.2f}x", f">= {TARGETS[n]}x", rel[n] >= TARGETS[n]))
+            headline.append(Row(f"{n} samplers / 1", f"{rel[n]:.3f}x", f">= {TARGETS[n]}x", rel[n] >= TARGETS[n]))
     per_sampler = base
     cap8 = res[8]["capacity"].median
     limit_at = cap8 / per_sampler if per_sampler > 0 else float("nan")
@@ -68,11 +77,13 @@ def run(ctx: Context) -> FigureResult:
         f"were busy all the time (trained rate / busy fraction, with 8 samplers competing for the cores), i.e. "
         f"about {limit_at:.0f} samplers' worth at {per_sampler:,.0f} env-steps/s each. The capacity column shows "
         "how it shrinks as samplers take CPU from it.",
+        "",
+        *[f"- {n} sampler{'s' if n > 1 else ''}: {cpu[n]}" for n in COUNTS],
     ])
     return FigureResult(
         headline=headline,
         numbers={"relative": rel, "per_count": {str(n): res[n] for n in COUNTS},
-                 "trainer_limit_samplers_est": limit_at},
+                 "trainer_limit_samplers_est": limit_at, "cpu_cores": cpu_raw},
         settings={**{k.removeprefix("FLYWHEEL_").lower(): v for k, v in OVERRIDES.items()},
                   "warmup_s": warmup, "window_s": window, "windows": repeats},
         method=(f"One stack in mode async with the settings of `async_vs_sync`, scaled 1 -> 2 -> 4 -> 8 samplers "

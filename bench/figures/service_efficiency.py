@@ -5,6 +5,7 @@ Learner.update in a bare loop on the same batch size. Each measured alone on the
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -34,15 +35,16 @@ def _windows(url: str, metric: str, window: float, repeats: int) -> list[float]:
     return out
 
 
-def _profile(ctx: Context, st: BenchStack, service: str, replica: int, seconds: float) -> subprocess.Popen[bytes] | None:
+def _profile(ctx: Context, st: BenchStack, service: str, seconds: float) -> subprocess.Popen[bytes] | None:
+    """With --profile: py-spy the measured service during its windows (collapsed stacks, CPU only)."""
     if not ctx.profile:
         return None
-    pid = st.stack.pid(service, replica)
-    out = BENCH_HOME / "profiles" / f"{service}-{ctx.stamp}.speedscope.json"
+    pid = st.stack.pid(service, 0)
+    out = BENCH_HOME / "profiles" / f"{service}-{ctx.stamp}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
-    say(f"{NAME}: py-spy on {service} (pid {pid}) -> {out}")
-    return subprocess.Popen([str(Path(__import__("sys").executable).parent / "py-spy"), "record", "-p", str(pid),
-                             "-d", str(int(seconds)), "-r", "50", "-f", "speedscope", "-o", str(out), "--threads"],
+    say(f"{NAME}: py-spy on {service} (pid {pid}) -> {out} (collapsed stacks; summarise with python -m bench.profile)")
+    return subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid), "--nonblocking",
+                             "-d", str(int(seconds)), "-r", "100", "-f", "raw", "-o", str(out), "--threads"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -56,8 +58,12 @@ def run(ctx: Context) -> FigureResult:
 
     with stack(ctx, ctx.run_name(NAME), OVERRIDES) as st:
         s = st.stack
-        s.start("trainer")  # publishes version 0, which the sampler needs
-        s.wait_healthy("trainer", timeout_s=90)
+        # The trainer sends version 0 as a candidate, paramsync publishes it: what a sampler starts from.
+        s.start("trainer")
+        s.start("paramsync")
+        marker = st.home / "store" / st.run / "policy" / "LATEST"
+        st.wait_for("version 0 published", marker.exists, 90, 0.2)
+        s.stop("paramsync")
         s.stop("trainer")
         say(f"{NAME}: sampler service alone (no trainer, no flow control)")
         s.start("sampler", 0)
@@ -66,7 +72,7 @@ def run(ctx: Context) -> FigureResult:
         st.wait_for("the first fragment", lambda: scrape(surl).get("flywheel_sampler_fragments_produced_total", 0) > 0,
                     60, 0.2)
         time.sleep(warmup)
-        prof = _profile(ctx, st, "sampler", 0, window * repeats)
+        prof = _profile(ctx, st, "sampler", window * repeats)
         svc_s = Spread.of(_windows(surl, "flywheel_sampler_env_steps_total", window, repeats))
         if prof:
             prof.wait(timeout=60)
@@ -78,7 +84,7 @@ def run(ctx: Context) -> FigureResult:
         turl = st.metrics_url("trainer")
         st.wait_for("the first update", lambda: scrape(turl).get("flywheel_trainer_updates_total", 0) > 0, 60, 0.2)
         time.sleep(warmup)
-        prof = _profile(ctx, st, "trainer", 0, window * repeats)
+        prof = _profile(ctx, st, "trainer", window * repeats)
         svc_t = Spread.of(_windows(turl, "flywheel_trainer_env_steps_trained_total", window, repeats))
         if prof:
             prof.wait(timeout=60)
