@@ -38,7 +38,7 @@ def run_seed(ctx: Context, seed: int, budget: float) -> dict[str, Any]:
     run = ctx.run_name(NAME, f"seed{seed}")
     say(f"{NAME}: seed {seed}, {budget:.0f} s from the first fragment")
     with stack(ctx, run, {"FLYWHEEL_TRAINER_SEED": seed, "FLYWHEEL_SAMPLER_SEED": seed}) as st:
-        st.up(SAMPLERS)
+        up_s = st.up(SAMPLERS)
         st.wait_for("the first fragment", lambda: st.status_samplers_producing() >= 1, 60, poll_s=0.2)
         time.sleep(budget + 1.0)
         status = st.status()
@@ -58,6 +58,7 @@ def run_seed(ctx: Context, seed: int, budget: float) -> dict[str, Any]:
         "env_steps": curve[-1][1] if curve else 0,
         "duplicate_fragments": _duplicates(frags),
         "staleness_mean": status["staleness"]["mean"],
+        "stack_up_s": up_s,
         "trained": status["trainer"]["samples_trained"],
         "fragments": len(frags),
         "m20": m20,
@@ -88,6 +89,7 @@ def run(ctx: Context) -> FigureResult:
     steps100 = Spread.of(r["solve100"][1] if r["solve100"] else float("inf") for r in res)
     steps20 = Spread.of(r["solve20"][1] if r["solve20"] else float("inf") for r in res)
     held = all(r["held"] for r in res)
+    up = Spread.of(r["stack_up_s"] for r in res)
     rows = []
     for r in res:
         low = "n/a" if r["min_last100_after"] is None else f"{r['min_last100_after']:.1f}"
@@ -142,7 +144,8 @@ def run(ctx: Context) -> FigureResult:
                 "each finished episode's return (fragments carry `episode_returns`) is placed at its fragment's "
                 "creation time and at the cumulative env steps sampled so far. last-20 / last-100 are running means "
                 "over that sequence (the behaviour policy's episodes, as in CleanRL's episodic-return curves). "
-                "Wall time counts from the first fragment, so stack start-up (~15-25 s here) is excluded."),
+                f"Wall time counts from the first fragment, so stack start-up ({up.fmt(0, ' s')} here, until every "
+                "service answered /healthz) is excluded."),
         details_md=details,
         plots=[plot],
     )
