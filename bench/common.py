@@ -9,6 +9,7 @@ name (so fresh topics, consumer groups and store prefix) and a fresh home under
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -405,6 +406,7 @@ class FragmentInfo:
     returns: tuple[float, ...]  # returns of the episodes that ended in it
     sampler_id: str
     policy_version: int
+    fingerprint: str = ""  # hash of the observations: equal only for identical trajectories
 
 
 def read_samples(ctx: Context, run: str, timeout_s: float = 60.0) -> list[FragmentInfo]:
@@ -443,7 +445,8 @@ def read_samples(ctx: Context, run: str, timeout_s: float = 60.0) -> list[Fragme
                     for rec in recs:
                         f = decode_fragment(rec.headers, rec.value, spec)
                         out.append(FragmentInfo(f.created_at, f.steps, tuple(float(r) for r in f.episode_returns),
-                                                f.sampler_id, f.policy_version))
+                                                f.sampler_id, f.policy_version,
+                                                hashlib.blake2b(f.obs.tobytes(), digest_size=8).hexdigest()))
                         if rec.offset + 1 >= ends[tp]:
                             done.add(tp)
         finally:
