@@ -18,7 +18,19 @@ import traceback
 from pathlib import Path
 
 from bench import report
-from bench.common import BENCH_HOME, Context, bench_infra, delete_topics, loadavg, machine, now_iso, say
+from bench.common import (
+    BENCH_HOME,
+    Context,
+    bench_infra,
+    delete_topics,
+    loadavg,
+    machine,
+    machine_busy_seconds,
+    now_iso,
+    reap_children,
+    say,
+    suite_cpu_seconds,
+)
 from bench.figures import FIGURES
 from shared.infra.config import REPO_ROOT
 
@@ -66,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             mod = FIGURES[name]
             data = report.load(json_path)
             before, t0 = loadavg(), time.monotonic()
+            busy0, ours0 = machine_busy_seconds(), suite_cpu_seconds()
             res, err = None, None
             say(f"=== {name}: {mod.TITLE}")
             try:
@@ -74,15 +87,21 @@ def main(argv: list[str] | None = None) -> int:
                 err = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
                 failed.append(name)
+            reap_children()
             dur = time.monotonic() - t0
+            # Cores other work took while this figure ran (machine CPU minus the suite's own): > ~0.2 means
+            # the figure shared the machine and its numbers are suspect.
+            other = max(0.0, (machine_busy_seconds() - busy0) - (suite_cpu_seconds() - ours0)) / max(dur, 1e-9)
             data["figures"][name] = report.entry(
                 name, mod.TITLE, mod.TARGET, res, command=_command(["--only", name] if args.only else argv),
-                machine=mach, date=now_iso(), duration_s=dur, load_before=before, load_after=loadavg(), error=err)
+                machine=mach, date=now_iso(), duration_s=dur, load_before=before, load_after=loadavg(), error=err,
+                other_cores=other)
             data["suite"] = {"last_command": _command(argv), "last_run": now_iso(),
                              "last_duration_s": round(time.monotonic() - started, 1)}
             report.save(json_path, data)
             md_path.write_text(report.render(data))
-            say(f"=== {name}: {'FAILED ' + str(err) if err else 'done'} in {dur:.0f} s -> {md_path}")
+            say(f"=== {name}: {'FAILED ' + str(err) if err else 'done'} in {dur:.0f} s -> {md_path} "
+                f"(other work on the machine meanwhile: {other:.2f} cores)")
             if res is not None:
                 for r in res.headline:
                     say(f"    {r.metric}: {r.value}" + (f"  (target {r.target})" if r.target else ""))

@@ -142,6 +142,63 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _CLK
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds all processes on the machine have used (from /proc/stat): with the stack's own
+    processes subtracted, what other work took from the cores during a window."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / _CLK
+
+
+def reap_children(wait_s: float = 2.0) -> int:
+    """Reap this process's exited children (stack processes that were killed or stopped and not yet
+    waited for), so their CPU time is counted as the suite's. Returns how many were reaped."""
+    reaped, deadline = 0, time.monotonic() + wait_s
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return reaped
+        if pid == 0:  # children remain, none has exited yet
+            if time.monotonic() >= deadline or not _has_zombie_child():
+                return reaped
+            time.sleep(0.05)
+            continue
+        reaped += 1
+
+
+def _has_zombie_child() -> bool:
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            f = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if f[1] == me and f[0] in ("Z", "X"):
+            return True
+    return False
+
+
+def suite_cpu_seconds() -> float:
+    """CPU seconds of this bench process, its reaped children (every stack process a figure started and
+    stopped) and the bench's Kafka + S3: what the suite itself used."""
+    total = 0.0
+    try:
+        f = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        total += sum(int(x) for x in f[11:15]) / _CLK
+    except (OSError, IndexError, ValueError):
+        pass
+    for name in ("kafka", "s3"):
+        try:
+            total += cpu_seconds(int((BENCH_HOME / "pids" / f"{name}.pid").read_text().split()[0])) or 0.0
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
 # ---- context handed to every figure ----------------------------------------------------------
 @dataclass
 class Context:
@@ -310,6 +367,7 @@ class BenchStack:
             if secs is not None:
                 key = "samplers" if name.startswith("sampler") else name
                 groups[key] = groups.get(key, 0.0) + secs
+        groups["machine"] = machine_busy_seconds()
         return groups
 
     def status_samplers_producing(self) -> int:
@@ -377,13 +435,19 @@ class Window:
 
 
 def cpu_table(windows: list[Window], total_cores: int | None = None) -> str:
-    """A Markdown line: median cores used by each process group over the windows."""
-    names = sorted({k for w in windows for k in w.cpu}, key=lambda k: -statistics.median(
-        [w.cpu.get(k, 0.0) for w in windows]))
-    parts = [f"{k} {statistics.median([w.cpu.get(k, 0.0) for w in windows]):.2f}" for k in names]
-    total = sum(statistics.median([w.cpu.get(k, 0.0) for w in windows]) for k in names)
+    """A Markdown line: median cores used by each process group over the windows, and by everything else
+    on the machine (other work sharing the cores makes a window's numbers suspect)."""
+    def med(k: str) -> float:
+        return statistics.median([w.cpu.get(k, 0.0) for w in windows])
+
+    names = sorted({k for w in windows for k in w.cpu} - {"machine"}, key=lambda k: -med(k))
+    parts = [f"{k} {med(k):.2f}" for k in names]
+    total = sum(med(k) for k in names)
+    other = statistics.median([w.cpu.get("machine", 0.0) - sum(v for k, v in w.cpu.items() if k != "machine")
+                               for w in windows]) if any("machine" in w.cpu for w in windows) else float("nan")
     cores = total_cores or os.cpu_count() or 1
-    return f"CPU (cores busy, median of windows): {', '.join(parts)}; total {total:.2f} of {cores}."
+    return (f"CPU (cores busy, median of windows): {', '.join(parts)}; total {total:.2f} of {cores}; "
+            f"other processes on the machine {max(other, 0.0):.2f}.")
 
 
 def measure_windows(st: BenchStack, window_s: float, repeats: int) -> list[Window]:

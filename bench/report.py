@@ -49,7 +49,7 @@ def load(path: Path) -> dict[str, Any]:
 
 def entry(name: str, title: str, target: str, res: FigureResult | None, *, command: str,
           machine: dict[str, Any], date: str, duration_s: float, load_before: float, load_after: float,
-          error: str | None = None) -> dict[str, Any]:
+          error: str | None = None, other_cores: float | None = None) -> dict[str, Any]:
     e: dict[str, Any] = {
         "name": name,
         "title": title,
@@ -59,6 +59,7 @@ def entry(name: str, title: str, target: str, res: FigureResult | None, *, comma
         "date": date,
         "duration_s": round(duration_s, 1),
         "loadavg_1m": {"before": load_before, "after": load_after},
+        "other_cpu_cores": None if other_cores is None else round(other_cores, 2),
     }
     if res is not None:
         e.update(headline=[asdict(r) for r in res.headline], numbers=res.numbers, settings=res.settings,
@@ -129,7 +130,9 @@ How the suite measures (and its limits):
   fragments on `<run>.samples`, read back after the run.
 - The machine is small and shared: the suite's own processes (Kafka, the S3 server, the bench
   driver) run on the same 2 cores as the services, and other work may run beside it. Each section
-  gives the 1-minute load average before and after it; treat differences below ~10-15% as noise.
+  gives the 1-minute load average before and after it and the cores that *other* work used while
+  it ran (machine CPU from /proc/stat minus the suite's own processes); treat differences below
+  ~10-15% as noise, and a section whose other-work figure is above ~0.2 cores as suspect.
 - Targets are aims, not assertions; the tables say where we stand.
 """
 
@@ -153,6 +156,14 @@ def render(data: dict[str, Any]) -> str:
     for name in sorted(figs, key=_rank):
         out.append(_section(figs[name]))
     return "\n".join(out).rstrip() + "\n"
+
+
+def _other(e: dict[str, Any]) -> str:
+    o = e.get("other_cpu_cores")
+    if o is None:
+        return ""
+    note = " - shared with other work, treat with care" if o > 0.2 else ""
+    return f"; other work on the machine used {o:.2f} cores meanwhile{note}"
 
 
 def _section(e: dict[str, Any]) -> str:
@@ -179,5 +190,5 @@ def _section(e: dict[str, Any]) -> str:
     before, after = la.get("before") or float("nan"), la.get("after") or float("nan")
     lines.append(f"*Ran:* `{e['command']}` on {e['date']}, {e['duration_s']:.0f} s; {m.get('cores')} cores "
                  f"({m.get('cpu_model')}), {m.get('mem_gib')} GiB, Python {m.get('python')}, torch {m.get('torch')}; "
-                 f"1-min load average {before:.1f} before, {after:.1f} after.\n")
+                 f"1-min load average {before:.1f} before, {after:.1f} after" + _other(e) + ".\n")
     return "\n".join(lines)
