@@ -129,7 +129,6 @@ def inproc_windows(settings: Settings, samplers: int, warmup_s: float, window_s:
 
 def bare_rollout_rate(settings: Settings, seconds: float, warmup_s: float = 2.0) -> float:
     """Env steps/s of one RolloutWorker stepped in a bare loop (policy loaded once, never changed)."""
-    torch.set_num_threads(settings.sampler.torch_threads)
     learner = Learner(fragment_spec(settings.env.id, settings.kafka.max_message_bytes), settings.trainer)
     w = _worker(settings, 0, 0)
     w.set_policy(0, learner.weights())

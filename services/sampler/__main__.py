@@ -7,12 +7,10 @@ from shared.settings import Settings
 
 
 def build(settings: Settings) -> tuple[Any, None]:
-    """Runs after the settings validated: torch and gymnasium are imported only now."""
-    import torch
-
+    """Runs after the settings validated: gymnasium and the service are imported only now (the sampler
+    never imports torch: its inference is numpy, shared/rl/policy_np.py)."""
     from services.sampler.service import Sampler
 
-    torch.set_num_threads(settings.sampler.torch_threads)
     return Sampler(settings), None
 
 

@@ -1,13 +1,15 @@
-"""Stepping vectorised envs with batched torch inference into :class:`Fragment`s. No I/O here."""
+"""Stepping vectorised envs with batched numpy inference into :class:`Fragment`s. No I/O here.
+
+No torch: the policy is :class:`shared.rl.policy_np.NumpyPolicy` (see its module docstring).
+"""
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from shared.fragment import Fragment
 from shared.rl.envs import fragment_spec, make_vector_env
-from shared.rl.model import ActorCritic, load_weights
+from shared.rl.policy_np import NumpyPolicy
 
 
 class RolloutWorker:
@@ -29,9 +31,8 @@ class RolloutWorker:
         self.steps = fragment_steps
         self.envs = make_vector_env(env_id, num_envs, latency_median_ms, latency_sigma, seed)
         spec = fragment_spec(env_id, max_bytes=1 << 30)
-        self.model = ActorCritic.for_spec(spec, hidden)
-        self.model.eval()
-        self.generator = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(np.random.bytes(4)))
+        self.policy = NumpyPolicy.for_spec(spec, hidden)
+        self.rng = np.random.default_rng(seed)  # None: fresh OS entropy
         self.policy_version: int | None = None
         obs, _ = self.envs.reset(seed=seed)
         self._obs = np.asarray(obs, dtype=np.float32)
@@ -41,10 +42,9 @@ class RolloutWorker:
 
     def set_policy(self, version: int, weights: bytes) -> None:
         """Adopt a policy (between fragments only); raises WeightsError if it does not fit."""
-        load_weights(self.model, weights)
+        self.policy.load(weights)
         self.policy_version = version
 
-    @torch.no_grad()
     def collect(self) -> Fragment:
         """Step every env ``fragment_steps`` times with the current policy."""
         if self.policy_version is None:
@@ -61,9 +61,7 @@ class RolloutWorker:
         ep_lengths: list[int] = []
         for t in range(T):
             obs_buf[t] = self._obs
-            action, action_logp = self.model.act(torch.from_numpy(self._obs), self.generator)
-            actions[t] = action.numpy()
-            logp[t] = action_logp.numpy()
+            actions[t], logp[t] = self.policy.act(self._obs, self.rng)
             obs, reward, term, trunc, info = self.envs.step(actions[t])
             rewards[t] = reward
             terminated[t] = term

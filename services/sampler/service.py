@@ -3,6 +3,12 @@
 Between fragments it adopts newer policies (announcements on ``<run>.policy``, the marker polled
 every ``sync_interval_s`` as a fallback, ``sync`` commands on ``<run>.control``); it never changes
 policy mid-fragment. Sends are bounded by ``max_in_flight`` and optionally rate-capped.
+
+Two background tasks keep slow or blocking reads out of the loop: one reads the inbox (policy
+announcements, control commands) as records arrive, one measures the trainer's backlog every
+``backlog_check_interval_s``. Both set ``_wake``, on which the loop waits while flow control pauses
+it (or, in ``mode: sync``, while it waits for the next version), so a paused sampler adopts a new
+policy as soon as it is announced. Nothing here imports torch (inference is numpy).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from collections import deque
 from typing import Any
 
 from aiokafka import TopicPartition
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.sampler.rollout import RolloutWorker
 from shared.fragment import encode_fragment
@@ -25,7 +31,7 @@ from shared.kafka import LagProbe, Topics, ensure_topics, make_consumer, make_pr
 from shared.logging import fragment_fields, get_logger
 from shared.marker import VersionedStore
 from shared.messages import ControlCommand, PolicyMessage, SamplerBeat
-from shared.rl.model import WeightsError
+from shared.rl.policy_np import WeightsError
 from shared.service import RateMeter
 from shared.settings import Settings
 from shared.store import open_store
@@ -38,6 +44,11 @@ ADOPTIONS = Counter("flywheel_sampler_policy_adoptions_total", "Policy versions 
 BACKPRESSURE = Counter("flywheel_sampler_backpressure_seconds_total", "Seconds paused because the backlog was full",
                        ["sampler"])
 IN_FLIGHT = Gauge("flywheel_sampler_in_flight_fragments", "Fragments sent, not yet acknowledged", ["sampler"])
+LAG_PROBE = Histogram("flywheel_sampler_lag_probe_seconds", "Time of one trainer-backlog (consumer lag) query",
+                      ["sampler"], buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+
+WAKE_TIMEOUT_S = 0.05
+"""Longest a paused (or, in sync mode, waiting) loop sleeps before re-checking on its own."""
 
 
 def sampler_seed(base: int | None, sampler_id: str) -> int | None:
@@ -68,7 +79,9 @@ class Sampler:
         self.inbox = make_consumer(settings, group_id=None)
         self.in_flight = asyncio.Semaphore(settings.sampler.max_in_flight)
         self.lag_probe = LagProbe(settings) if settings.sampler.max_backlog > 0 else None
-        self._last_lag_check = 0.0
+        self._backlog: int | None = None  # last measured trainer backlog; None until the first measurement
+        self._wake = asyncio.Event()  # backlog dropped to the limit, a policy was announced, or a command came
+        self._tasks: list[asyncio.Task[None]] = []
         self.adopted_at: float | None = None
         self.fragments = 0
         self.env_steps = 0
@@ -93,6 +106,8 @@ class Sampler:
             await self.lag_probe.start()
 
     async def run(self, stop_event: asyncio.Event) -> None:
+        # Starting the background readers does not wait; the loop itself begins with the first policy.
+        self._start_background()
         await self._wait_for_first_policy(stop_event)
         next_send = time.monotonic()
         cap = self.settings.sampler.max_fragments_per_s
@@ -114,6 +129,10 @@ class Sampler:
                     next_send = time.monotonic()
 
     async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
         await self.producer.stop()  # flushes what is buffered
@@ -125,28 +144,74 @@ class Sampler:
     def health(self) -> dict[str, Any]:
         return {"ok": True, "id": self.id, "policy_version": self.worker.policy_version, "fragments": self.fragments}
 
+    def _start_background(self) -> None:
+        if self._tasks:
+            return
+        self._tasks.append(asyncio.create_task(self._read_inbox(), name=f"sampler-inbox-{self.id}"))
+        if self.lag_probe is not None:
+            self._tasks.append(asyncio.create_task(self._watch_backlog(self.lag_probe),
+                                                   name=f"sampler-backlog-{self.id}"))
+
+    async def _wait_wake(self, timeout: float) -> None:
+        """Until ``_wake`` is set or ``timeout`` passed; then clear it."""
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except TimeoutError:
+            pass
+        self._wake.clear()
+
+    async def _watch_backlog(self, probe: LagProbe) -> None:
+        """Background: measure the trainer's backlog every ``backlog_check_interval_s`` into
+        ``_backlog``. A failed query is logged and the last value kept; it never stops the sampler."""
+        interval = self.settings.sampler.backlog_check_interval_s
+        limit = self.settings.sampler.max_backlog
+        group = trainer_group(self.settings.run)
+        failures = 0
+        while True:
+            started = time.monotonic()
+            try:
+                lag = await probe.lag(group, self.topics.samples)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # transient Kafka trouble: keep the last value, try again
+                LAG_PROBE.labels(**self._labels).observe(time.monotonic() - started)
+                failures += 1
+                if failures == 1 or failures % 100 == 0:
+                    self.log.warning("lag_probe_failed", failures=failures, kept_backlog=self._backlog,
+                                     error=f"{type(exc).__name__}: {exc}"[:300])
+            else:
+                LAG_PROBE.labels(**self._labels).observe(time.monotonic() - started)
+                if failures:
+                    self.log.info("lag_probe_recovered", failures=failures)
+                    failures = 0
+                self._backlog = sum(lag.values())
+                if self._backlog <= limit:
+                    self._wake.set()
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
     async def _respect_backlog(self, stop_event: asyncio.Event) -> None:
-        """Flow control: wait while the trainer's backlog is above ``max_backlog`` fragments."""
+        """Flow control: wait while the trainer's backlog is above ``max_backlog`` fragments.
+
+        The backlog comes from :meth:`_watch_backlog` (no Kafka request here); unknown (before the
+        first measurement) counts as not full. While paused the loop keeps adopting policies and
+        sending heartbeats, woken by ``_wake`` or every ``WAKE_TIMEOUT_S``."""
         if self.lag_probe is None:
             return
         limit = self.settings.sampler.max_backlog
-        interval = self.settings.sampler.backlog_check_interval_s
-        paused_at: float | None = None
-        while not stop_event.is_set():
-            now = time.monotonic()
-            if paused_at is None and now - self._last_lag_check < interval:
-                return
-            self._last_lag_check = now
-            backlog = sum((await self.lag_probe.lag(trainer_group(self.settings.run), self.topics.samples)).values())
-            if backlog <= limit:
-                break
-            if paused_at is None:
-                paused_at = now
-                self.log.debug("backpressure_pause", backlog=backlog, max_backlog=limit)
-            await self._refresh_policy()
-            await self._maybe_heartbeat()
-            await asyncio.sleep(interval / 5)
-        if paused_at is not None:
+        backlog = self._backlog
+        if backlog is None or backlog <= limit:
+            return
+        paused_at = time.monotonic()
+        self.log.debug("backpressure_pause", backlog=backlog, max_backlog=limit)
+        try:
+            while not stop_event.is_set():
+                backlog = self._backlog
+                if backlog is None or backlog <= limit:
+                    break
+                await self._wait_wake(WAKE_TIMEOUT_S)
+                await self._refresh_policy()
+                await self._maybe_heartbeat()
+        finally:
             BACKPRESSURE.labels(**self._labels).inc(time.monotonic() - paused_at)
 
     async def _wait_for_newer(self, version: int, stop_event: asyncio.Event) -> None:
@@ -157,7 +222,7 @@ class Sampler:
             if current is not None and current > version:
                 return
             await self._maybe_heartbeat()
-            await asyncio.sleep(0.002)
+            await self._wait_wake(WAKE_TIMEOUT_S)
 
     # ---- policy ----------------------------------------------------------------------------
     async def _wait_for_first_policy(self, stop_event: asyncio.Event) -> None:
@@ -167,7 +232,7 @@ class Sampler:
                 return
             if waited % 5.0 < 0.5:
                 self.log.info("waiting_for_policy", marker=self.policies.marker_key)
-            await asyncio.sleep(0.5)
+            await self._wait_wake(0.5)  # an announcement wakes it early
             waited += 0.5
 
     async def _adopt_latest(self, trigger: str) -> bool:
@@ -188,12 +253,25 @@ class Sampler:
         await self._heartbeat()  # paramsync measures sync latency from this
         return True
 
+    async def _read_inbox(self) -> None:
+        """Background: handle announcements and commands as they arrive (adoption itself happens
+        in the loop, between fragments). Errors are logged and retried; they never stop the sampler."""
+        while True:
+            try:
+                batches = await self.inbox.getmany(timeout_ms=1000)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.log.warning("inbox_read_failed", error=f"{type(exc).__name__}: {exc}"[:300])
+                await asyncio.sleep(1.0)
+                continue
+            for records in batches.values():
+                for rec in records:
+                    self._handle_inbox(rec.topic, rec.key, rec.value)
+
     async def _refresh_policy(self) -> None:
-        """Between fragments: read announcements/commands, then adopt when something is newer."""
-        batches = await self.inbox.getmany(timeout_ms=0)
-        for records in batches.values():
-            for rec in records:
-                self._handle_inbox(rec.topic, rec.key, rec.value)
+        """Between fragments: adopt when something newer was announced, a sync command came, or
+        the marker poll is due."""
         now = time.monotonic()
         current = self.worker.policy_version
         if self._sync_requested:
@@ -210,11 +288,13 @@ class Sampler:
             if topic == self.topics.control and value is not None:
                 cmd = ControlCommand.model_validate_json(value)
                 self._sync_requested = True
+                self._wake.set()
                 self.log.info("control_received", command=cmd.command, request_id=cmd.request_id)
             elif topic == self.topics.policy and value is not None:
                 msg = PolicyMessage.model_validate_json(value)
                 if msg.type == "announce":
                     self._wanted_version = max(self._wanted_version or -1, msg.version)
+                    self._wake.set()
         except ValueError as exc:
             self.log.warning("inbox_message_ignored", topic=topic, reason=str(exc)[:200])
 

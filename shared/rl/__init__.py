@@ -1,5 +1,6 @@
-"""The RL pieces both sampler and trainer use: the actor-critic model and env construction.
+"""The RL pieces sampler and trainer use: the actor-critic model, its numpy actor, env construction.
 
-Importing this package imports torch and gymnasium; entrypoints import it only after the
-settings validated.
+``model`` imports torch (trainer, paramsync); ``policy_np`` (the sampler's inference) and ``envs``
+import only numpy, safetensors and gymnasium. Entrypoints import them only after the settings
+validated.
 """

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributions import Categorical
 
 from shared.fragment import FragmentSpec
+from shared.rl.policy_np import WeightsError as WeightsError  # re-exported: one class for both loaders
 
 
 def _layer(layer: nn.Linear, std: float = float(np.sqrt(2)), bias: float = 0.0) -> nn.Linear:
@@ -72,9 +73,6 @@ def weights_to_bytes(model: nn.Module) -> bytes:
     """The model's parameters as a safetensors blob (CPU, contiguous)."""
     return st_save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
 
-
-class WeightsError(ValueError):
-    """A weights blob does not fit the model (missing keys, wrong shapes, non-finite values)."""
 
 
 def load_weights(model: nn.Module, data: bytes) -> None:

@@ -1,0 +1,121 @@
+"""The actor of :class:`shared.rl.model.ActorCritic` for inference in numpy: no torch import.
+
+Samplers only need the policy's forward pass and categorical sampling; doing both in numpy is
+~3x cheaper per vector step than torch on small batches and keeps ``import torch`` (seconds)
+out of the sampler process. The trainer keeps the torch model; both read the same safetensors
+blob, validated here exactly as :func:`shared.rl.model.load_weights` validates it (same key set,
+critic included, same shapes, float32, finite), so a blob one side accepts the other accepts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from safetensors.numpy import load as st_load
+
+from shared.fragment import FragmentSpec
+
+DTYPE = np.dtype(np.float32)
+_ACTOR_LAYERS = ("actor.0", "actor.2", "actor.4")
+
+
+class WeightsError(ValueError):
+    """A weights blob does not fit the model (missing keys, wrong shapes, non-finite values)."""
+
+
+def expected_shapes(obs_dim: int, num_actions: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of ``ActorCritic(obs_dim, num_actions, hidden).state_dict()`` (Linear weights
+    are ``[out, in]``; ``.0``, ``.2``, ``.4`` are the Linear layers of each ``nn.Sequential``)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for head, out in (("actor", num_actions), ("critic", 1)):
+        dims = [(hidden, obs_dim), (hidden, hidden), (out, hidden)]
+        for idx, (o, i) in zip((0, 2, 4), dims, strict=True):
+            shapes[f"{head}.{idx}.weight"] = (o, i)
+            shapes[f"{head}.{idx}.bias"] = (o,)
+    return shapes
+
+
+def validate_weights(data: bytes, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Decode a safetensors blob and check it against ``shapes`` (float32, finite); the arrays."""
+    try:
+        tensors = st_load(data)
+    except Exception as exc:  # safetensors raises several types for a bad header
+        raise WeightsError(f"not a safetensors blob: {exc}") from None
+    if set(tensors) != set(shapes):
+        missing, extra = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
+        raise WeightsError(f"keys differ: missing {missing}, extra {extra}")
+    for k, v in tensors.items():
+        if v.shape != shapes[k] or v.dtype != DTYPE:
+            raise WeightsError(f"{k}: shape {tuple(v.shape)} {v.dtype}, want {shapes[k]} {DTYPE}")
+        if not np.isfinite(v).all():
+            raise WeightsError(f"{k} holds NaN or infinite values")
+    return tensors
+
+
+class NumpyPolicy:
+    """Two-layer tanh MLP producing action logits, as ``ActorCritic.actor``; float32 throughout."""
+
+    def __init__(self, obs_dim: int, num_actions: int, hidden: int = 64) -> None:
+        self.obs_dim = obs_dim
+        self.num_actions = num_actions
+        self.hidden = hidden
+        self.shapes = expected_shapes(obs_dim, num_actions, hidden)
+        # (W^T [in, out], b [out]) per layer; None until weights are loaded.
+        self._layers: list[tuple[np.ndarray, np.ndarray]] | None = None
+
+    @classmethod
+    def for_spec(cls, spec: FragmentSpec, hidden: int) -> NumpyPolicy:
+        """A policy for the envs ``spec`` describes (observations flattened)."""
+        return cls(int(np.prod(spec.obs_shape)), spec.num_actions, hidden)
+
+    @property
+    def loaded(self) -> bool:
+        return self._layers is not None
+
+    def load(self, data: bytes) -> None:
+        """Adopt a safetensors blob; raises :class:`WeightsError` (keeping the current weights)
+        if it does not fit."""
+        tensors = validate_weights(data, self.shapes)
+        self._layers = [(np.ascontiguousarray(tensors[f"{name}.weight"].T), tensors[f"{name}.bias"].copy())
+                        for name in _ACTOR_LAYERS]
+
+    def logits(self, obs: np.ndarray) -> np.ndarray:
+        """Action logits ``[..., A]`` for observations ``[..., obs_dim]``."""
+        if self._layers is None:
+            raise RuntimeError("no weights loaded yet")
+        (w0, b0), (w1, b1), (w2, b2) = self._layers
+        # In place where possible: at 8 rows numpy's per-call overhead is most of the cost.
+        h = np.asarray(obs, dtype=DTYPE) @ w0
+        h += b0
+        np.tanh(h, out=h)
+        h = h @ w1
+        h += b1
+        np.tanh(h, out=h)
+        out: np.ndarray = h @ w2
+        out += b2
+        return out
+
+    def log_probs(self, obs: np.ndarray) -> np.ndarray:
+        """Log-probabilities of every action ``[..., A]`` (log-softmax, max-shifted for stability)."""
+        z = self.logits(obs)
+        z -= z.max(axis=-1, keepdims=True)
+        z -= np.log(np.exp(z).sum(axis=-1, keepdims=True))
+        return z
+
+    def act(self, obs: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """Sample one action per row of ``obs`` ``[N, obs_dim]``; return the actions (int64 ``[N]``)
+        and their log-probs (float32 ``[N]``).
+
+        Inverse CDF with one uniform per row on the unnormalised, max-shifted ``exp(logits)``: the
+        action is the number of cumulative sums ``<= u``, the last column left out so it is at most
+        ``A - 1``; a zero-probability action adds nothing to the sum and is never picked."""
+        z = self.logits(obs)
+        if z.ndim != 2:
+            raise ValueError(f"obs must be [N, {self.obs_dim}], got {np.shape(obs)}")
+        z -= z.max(axis=1, keepdims=True)
+        cdf = np.exp(z).cumsum(axis=1)
+        total = cdf[:, -1]  # >= 1: the max-shifted maximum contributes exp(0)
+        u = rng.random(z.shape[0]) * total  # float64, so u < total holds exactly
+        actions = (cdf[:, :-1] <= u[:, None]).sum(axis=1, dtype=np.int64)
+        logp = z[np.arange(z.shape[0]), actions]
+        logp -= np.log(total)
+        return actions, logp

@@ -1,0 +1,188 @@
+"""The sampler's numpy actor: same numbers as the torch model, correct sampling, strict loading."""
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load as np_load
+from safetensors.numpy import save as np_save
+
+from services.sampler.rollout import RolloutWorker
+from shared.rl.model import ActorCritic, load_weights, weights_to_bytes
+from shared.rl.policy_np import NumpyPolicy, WeightsError, expected_shapes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _model(seed: int = 0, obs_dim: int = 4, num_actions: int = 2, hidden: int = 64) -> ActorCritic:
+    torch.manual_seed(seed)
+    model = ActorCritic(obs_dim, num_actions, hidden)
+    # Orthogonal init with std 0.01 makes the last layer nearly uniform: spread the logits so the
+    # comparison and the sampling test see skewed distributions.
+    with torch.no_grad():
+        model.actor[4].weight.mul_(150.0)
+        model.actor[4].bias.uniform_(-1.0, 1.0)
+    return model
+
+
+def _policy(model: ActorCritic) -> NumpyPolicy:
+    policy = NumpyPolicy(model.obs_dim, model.num_actions, model.actor[0].out_features)
+    policy.load(weights_to_bytes(model))
+    return policy
+
+
+def test_expected_shapes_are_those_of_the_torch_model() -> None:
+    for obs_dim, actions, hidden in [(4, 2, 64), (8, 5, 16)]:
+        own = ActorCritic(obs_dim, actions, hidden).state_dict()
+        assert expected_shapes(obs_dim, actions, hidden) == {k: tuple(v.shape) for k, v in own.items()}
+
+
+@pytest.mark.parametrize(("obs_dim", "num_actions", "hidden"), [(4, 2, 64), (8, 6, 32)])
+def test_log_probs_equal_torch(obs_dim: int, num_actions: int, hidden: int) -> None:
+    model = _model(1, obs_dim, num_actions, hidden)
+    policy = _policy(model)
+    obs = np.random.default_rng(0).normal(0, 2, (256, obs_dim)).astype(np.float32)
+    with torch.no_grad():
+        want = torch.log_softmax(model.actor(torch.from_numpy(obs)), dim=-1).numpy()
+    got = policy.log_probs(obs)
+    assert got.dtype == np.float32 and got.shape == (256, num_actions)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    # Batched [T, N, obs] like the trainer's input gives the same numbers.
+    np.testing.assert_allclose(policy.log_probs(obs.reshape(16, 16, obs_dim)).reshape(256, -1), got, atol=1e-6)
+    actions, logp = policy.act(obs, np.random.default_rng(0))
+    assert actions.dtype == np.int64 and logp.dtype == np.float32 and actions.shape == logp.shape == (256,)
+    np.testing.assert_allclose(logp, want[np.arange(256), actions], atol=1e-5, rtol=0)
+
+
+def test_log_softmax_is_stable_for_large_logits() -> None:
+    model = _model(2)
+    with torch.no_grad():
+        model.actor[4].bias.copy_(torch.tensor([1000.0, -1000.0]))
+    lp = _policy(model).log_probs(np.zeros((3, 4), np.float32))
+    assert np.isfinite(lp).all()
+    np.testing.assert_allclose(lp[:, 0], 0.0, atol=1e-6)
+    actions, logp = _policy(model).act(np.zeros((500, 4), np.float32), np.random.default_rng(1))
+    assert (actions == 0).all() and np.isfinite(logp).all()
+
+
+def test_sampled_frequencies_match_the_probabilities() -> None:
+    model = _model(3, num_actions=5)
+    policy = _policy(model)
+    obs = np.random.default_rng(3).normal(0, 1, (1, 4)).astype(np.float32)
+    p = np.exp(policy.log_probs(obs)[0].astype(np.float64))
+    assert p.min() > 0.01 and p.max() < 0.9, p  # a skewed distribution, every action reachable
+    n_rows, reps = 1000, 100
+    rng = np.random.default_rng(4)
+    counts = np.zeros(5)
+    for _ in range(reps):
+        actions, _ = policy.act(np.repeat(obs, n_rows, axis=0), rng)
+        counts += np.bincount(actions, minlength=5)
+    n = n_rows * reps
+    chi2 = float((((counts - n * p) ** 2) / (n * p)).sum())
+    # 4 degrees of freedom: P(chi2 > 30) ~ 5e-6. A wrong sampler (e.g. off by one) is far beyond.
+    assert chi2 < 30, (chi2, counts / n, p)
+
+
+def test_zero_probability_actions_are_never_sampled() -> None:
+    model = _model(4, num_actions=4)
+    with torch.no_grad():
+        model.actor[4].weight.zero_()
+        model.actor[4].bias.copy_(torch.tensor([-200.0, 0.0, -200.0, 0.0]))  # exp(-200) is 0 in float32
+    actions, _ = _policy(model).act(np.zeros((20_000, 4), np.float32), np.random.default_rng(5))
+    counts = np.bincount(actions, minlength=4)
+    assert counts[0] == counts[2] == 0 and min(counts[1], counts[3]) > 9_000
+
+
+def test_same_seed_same_actions() -> None:
+    policy = _policy(_model(5))
+    obs = np.random.default_rng(6).normal(0, 1, (64, 4)).astype(np.float32)
+    a1, l1 = policy.act(obs, np.random.default_rng(42))
+    a2, l2 = policy.act(obs, np.random.default_rng(42))
+    a3, _ = policy.act(obs, np.random.default_rng(43))
+    np.testing.assert_array_equal(a1, a2)
+    np.testing.assert_array_equal(l1, l2)
+    assert not np.array_equal(a1, a3)
+
+
+def test_rollout_is_reproducible_from_its_seed() -> None:
+    blob = weights_to_bytes(_model(6))
+
+    def fragment(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        w = RolloutWorker("CartPole-v1", num_envs=3, fragment_steps=40, sampler_id="s", hidden=64, seed=seed)
+        w.set_policy(0, blob)
+        frag = w.collect()
+        w.close()
+        return frag.obs, frag.actions, frag.logp
+
+    a, b, c = fragment(7), fragment(7), fragment(8)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert not np.array_equal(a[1], c[1])
+
+
+def _blob(model: ActorCritic, **changes: np.ndarray | None) -> bytes:
+    tensors = dict(np_load(weights_to_bytes(model)))
+    for k, v in changes.items():
+        if v is None:
+            del tensors[k.replace("__", ".")]
+        else:
+            tensors[k.replace("__", ".")] = v
+    return np_save(tensors)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda m: _blob(m, critic__4__bias=None), r"keys differ: missing \['critic.4.bias'\]"),
+        (lambda m: _blob(m, actor__9__bias=np.zeros(2, np.float32)), r"extra \['actor.9.bias'\]"),
+        (lambda m: _blob(m, actor__2__weight=np.zeros((64, 32), np.float32)), r"actor.2.weight: shape \(64, 32\)"),
+        (lambda m: _blob(m, actor__4__bias=np.zeros(2, np.float64)), r"actor.4.bias: shape \(2,\) float64"),
+        (lambda m: _blob(m, actor__0__bias=np.full(64, np.nan, np.float32)), r"actor.0.bias holds NaN or infinite"),
+        (lambda m: _blob(m, critic__0__bias=np.full(64, np.inf, np.float32)), r"critic.0.bias holds NaN or infinite"),
+        (lambda m: b"\x00garbage, not safetensors", r"not a safetensors blob"),
+        (lambda m: b"", r"not a safetensors blob"),
+    ],
+)
+def test_bad_blobs_are_refused_like_the_torch_loader(make: Callable[[ActorCritic], bytes], match: str) -> None:
+    model = _model(7)
+    blob = make(model)
+    policy = _policy(model)
+    before = policy.log_probs(np.ones((2, 4), np.float32))
+    with pytest.raises(WeightsError, match=match):
+        policy.load(blob)
+    np.testing.assert_array_equal(policy.log_probs(np.ones((2, 4), np.float32)), before)  # kept its weights
+    # The torch loader refuses the same blobs (its WeightsError may still be its own class).
+    with pytest.raises(ValueError):
+        load_weights(ActorCritic(4, 2, 64), blob)
+
+
+def test_act_before_load_is_an_error() -> None:
+    policy = NumpyPolicy(4, 2)
+    assert not policy.loaded
+    with pytest.raises(RuntimeError, match="no weights"):
+        policy.act(np.zeros((1, 4), np.float32), np.random.default_rng(0))
+
+
+def test_sampler_process_never_imports_torch() -> None:
+    """Import the sampler's entrypoint and service, load a blob, collect a fragment: no torch."""
+    code = """
+import sys
+import numpy as np
+from safetensors.numpy import save
+import services.sampler.__main__, services.sampler.service
+from services.sampler.rollout import RolloutWorker
+from shared.rl.policy_np import expected_shapes
+rng = np.random.default_rng(0)
+blob = save({k: rng.normal(0, 0.3, s).astype(np.float32) for k, s in expected_shapes(4, 2, 64).items()})
+w = RolloutWorker("CartPole-v1", num_envs=2, fragment_steps=8, sampler_id="s", hidden=64, seed=0)
+w.set_policy(0, blob)
+assert w.collect().actions.shape == (8, 2)
+torch = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+assert not torch, torch[:5]
+"""
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
