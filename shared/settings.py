@@ -107,8 +107,6 @@ class SamplerSettings(_Section):
     seed: int | None = None
     """Base seed of the envs and the action sampling, combined with the sampler id so every
     sampler differs (None = random)."""
-    torch_threads: int = Field(1, ge=1)
-    """Intra-op threads for inference."""
 
 
 class TrainerSettings(_Section):
@@ -139,11 +137,21 @@ class TrainerSettings(_Section):
     vf_coef: float = Field(0.5, ge=0)
     max_grad_norm: float = Field(0.5, gt=0)
     normalize_advantages: bool = True
+    target_kl: float | None = Field(None, gt=0)
+    """Stop an update's epochs once the approximate KL to the policy it started from exceeds this
+    (None = always run every epoch). Guards against the late-training collapses of many epochs at a
+    high learning rate."""
     hidden: int = Field(64, ge=4)
     """Width of the two hidden layers of actor and critic."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` uses CUDA when present."""
     seed: int = 1
+    group_instance_id: str | None = Field("trainer-0", min_length=1)
+    """Kafka static membership (KIP-345) for the trainer's consumer: a restarted trainer with the same
+    id takes its partitions back at once instead of waiting for the killed one's session to expire.
+    Must be unique per trainer process (two live members with one id fence each other); a cleanly
+    stopped static member does not leave the group, so its partitions wait for the session timeout
+    (6 s) before another member gets them. None = dynamic membership."""
     torch_threads: int = Field(1, ge=1)
     heartbeat_interval_s: float = Field(1.0, gt=0)
     return_window: int = Field(100, ge=1)

@@ -53,6 +53,7 @@ class Learner:
             vf_coef=cfg.vf_coef,
             max_grad_norm=cfg.max_grad_norm,
             normalize_advantages=cfg.normalize_advantages,
+            target_kl=cfg.target_kl,
         )
         self.counters = LearnerCounters(recent_returns=deque(maxlen=cfg.return_window))
 

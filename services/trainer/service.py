@@ -72,7 +72,8 @@ class Trainer:
         self.policies = VersionedStore(store, settings.run, "policy")
         self.checkpoints = VersionedStore(store, settings.run, "checkpoints")
         self.producer = make_producer(settings)
-        self.consumer = make_consumer(settings, group_id=trainer_group(settings.run))
+        self.consumer = make_consumer(settings, group_id=trainer_group(settings.run),
+                                      group_instance_id=self.cfg.group_instance_id)
         self.ledger = OffsetLedger()
         self.buffer: list[Pending] = []
         self.staleness: deque[int] = deque(maxlen=1000)
@@ -231,7 +232,8 @@ class Trainer:
                       seconds=round(elapsed, 4), policy_loss=round(stats.policy_loss, 5),
                       value_loss=round(stats.value_loss, 5), entropy=round(stats.entropy, 4),
                       approx_kl=round(stats.approx_kl, 5), clip_fraction=round(stats.clip_fraction, 4),
-                      behaviour_weight_mean=round(stats.behaviour_weight_mean, 4))
+                      behaviour_weight_mean=round(stats.behaviour_weight_mean, 4), sgd_steps=stats.sgd_steps,
+                      stopped_early=stats.stopped_early)
         await self._commit()  # only now, after the optimizer step
         if c.updates % self.cfg.publish_every == 0:
             await self._publish(c.policy_version + 1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,6 +33,7 @@ class UpdateConfig:
     vf_coef: float
     max_grad_norm: float
     normalize_advantages: bool
+    target_kl: float | None = None
 
 
 @dataclass(frozen=True)
@@ -43,42 +45,69 @@ class UpdateStats:
     clip_fraction: float
     behaviour_weight_mean: float
     env_steps: int
+    sgd_steps: int
+    """Minibatch gradient steps taken (fewer than epochs x minibatches when stopped early)."""
+    stopped_early: bool
+    """True when ``target_kl`` ended the update before its last epoch."""
 
 
 def _t(x: object, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.as_tensor(x, device=device).to(dtype)
 
 
-@torch.no_grad()
-def _advantages(
-    model: ActorCritic, frag: Fragment, cfg: UpdateConfig, device: torch.device
-) -> tuple[torch.Tensor, ...]:
-    """GAE with the *current* critic; truncated steps bootstrap from their final observation."""
-    obs = _t(frag.obs, device)  # [T, N, *O]
-    rewards = _t(frag.rewards, device).clone()  # [T, N]
-    truncated = _t(frag.truncated, device, torch.bool)
-    done = _t(frag.terminated, device, torch.bool) | truncated
-    values = model.value(obs)  # [T, N]
-    next_value = model.value(_t(frag.last_obs, device))  # [N]
-    # Bootstrapping on truncation (Pardo et al. 2018, "Time Limits in RL"): a time-limit cut is
-    # not a terminal state, so add gamma * V(final obs) to the reward of that step.
-    if frag.trunc_obs.shape[0]:
-        rewards[truncated] += cfg.gamma * model.value(_t(frag.trunc_obs, device))
-    # Generalised advantage estimation (Schulman et al. 2015, https://arxiv.org/abs/1506.02438).
-    adv = torch.zeros_like(rewards)
-    last = torch.zeros_like(next_value)
-    for t in reversed(range(rewards.shape[0])):
-        not_done = (~done[t]).float()
-        nv = next_value if t == rewards.shape[0] - 1 else values[t + 1]
-        delta = rewards[t] + cfg.gamma * nv * not_done - values[t]
-        last = delta + cfg.gamma * cfg.gae_lambda * not_done * last
+def gae(rewards: np.ndarray, values: np.ndarray, next_value: np.ndarray, done: np.ndarray,
+        gamma: float, lam: float) -> np.ndarray:
+    """Generalised advantage estimation (Schulman et al. 2015, https://arxiv.org/abs/1506.02438) on
+    [T, N] arrays; ``next_value`` [N] is the value of the step after the last, ``done`` cuts the trace."""
+    adv = np.zeros_like(rewards)
+    not_done = 1.0 - done.astype(rewards.dtype)
+    last = np.zeros_like(next_value)
+    nv = next_value
+    for t in range(rewards.shape[0] - 1, -1, -1):
+        delta = rewards[t] + gamma * nv * not_done[t] - values[t]
+        last = delta + gamma * lam * not_done[t] * last
         adv[t] = last
-    returns = adv + values
+        nv = values[t]
+    return adv
+
+
+@torch.no_grad()
+def _targets(
+    model: ActorCritic, fragments: list[Fragment], cfg: UpdateConfig, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """Flat (obs, actions, behaviour log-probs, proximal log-probs, advantages, returns) of a batch.
+
+    Advantages use the *current* critic. One critic forward covers every fragment's observations,
+    final observations and truncation observations; the GAE recursion runs on small numpy arrays.
+    """
+    obs_dim = int(np.prod(fragments[0].obs.shape[2:]))
+    steps = [f.steps for f in fragments]
+    n_envs = [f.last_obs.shape[0] for f in fragments]
+    n_trunc = [f.trunc_obs.shape[0] for f in fragments]
+    all_obs = _t(np.concatenate([f.obs.reshape(-1, obs_dim) for f in fragments]
+                                + [f.last_obs.reshape(-1, obs_dim) for f in fragments]
+                                + [f.trunc_obs.reshape(-1, obs_dim) for f in fragments]), device)
+    values_all = model.value(all_obs).cpu().numpy()
+    values = np.split(values_all[: sum(steps)], np.cumsum(steps)[:-1])
+    next_values = np.split(values_all[sum(steps) : sum(steps) + sum(n_envs)], np.cumsum(n_envs)[:-1])
+    trunc_values = np.split(values_all[sum(steps) + sum(n_envs) :], np.cumsum(n_trunc)[:-1])
+    advs, rets = [], []
+    for f, v, nv, tv in zip(fragments, values, next_values, trunc_values, strict=True):
+        v = v.reshape(f.rewards.shape)
+        rewards = np.array(f.rewards, np.float32)
+        truncated = np.asarray(f.truncated, bool)
+        # Bootstrapping on truncation (Pardo et al. 2018, "Time Limits in RL"): a time-limit cut is
+        # not a terminal state, so add gamma * V(final obs) to the reward of that step.
+        rewards[truncated] += cfg.gamma * tv
+        adv = gae(rewards, v, nv, np.asarray(f.terminated, bool) | truncated, cfg.gamma, cfg.gae_lambda)
+        advs.append(adv.reshape(-1))
+        rets.append((adv + v).reshape(-1))
+    obs = all_obs[: sum(steps)]
+    actions = _t(np.concatenate([f.actions.reshape(-1) for f in fragments]), device, torch.long)
     # The proximal policy: the weights as they are before this update's first gradient step.
-    actions = _t(frag.actions, device, torch.long)
     prox_logp, _ = model.logp_entropy(obs, actions)
-    per_step = (actions, _t(frag.logp, device), prox_logp, adv, returns)
-    return (obs.flatten(0, 1), *(x.flatten() for x in per_step))
+    behav_logp = _t(np.concatenate([f.logp.reshape(-1) for f in fragments]), device)
+    return obs, actions, behav_logp, prox_logp, _t(np.concatenate(advs), device), _t(np.concatenate(rets), device)
 
 
 def ppo_update(
@@ -91,8 +120,7 @@ def ppo_update(
 ) -> UpdateStats:
     """Decoupled-PPO update on ``fragments``; returns diagnostics. Mutates model and optimizer."""
     # ---- 1. Targets with the current critic, per fragment, then one flat batch ----
-    parts = [_advantages(model, f, cfg, device) for f in fragments]
-    obs, actions, behav_logp, prox_logp, adv, returns = (torch.cat(x) for x in zip(*parts, strict=True))
+    obs, actions, behav_logp, prox_logp, adv, returns = _targets(model, fragments, cfg, device)
     batch = actions.shape[0]
 
     # ---- 2. Off-policy correction: truncated importance weight pi_prox / pi_behaviour (AReaL eq. 5) ----
@@ -101,13 +129,22 @@ def ppo_update(
     # ---- 3. Epochs of minibatch SGD on the clipped objective around the proximal policy ----
     mb_size = max(1, batch // cfg.minibatches)
     stats = {"pg": 0.0, "v": 0.0, "ent": 0.0, "kl": 0.0, "clip": 0.0}
-    n = 0
+    n, stopped = 0, False
     for _ in range(cfg.epochs):
         order = torch.randperm(batch, generator=generator).to(device)
         for start in range(0, batch - mb_size + 1, mb_size):
             idx = order[start : start + mb_size]
             logp, entropy = model.logp_entropy(obs[idx], actions[idx])
-            ratio = torch.exp(logp - prox_logp[idx])
+            log_ratio = logp - prox_logp[idx]
+            ratio = torch.exp(log_ratio)
+            with torch.no_grad():
+                kl = float(((ratio - 1) - log_ratio).mean())  # http://joschu.net/blog/kl-approx.html
+            # KL early stopping (as CleanRL's target_kl): once the policy has moved this far from the
+            # proximal policy, further steps on the same batch overfit it; stop before stepping again.
+            # The first minibatch always trains (the policy is still the proximal one there).
+            if cfg.target_kl is not None and n > 0 and kl > cfg.target_kl:
+                stopped = True
+                break
             mb_adv = adv[idx]
             if cfg.normalize_advantages and mb_adv.numel() > 1:
                 mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
@@ -124,14 +161,15 @@ def ppo_update(
             nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             optimizer.step()
 
+            stats["kl"] += kl
             with torch.no_grad():
-                log_ratio = logp - prox_logp[idx]
-                stats["kl"] += float(((ratio - 1) - log_ratio).mean())  # http://joschu.net/blog/kl-approx.html
                 stats["clip"] += float(((ratio - 1).abs() > cfg.clip_coef).float().mean())
             stats["pg"] += float(policy_loss.detach())
             stats["v"] += float(value_loss.detach())
             stats["ent"] += float(entropy.detach())
             n += 1
+        if stopped:
+            break
 
     return UpdateStats(
         policy_loss=stats["pg"] / n,
@@ -141,4 +179,6 @@ def ppo_update(
         clip_fraction=stats["clip"] / n,
         behaviour_weight_mean=float(behaviour_weight.mean()),
         env_steps=batch,
+        sgd_steps=n,
+        stopped_early=stopped,
     )

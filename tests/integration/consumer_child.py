@@ -1,5 +1,7 @@
 """A consumer process for the kill test: commits the first ``commit_upto`` records, consumes the
-rest without committing, reports every offset on stdout, then hangs until it is killed."""
+rest without committing, reports every offset on stdout, then hangs until it is killed.
+
+Optional 5th and 6th arguments: a static-membership ``group_instance_id`` and the session timeout in ms."""
 
 import asyncio
 import json
@@ -9,9 +11,11 @@ from shared.kafka import make_consumer
 from shared.settings import load_settings
 
 
-async def main(topic: str, group: str, total: int, commit_upto: int) -> None:
+async def main(topic: str, group: str, total: int, commit_upto: int, instance_id: str | None = None,
+               session_timeout_ms: int | None = None) -> None:
     settings = load_settings(None)
-    consumer = make_consumer(settings, topic, group_id=group)
+    extra = {} if session_timeout_ms is None else {"session_timeout_ms": session_timeout_ms}
+    consumer = make_consumer(settings, topic, group_id=group, group_instance_id=instance_id, **extra)
     await consumer.start()
     seen = 0
     while seen < total:
@@ -28,4 +32,5 @@ async def main(topic: str, group: str, total: int, commit_upto: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+    asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
+                     sys.argv[5] if len(sys.argv) > 5 else None, int(sys.argv[6]) if len(sys.argv) > 6 else None))

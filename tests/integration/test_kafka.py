@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
@@ -57,19 +57,14 @@ async def test_run_topics_are_created_with_their_configs(kafka_bootstrap: str, r
     assert topics == Topics.for_run(run_name)
 
 
-async def test_killed_consumer_is_replaced_and_gets_exactly_the_uncommitted_records(
-    kafka_bootstrap: str, run_name: str
-) -> None:
-    s = settings_for(kafka_bootstrap, run_name)
-    topic = (await ensure_topics(s)).samples
-    group = f"{run_name}.g"
-    total, commit_upto = 40, 15
-    await produce(s, topic, total)
-
-    env = {**os.environ, "FLYWHEEL_KAFKA_BOOTSTRAP": kafka_bootstrap, "PYTHONPATH": str(REPO)}
+def _run_child_until_done(bootstrap: str, topic: str, group: str, total: int, commit_upto: int,
+                          *extra: str) -> list[dict[str, int]]:
+    """Start consumer_child.py, wait until it consumed ``total`` records, SIGKILL it; its stdout lines."""
+    env = {**os.environ, "FLYWHEEL_KAFKA_BOOTSTRAP": bootstrap, "PYTHONPATH": str(REPO)}
     env.pop("FLYWHEEL_CONFIG", None)
     child = subprocess.Popen([sys.executable, str(REPO / "tests/integration/consumer_child.py"), topic, group,
-                              str(total), str(commit_upto)], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+                              str(total), str(commit_upto), *extra], stdout=subprocess.PIPE, text=True, env=env,
+                             cwd=REPO)
     lines = []
     try:
         deadline = time.monotonic() + 60
@@ -82,27 +77,71 @@ async def test_killed_consumer_is_replaced_and_gets_exactly_the_uncommitted_reco
                 break
         assert lines and "done" in lines[-1], f"child did not consume everything: {lines[-3:]}"
     finally:
-        child.send_signal(signal.SIGKILL)  # consumed 40, committed 15: dies without committing the rest
+        child.send_signal(signal.SIGKILL)  # consumed everything, committed commit_upto: dies without the rest
         child.wait(timeout=10)
-    first_run = [d["offset"] for d in lines if "offset" in d]
-    assert first_run == list(range(total))
+    assert [d["offset"] for d in lines if "offset" in d] == list(range(total))
     assert {"committed": commit_upto} in lines
+    return lines
+
+
+async def _drain(consumer: AIOKafkaConsumer, want: int, timeout_s: float) -> tuple[list[int], float]:
+    """Offsets ``consumer`` receives until it has ``want`` (or the guard expires), then anything more
+    within a second; and the seconds until the first record arrived."""
+    got: list[int] = []
+    t0 = time.monotonic()
+    first_at = float("inf")
+    while time.monotonic() - t0 < timeout_s and len(got) < want:
+        for records in (await consumer.getmany(timeout_ms=500)).values():
+            got.extend(r.offset for r in records)
+            first_at = min(first_at, time.monotonic() - t0)
+    await asyncio.sleep(1.0)  # nothing more arrives
+    for records in (await consumer.getmany(timeout_ms=500)).values():
+        got.extend(r.offset for r in records)
+    return got, first_at
+
+
+async def test_killed_consumer_is_replaced_and_gets_exactly_the_uncommitted_records(
+    kafka_bootstrap: str, run_name: str
+) -> None:
+    s = settings_for(kafka_bootstrap, run_name)
+    topic = (await ensure_topics(s)).samples
+    group = f"{run_name}.g"
+    total, commit_upto = 40, 15
+    await produce(s, topic, total)
+    _run_child_until_done(kafka_bootstrap, topic, group, total, commit_upto)
 
     replacement = make_consumer(s, topic, group_id=group)
     await replacement.start()
-    got: list[int] = []
     try:
-        deadline = time.monotonic() + 60  # the dead member's session (6 s) must expire first
-        while time.monotonic() < deadline and len(got) < total - commit_upto:
-            polled = await replacement.getmany(timeout_ms=500)
-            for records in polled.values():
-                got.extend(r.offset for r in records)
-        await asyncio.sleep(1.0)  # nothing more arrives
-        for records in (await replacement.getmany(timeout_ms=500)).values():
-            got.extend(r.offset for r in records)
+        # The dead member's session (6 s) must expire first.
+        got, _ = await _drain(replacement, total - commit_upto, timeout_s=60)
     finally:
         await replacement.stop()
     assert got == list(range(commit_upto, total)), "replacement must get exactly the uncommitted records"
+
+
+async def test_static_member_replacement_does_not_wait_for_the_dead_session(
+    kafka_bootstrap: str, run_name: str
+) -> None:
+    """With a group instance id (the trainer's default), a killed member's replacement takes its
+    partitions over at once: here the session is 60 s, and the replacement has the uncommitted
+    records long before it could have expired. Dynamic membership would wait out those 60 s."""
+    s = settings_for(kafka_bootstrap, run_name)
+    topic = (await ensure_topics(s)).samples
+    group = f"{run_name}.static"
+    total, commit_upto, session_ms = 30, 10, 60_000
+    await produce(s, topic, total)
+    _run_child_until_done(kafka_bootstrap, topic, group, total, commit_upto, "member-a", str(session_ms))
+
+    replacement = make_consumer(s, topic, group_id=group, group_instance_id="member-a", session_timeout_ms=session_ms)
+    await replacement.start()
+    try:
+        # The guard (45 s) is shorter than the session (60 s): only a takeover without waiting passes.
+        got, first_at = await _drain(replacement, total - commit_upto, timeout_s=45)
+    finally:
+        await replacement.stop()
+    assert got == list(range(commit_upto, total)), "replacement must get exactly the uncommitted records"
+    print(f"static-member replacement: first record after {first_at:.1f} s")
 
 
 async def test_consumer_lag_counts_uncommitted_records(kafka_bootstrap: str, run_name: str) -> None:

@@ -8,7 +8,7 @@ from services.sampler.rollout import RolloutWorker
 from services.trainer.learner import Learner
 from shared.fragment import decode_fragment, encode_fragment
 from shared.rl.envs import fragment_spec
-from shared.rl.model import WeightsError
+from shared.rl.policy_np import WeightsError
 from shared.settings import TrainerSettings
 
 SPEC = fragment_spec("CartPole-v1", 1 << 22)
@@ -46,10 +46,10 @@ def test_truncation_bootstraps_from_final_observation() -> None:
     frag.terminated[:] = 0
     frag.truncated[4, 0] = 1
     frag.trunc_obs = np.ones((1, 4), np.float32)
-    from services.trainer.update import _advantages
+    from services.trainer.update import _targets
 
     cfg = learner.update_cfg
-    *_, adv, ret = _advantages(learner.model, frag, cfg, torch.device("cpu"))
+    *_, adv, ret = _targets(learner.model, [frag], cfg, torch.device("cpu"))
     with torch.no_grad():
         v_final = float(learner.model.value(torch.ones(4)))
         v_last = float(learner.model.value(torch.from_numpy(frag.obs[4, 0])))
