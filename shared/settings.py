@@ -88,6 +88,9 @@ class EnvSettings(_Section):
     """Benchmarks only: median of a log-normal delay added to every env step (0 = none)."""
     latency_sigma: float = Field(1.0, ge=0.0, le=5.0)
     """Benchmarks only: sigma of that log-normal delay."""
+    latency_overlap: bool = False
+    """Benchmarks only: the envs of a sampler wait out their delays concurrently (as envs in separate
+    processes or remote simulators would), so a vector step takes the slowest env's delay, not the sum."""
 
 
 class SamplerSettings(_Section):
@@ -125,6 +128,13 @@ class TrainerSettings(_Section):
     keep_checkpoints: int = Field(3, ge=1)
     """Checkpoints kept in the object store; older ones are deleted."""
     learning_rate: float = Field(2.5e-4, gt=0)
+    learning_rate_end: float | None = Field(None, gt=0)
+    """Anneal the learning rate linearly from ``learning_rate`` to this over the first
+    ``anneal_env_steps`` trained env steps, then hold it (None = constant). A continuous service has no
+    fixed budget to anneal to zero over, as CleanRL does; holding a small rate keeps a solved policy
+    from drifting away."""
+    anneal_env_steps: int = Field(1_000_000, ge=1)
+    """Trained env steps over which ``learning_rate`` anneals to ``learning_rate_end``."""
     gamma: float = Field(0.99, gt=0, le=1)
     gae_lambda: float = Field(0.95, ge=0, le=1)
     clip_coef: float = Field(0.2, gt=0)

@@ -25,11 +25,12 @@ class RolloutWorker:
         seed: int | None = None,
         latency_median_ms: float = 0.0,
         latency_sigma: float = 1.0,
+        latency_overlap: bool = False,
     ) -> None:
         self.env_id = env_id
         self.sampler_id = sampler_id
         self.steps = fragment_steps
-        self.envs = make_vector_env(env_id, num_envs, latency_median_ms, latency_sigma, seed)
+        self.envs = make_vector_env(env_id, num_envs, latency_median_ms, latency_sigma, seed, latency_overlap)
         spec = fragment_spec(env_id, max_bytes=1 << 30)
         self.policy = NumpyPolicy.for_spec(spec, hidden)
         self.rng = np.random.default_rng(seed)  # None: fresh OS entropy

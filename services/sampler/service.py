@@ -74,7 +74,8 @@ class Sampler:
         self.policies = VersionedStore(open_store(settings), settings.run, "policy")
         e = settings.env
         self.worker = RolloutWorker(e.id, e.num_envs, e.fragment_steps, self.id, settings.trainer.hidden,
-                                    sampler_seed(settings.sampler.seed, self.id), e.latency_median_ms, e.latency_sigma)
+                                    sampler_seed(settings.sampler.seed, self.id), e.latency_median_ms, e.latency_sigma,
+                                    e.latency_overlap)
         self.producer = make_producer(settings)
         self.inbox = make_consumer(settings, group_id=None)
         self.in_flight = asyncio.Semaphore(settings.sampler.max_in_flight)

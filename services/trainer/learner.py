@@ -56,11 +56,24 @@ class Learner:
             target_kl=cfg.target_kl,
         )
         self.counters = LearnerCounters(recent_returns=deque(maxlen=cfg.return_window))
+        self.cfg = cfg
 
     def record_returns(self, frag: Fragment) -> None:
         self.counters.recent_returns.extend(float(r) for r in frag.episode_returns)
 
+    def learning_rate(self) -> float:
+        """The rate for the next update: linear from ``learning_rate`` to ``learning_rate_end`` over
+        ``anneal_env_steps`` trained env steps (a function of the counters, so a restored trainer
+        continues the schedule where the checkpoint left it)."""
+        if self.cfg.learning_rate_end is None:
+            return self.cfg.learning_rate
+        frac = min(1.0, self.counters.env_steps_trained / self.cfg.anneal_env_steps)
+        return self.cfg.learning_rate + frac * (self.cfg.learning_rate_end - self.cfg.learning_rate)
+
     def update(self, fragments: list[Fragment]) -> UpdateStats:
+        lr = self.learning_rate()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         stats = ppo_update(self.model, self.optimizer, fragments, self.update_cfg, self.device, self.generator)
         self.counters.updates += 1
         self.counters.env_steps_trained += stats.env_steps

@@ -233,6 +233,7 @@ class Trainer:
                       value_loss=round(stats.value_loss, 5), entropy=round(stats.entropy, 4),
                       approx_kl=round(stats.approx_kl, 5), clip_fraction=round(stats.clip_fraction, 4),
                       behaviour_weight_mean=round(stats.behaviour_weight_mean, 4), sgd_steps=stats.sgd_steps,
+                      learning_rate=float(self.learner.optimizer.param_groups[0]["lr"]),
                       stopped_early=stats.stopped_early)
         await self._commit()  # only now, after the optimizer step
         if c.updates % self.cfg.publish_every == 0:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import shared.infra
 from shared.infra.config import REPO_ROOT, InfraEndpoints, InfraError
-from shared.infra.procs import file_lock, is_running, spawn, tail
+from shared.infra.procs import file_lock, is_running, port_is_free, spawn, tail
 from shared.infra.procs import stop as stop_pid
 from shared.localstack import prometheus as prom
 from shared.localstack.launch import HOST, service_command, service_env, validate_config
@@ -160,13 +160,19 @@ class LocalStack:
         self._progress(f"{key} healthy (pid {pid}) after {took:.1f} s")
 
     def kill(self, service: str, replica: int = 0, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to the process (e.g. kill -9 the trainer); with SIGKILL, wait until it is gone."""
+        """Send ``sig`` to the process (e.g. kill -9 the trainer); with SIGKILL, wait until it is gone and
+        its port is released (the main thread exits first; threads and sockets go a moment later), so
+        an immediate :meth:`start` finds the port free."""
         key = proc_key(service, replica)
         pid = self.pid(service, replica)
         if pid is None:
             raise LocalStackError(f"cannot signal {key}: it is not running")
         os.kill(pid, sig)
         if sig == signal.SIGKILL and wait_gone(pid, timeout_s=10.0):
+            port, deadline = self.port(service, replica), time.monotonic() + 10.0
+            while not port_is_free(port) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            is_running(pid)  # reaps it now that it has fully exited, if it is our child
             self.pidfile(service, replica).unlink(missing_ok=True)
         self._progress(f"sent {signal.Signals(sig).name} to {key} (pid {pid})")
 

@@ -29,20 +29,43 @@ class LogNormalLatency(gym.Wrapper):
         return self.env.step(action)
 
 
+class OverlappedLogNormalLatency(gym.vector.VectorWrapper):
+    """The same per-env log-normal delays, but the envs' delays overlap, as when each env is its own
+    process or remote simulator: a vector step waits for the slowest of its ``num_envs`` delays
+    instead of their sum. The envs' own computation stays sequential (it is what a core does)."""
+
+    def __init__(self, env: gym.vector.VectorEnv, median_ms: float, sigma: float, seed: int | None = None) -> None:
+        super().__init__(env)
+        self._mu = float(np.log(median_ms / 1000.0))
+        self._sigma = sigma
+        self._rng = np.random.default_rng(seed)
+
+    def step(self, actions: Any) -> Any:
+        time.sleep(float(self._rng.lognormal(self._mu, self._sigma, self.num_envs).max()))
+        return self.env.step(actions)
+
+
 def make_vector_env(
-    env_id: str, num_envs: int, latency_median_ms: float = 0.0, latency_sigma: float = 1.0, seed: int | None = None
+    env_id: str, num_envs: int, latency_median_ms: float = 0.0, latency_sigma: float = 1.0, seed: int | None = None,
+    latency_overlap: bool = False,
 ) -> gym.vector.VectorEnv:
-    """``num_envs`` copies stepped in one process; finished episodes reset in the same step."""
+    """``num_envs`` copies stepped in one process; finished episodes reset in the same step.
+
+    With ``latency_median_ms`` > 0 every env step gets a log-normal delay (benchmarks): summed over
+    the envs of a vector step, or with ``latency_overlap`` the slowest of them (envs in parallel)."""
     wrappers = []
-    if latency_median_ms > 0:
+    if latency_median_ms > 0 and not latency_overlap:
         wrappers.append(lambda e: LogNormalLatency(e, latency_median_ms, latency_sigma))
-    return gym.make_vec(
+    envs = gym.make_vec(
         env_id,
         num_envs=num_envs,
         vectorization_mode="sync",
         vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP},
         wrappers=wrappers or None,
     )
+    if latency_median_ms > 0 and latency_overlap:
+        return OverlappedLogNormalLatency(envs, latency_median_ms, latency_sigma, seed)
+    return envs
 
 
 def fragment_spec(env_id: str, max_bytes: int) -> FragmentSpec:

@@ -91,3 +91,21 @@ def test_target_kl_stops_the_epochs_early() -> None:
 def test_target_kl_must_be_positive() -> None:
     with pytest.raises(ValueError, match="target_kl"):
         TrainerSettings(target_kl=0)
+
+
+def test_learning_rate_anneals_with_trained_steps_and_survives_a_restore() -> None:
+    cfg = TrainerSettings(learning_rate=1e-3, learning_rate_end=1e-4, anneal_env_steps=1000)
+    learner = Learner(SPEC, cfg)
+    assert learner.learning_rate() == pytest.approx(1e-3)
+    frags = _fragments(learner, 1, steps=50, envs=5)  # 250 env steps per update
+    learner.update(frags)
+    assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)  # the first update used the start rate
+    assert learner.learning_rate() == pytest.approx(1e-3 - 0.25 * 9e-4)
+    # A restored learner continues the schedule from its counters, not from the optimizer's saved rate.
+    restored = Learner(SPEC, cfg)
+    restored.restore(learner.state_bytes({}))
+    assert restored.learning_rate() == pytest.approx(learner.learning_rate())
+    for _ in range(5):
+        learner.update(frags)
+    assert learner.learning_rate() == pytest.approx(1e-4)  # held at the end rate past anneal_env_steps
+    assert Learner(SPEC, TrainerSettings(learning_rate=3e-4)).learning_rate() == 3e-4  # no schedule: constant

@@ -1,0 +1,46 @@
+"""The benchmark latency wrappers: what a vector step waits, with the sleeps recorded, not timed."""
+
+import numpy as np
+import pytest
+
+import shared.rl.envs as envs_mod
+from shared.rl.envs import make_vector_env
+
+
+@pytest.fixture
+def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    recorded: list[float] = []
+    monkeypatch.setattr(envs_mod.time, "sleep", recorded.append)
+    return recorded
+
+
+def test_sequential_envs_wait_the_sum_of_their_delays(sleeps: list[float]) -> None:
+    envs = make_vector_env("CartPole-v1", 4, latency_median_ms=5.0, latency_sigma=0.0, seed=0)
+    envs.reset(seed=0)
+    for _ in range(3):
+        envs.step(np.zeros(4, np.int64))
+    envs.close()
+    assert len(sleeps) == 12 and sleeps == pytest.approx([0.005] * 12)  # one delay per env per step
+
+
+def test_overlapped_envs_wait_the_slowest_delay(sleeps: list[float]) -> None:
+    envs = make_vector_env("CartPole-v1", 4, latency_median_ms=2.0, latency_sigma=1.0, seed=7, latency_overlap=True)
+    envs.reset(seed=0)
+    for _ in range(200):
+        envs.step(np.zeros(4, np.int64))
+    envs.close()
+    assert len(sleeps) == 200  # one wait per vector step
+    # The same seed draws the same 4 delays per step; the step waits for their maximum.
+    rng = np.random.default_rng(7)
+    want = [float(rng.lognormal(np.log(0.002), 1.0, 4).max()) for _ in range(200)]
+    assert sleeps == pytest.approx(want)
+    # The slowest of 4 is well above one env's median of 2 ms.
+    assert np.median(sleeps) > 0.003
+
+
+def test_no_latency_no_sleep(sleeps: list[float]) -> None:
+    envs = make_vector_env("CartPole-v1", 2, seed=0)
+    envs.reset(seed=0)
+    envs.step(np.zeros(2, np.int64))
+    envs.close()
+    assert sleeps == []
