@@ -88,6 +88,8 @@ class Trainer:
         self.max_staleness = 0 if self.sync else self.cfg.max_staleness
         self._beats = make_consumer(settings, group_id=None) if self.sync else None
         self._sampler_seen: dict[str, float] = {}
+        self._after_update: asyncio.Task[None] | None = None  # the last update's commit + publish
+        self._commit_lock = asyncio.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -95,7 +97,7 @@ class Trainer:
         await self._restore()
         await self.producer.start()
         if await asyncio.to_thread(self.policies.read_marker) is None:
-            await self._publish(self.learner.counters.policy_version)  # a fresh run: version 0
+            await self._publish(self.learner.counters.policy_version, self.learner.weights())  # fresh run: v0
         await self.consumer.start()
         self.consumer.subscribe([self.topics.samples], listener=CommitOnRevoke(self._on_revoke))
         if self._beats is not None:
@@ -116,6 +118,8 @@ class Trainer:
                 await self._poll_live_samplers()
             while not stop_event.is_set() and (items := self._next_batch()):
                 await self._train(items)
+            if self._after_update is not None and self._after_update.done():
+                await self._settle()  # a failed background commit or publish stops the trainer here
             await self._commit()  # dropped / dead-lettered progress, when nothing is pending before it
             await self._maybe_heartbeat()
 
@@ -156,6 +160,7 @@ class Trainer:
 
     async def stop(self) -> None:
         if self._started:
+            await self._settle()
             await self._commit()
             if self.learner.counters.updates:
                 await self._checkpoint()
@@ -235,18 +240,37 @@ class Trainer:
                       behaviour_weight_mean=round(stats.behaviour_weight_mean, 4), sgd_steps=stats.sgd_steps,
                       learning_rate=float(self.learner.optimizer.param_groups[0]["lr"]),
                       stopped_early=stats.stopped_early)
-        await self._commit()  # only now, after the optimizer step
+        # Commit (only now, after the optimizer step) and publish in the background: the next update
+        # runs meanwhile instead of waiting for two Kafka round trips and a store write. One such task
+        # at a time, so commits and candidates stay in order.
+        await self._settle()
+        candidate = None
         if c.updates % self.cfg.publish_every == 0:
-            await self._publish(c.policy_version + 1)
+            candidate = (c.policy_version + 1, self.learner.weights())  # the weights as of this update
+            c.policy_version += 1  # the model is at that version now; staleness counts from it
+        self._after_update = asyncio.create_task(self._commit_and_publish(candidate), name="trainer-commit-publish")
         if c.updates % self.cfg.checkpoint_every == 0:
+            await self._settle()
             await self._checkpoint()
 
+    async def _commit_and_publish(self, candidate: tuple[int, bytes] | None) -> None:
+        await self._commit()
+        if candidate is not None:
+            await self._publish(*candidate)
+
+    async def _settle(self) -> None:
+        """Wait for the previous update's commit and publish; their errors surface here."""
+        task, self._after_update = self._after_update, None
+        if task is not None:
+            await task
+
     async def _commit(self) -> None:
-        offsets = self.ledger.committable()
-        if not offsets:
-            return
-        await self.consumer.commit(offsets)
-        self.ledger.mark_committed(offsets)
+        async with self._commit_lock:  # in order: a later commit never lands before an earlier one
+            offsets = self.ledger.committable()
+            if not offsets:
+                return
+            await self.consumer.commit(offsets)
+            self.ledger.mark_committed(offsets)
         self.log.debug("offsets_committed", offsets={f"{tp.partition}": o for tp, o in offsets.items()})
 
     async def _on_revoke(self, revoked: set[TopicPartition]) -> None:
@@ -255,15 +279,13 @@ class Trainer:
         self.ledger.forget(revoked)
 
     # ---- publishing and checkpoints --------------------------------------------------------
-    async def _publish(self, version: int) -> None:
+    async def _publish(self, version: int, data: bytes) -> None:
         """Write the weights blob and send a candidate; paramsync verifies and publishes it."""
-        data = self.learner.weights()
         key, sha = await asyncio.to_thread(self.policies.put_blob, data)
         rec = VersionRecord(version=version, blob=key, sha256=sha, size=len(data),
                             trainer_step=self.learner.counters.updates)
         await self.producer.send_and_wait(self.topics.policy, PolicyMessage.of("candidate", rec).to_bytes(),
                                           key=KEY_CANDIDATE)
-        self.learner.counters.policy_version = version
         VERSION.set(version)
         self.log.info("candidate_sent", policy_version=version, sha256=sha[:12], update=rec.trainer_step)
 
