@@ -145,9 +145,11 @@ def bare_rollout_rate(settings: Settings, seconds: float, warmup_s: float = 2.0)
         w.close()
 
 
-def bare_learner_rate(settings: Settings, seconds: float, warmup_s: float = 2.0) -> float:
-    """Env steps trained/s of Learner.update in a bare loop on batches of ``batch_fragments`` fragments
-    (collected beforehand with the initial policy, reused round robin)."""
+def bare_learner_rate(settings: Settings, seconds: float, warmup_s: float = 2.0) -> tuple[float, float]:
+    """Env steps trained/s and sample passes/s (samples through a gradient step) of Learner.update in a
+    bare loop on batches of ``batch_fragments`` fragments (collected beforehand with the initial policy,
+    reused round robin). With ``target_kl`` an update's work depends on the data, so sample passes are
+    the comparable measure."""
     torch.set_num_threads(settings.trainer.torch_threads)
     learner = Learner(fragment_spec(settings.env.id, settings.kafka.max_message_bytes), settings.trainer)
     w = _worker(settings, 0, 0)
@@ -157,19 +159,22 @@ def bare_learner_rate(settings: Settings, seconds: float, warmup_s: float = 2.0)
     b = settings.trainer.batch_fragments
     k = 0
 
-    def step() -> int:
+    def step() -> tuple[int, int]:
         nonlocal k
         batch = [frags[(k + j) % len(frags)] for j in range(b)]
         k += b
-        return learner.update(batch).env_steps
+        stats = learner.update(batch)
+        return stats.env_steps, stats.sample_passes
 
     end = time.monotonic() + warmup_s
     while time.monotonic() < end:
         step()
-    steps, t0 = 0, time.monotonic()
+    steps, passes, t0 = 0, 0, time.monotonic()
     while time.monotonic() - t0 < seconds:
-        steps += step()
-    return steps / (time.monotonic() - t0)
+        s, p = step()
+        steps, passes = steps + s, passes + p
+    dt = time.monotonic() - t0
+    return steps / dt, passes / dt
 
 
 def sequential_solve(settings: Settings, seed: int, samplers: int = 2, max_s: float = 60.0,

@@ -38,6 +38,8 @@ STEPS_TRAINED = Counter("flywheel_trainer_env_steps_trained_total", "Env steps u
 DROPPED = Counter("flywheel_trainer_fragments_dropped_stale_total", "Fragments older than max_staleness")
 DEAD = Counter("flywheel_trainer_fragments_dead_lettered_total", "Invalid records sent to the DLQ", ["reason"])
 UPDATES = Counter("flywheel_trainer_updates_total", "Optimizer updates")
+SAMPLE_PASSES = Counter("flywheel_trainer_sample_passes_total",
+                        "Samples through a gradient step (sgd steps x minibatch size): the update work done")
 BUSY = Counter("flywheel_trainer_busy_seconds_total", "Seconds spent in updates")
 UPDATE_SECONDS = Histogram("flywheel_trainer_update_seconds", "Duration of one update",
                            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
@@ -223,6 +225,7 @@ class Trainer:
         UPDATE_SECONDS.observe(elapsed)
         TRAINED.inc(len(items))
         STEPS_TRAINED.inc(stats.env_steps)
+        SAMPLE_PASSES.inc(stats.sample_passes)
         self.rate.add(stats.env_steps)
         for p in items:
             self.ledger.finished(p.tp, p.offset)

@@ -47,6 +47,9 @@ class UpdateStats:
     env_steps: int
     sgd_steps: int
     """Minibatch gradient steps taken (fewer than epochs x minibatches when stopped early)."""
+    sample_passes: int
+    """Samples through a gradient step, summed over the steps (sgd_steps x minibatch size): the
+    update's work, comparable across updates that stopped early and ones that did not."""
     stopped_early: bool
     """True when ``target_kl`` ended the update before its last epoch."""
 
@@ -180,5 +183,6 @@ def ppo_update(
         behaviour_weight_mean=float(behaviour_weight.mean()),
         env_steps=batch,
         sgd_steps=n,
+        sample_passes=n * mb_size,
         stopped_early=stopped,
     )
