@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import TopicPartition
+from aiokafka.errors import CommitFailedError, KafkaError, RebalanceInProgressError
 from aiokafka.structs import ConsumerRecord
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -47,6 +48,8 @@ STALENESS = Histogram("flywheel_trainer_fragment_staleness_versions", "Policy la
                       buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32))
 VERSION = Gauge("flywheel_trainer_policy_version", "Latest policy version the trainer sent")
 RETURN_MEAN = Gauge("flywheel_trainer_episode_return_mean", "Mean return of the recent episodes")
+COMMIT_FAILURES = Counter("flywheel_trainer_commit_failures_total",
+                          "Offset commits that failed retriably (retried with the next commit)")
 CHECKPOINTS = Counter("flywheel_trainer_checkpoints_total", "Checkpoints written")
 
 
@@ -268,11 +271,22 @@ class Trainer:
             await task
 
     async def _commit(self) -> None:
+        """Commit what has an outcome. A retriable failure (coordinator moved, timeout, connection) or a
+        rebalance in progress is logged and left for the next commit, which carries the same offsets
+        (commits are cumulative): not committing only means re-delivery after a crash, never loss."""
         async with self._commit_lock:  # in order: a later commit never lands before an earlier one
             offsets = self.ledger.committable()
             if not offsets:
                 return
-            await self.consumer.commit(offsets)
+            try:
+                await self.consumer.commit(offsets)
+            except KafkaError as exc:
+                if not (exc.retriable or isinstance(exc, (CommitFailedError, RebalanceInProgressError))):
+                    raise
+                COMMIT_FAILURES.inc()
+                self.log.warning("commit_failed", error=f"{type(exc).__name__}: {exc}"[:300],
+                                 offsets={f"{tp.partition}": o for tp, o in offsets.items()})
+                return
             self.ledger.mark_committed(offsets)
         self.log.debug("offsets_committed", offsets={f"{tp.partition}": o for tp, o in offsets.items()})
 

@@ -1,0 +1,51 @@
+"""The trainer's commit error handling (a consumer twin whose commit fails: what is tested is our
+reaction to the error, not Kafka's commit semantics, which the integration and e2e tests cover)."""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.errors import CommitFailedError, KafkaConnectionError, RequestTimedOutError, TopicAuthorizationFailedError
+
+from services.trainer.service import Trainer
+from shared.settings import Settings, StoreSettings
+
+TP = TopicPartition("r.samples", 0)
+
+
+class CommitTwin:
+    def __init__(self, errors: list[Exception]) -> None:
+        self.errors = errors
+        self.committed: list[dict[TopicPartition, int]] = []
+
+    async def commit(self, offsets: dict[TopicPartition, int]) -> None:
+        if self.errors:
+            raise self.errors.pop(0)
+        self.committed.append(dict(offsets))
+
+
+def _trainer(tmp_path: Path, twin: Any) -> Trainer:
+    t = Trainer(Settings(run="r", store=StoreSettings(backend="local", local_root=tmp_path)))
+    t.consumer = twin
+    for offset in range(3):
+        t.ledger.consumed(TP, offset, pending=True)
+        t.ledger.finished(TP, offset)
+    return t
+
+
+@pytest.mark.parametrize("error", [RequestTimedOutError(), KafkaConnectionError(), CommitFailedError("rebalanced")])
+async def test_a_retriable_commit_failure_is_retried_by_the_next_commit(tmp_path: Path, error: Exception) -> None:
+    twin = CommitTwin([error])
+    t = _trainer(tmp_path, twin)
+    await t._commit()  # fails, logged, nothing marked committed
+    assert twin.committed == [] and t.ledger.committable() == {TP: 3}
+    await t._commit()  # the next commit carries the same offsets
+    assert twin.committed == [{TP: 3}] and t.ledger.committable() == {}
+
+
+async def test_a_fatal_commit_error_stops_the_trainer(tmp_path: Path) -> None:
+    t = _trainer(tmp_path, CommitTwin([TopicAuthorizationFailedError()]))
+    with pytest.raises(TopicAuthorizationFailedError):
+        await t._commit()
+    assert t.ledger.committable() == {TP: 3}
