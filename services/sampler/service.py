@@ -47,6 +47,8 @@ IN_FLIGHT = Gauge("flywheel_sampler_in_flight_fragments", "Fragments sent, not y
 LAG_PROBE = Histogram("flywheel_sampler_lag_probe_seconds", "Time of one trainer-backlog (consumer lag) query",
                       ["sampler"], buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
 
+BACKLOG_MAX_AGE_INTERVALS = 25
+"""Flow control forgets a backlog reading this many check intervals old (the probe kept failing)."""
 WAKE_TIMEOUT_S = 0.05
 """Longest a paused (or, in sync mode, waiting) loop sleeps before re-checking on its own."""
 
@@ -81,6 +83,7 @@ class Sampler:
         self.in_flight = asyncio.Semaphore(settings.sampler.max_in_flight)
         self.lag_probe = LagProbe(settings) if settings.sampler.max_backlog > 0 else None
         self._backlog: int | None = None  # last measured trainer backlog; None until the first measurement
+        self._backlog_at = 0.0  # monotonic time of that measurement
         self._wake = asyncio.Event()  # backlog dropped to the limit, a policy was announced, or a command came
         self._tasks: list[asyncio.Task[None]] = []
         self.adopted_at: float | None = None
@@ -89,6 +92,7 @@ class Sampler:
         self.steps_rate = RateMeter()
         self.recent_returns: deque[float] = deque(maxlen=100)
         self._wanted_version: int | None = None
+        self._rejected_version: int | None = None  # the last version whose weights were refused
         self._sync_requested = False
         self._last_marker_poll = 0.0
         self._last_beat = 0.0
@@ -113,6 +117,7 @@ class Sampler:
         next_send = time.monotonic()
         cap = self.settings.sampler.max_fragments_per_s
         while not stop_event.is_set():
+            self._check_background()
             await self._refresh_policy()
             await self._respect_backlog(stop_event)
             frag = await asyncio.to_thread(self.worker.collect)
@@ -153,6 +158,14 @@ class Sampler:
             self._tasks.append(asyncio.create_task(self._watch_backlog(self.lag_probe),
                                                    name=f"sampler-backlog-{self.id}"))
 
+    def _check_background(self) -> None:
+        """A background task that ended (they loop until cancelled) stops the sampler with its error,
+        instead of leaving it running without announcements or flow control."""
+        for task in self._tasks:
+            if task.done():
+                exc = task.exception()
+                raise RuntimeError(f"background task {task.get_name()} ended") from exc
+
     async def _wait_wake(self, timeout: float) -> None:
         """Until ``_wake`` is set or ``timeout`` passed; then clear it."""
         try:
@@ -177,11 +190,18 @@ class Sampler:
             except Exception as exc:  # transient Kafka trouble: keep the last value, try again
                 LAG_PROBE.labels(**self._labels).observe(time.monotonic() - started)
                 failures += 1
+                # A reading older than BACKLOG_MAX_AGE_INTERVALS intervals is no longer a reason to pause:
+                # a probe that keeps failing must not park the sampler (it would look alive, doing nothing).
+                if self._backlog is not None and time.monotonic() - self._backlog_at > \
+                        BACKLOG_MAX_AGE_INTERVALS * interval:
+                    self._backlog = None
+                    self._wake.set()
                 if failures == 1 or failures % 100 == 0:
                     self.log.warning("lag_probe_failed", failures=failures, kept_backlog=self._backlog,
                                      error=f"{type(exc).__name__}: {exc}"[:300])
             else:
                 LAG_PROBE.labels(**self._labels).observe(time.monotonic() - started)
+                self._backlog_at = time.monotonic()
                 if failures:
                     self.log.info("lag_probe_recovered", failures=failures)
                     failures = 0
@@ -246,6 +266,7 @@ class Sampler:
             self.worker.set_policy(record.version, data)
         except WeightsError as exc:
             self.log.warning("policy_rejected", version=record.version, reason=str(exc))
+            self._rejected_version = record.version  # not retried on every announcement check
             return False
         self.adopted_at = time.time()
         VERSION.labels(**self._labels).set(record.version)
@@ -278,7 +299,8 @@ class Sampler:
         if self._sync_requested:
             self._sync_requested = False
             await self._adopt_latest("control")
-        elif self._wanted_version is not None and (current is None or self._wanted_version > current):
+        elif self._wanted_version is not None and (current is None or self._wanted_version > current) \
+                and self._wanted_version != self._rejected_version:
             await self._adopt_latest("announce")
         elif now - self._last_marker_poll >= self.settings.sampler.sync_interval_s:
             self._last_marker_poll = now

@@ -102,7 +102,8 @@ class Trainer:
         await self._restore()
         await self.producer.start()
         if await asyncio.to_thread(self.policies.read_marker) is None:
-            await self._publish(self.learner.counters.policy_version, self.learner.weights())  # fresh run: v0
+            c = self.learner.counters
+            await self._publish(c.policy_version, self.learner.weights(), c.updates)  # a fresh run: version 0
         await self.consumer.start()
         self.consumer.subscribe([self.topics.samples], listener=CommitOnRevoke(self._on_revoke))
         if self._beats is not None:
@@ -125,7 +126,8 @@ class Trainer:
                 await self._train(items)
             if self._after_update is not None and self._after_update.done():
                 await self._settle()  # a failed background commit or publish stops the trainer here
-            await self._commit()  # dropped / dead-lettered progress, when nothing is pending before it
+            if self._after_update is None:  # else that task commits; this one would only run first
+                await self._commit()  # dropped / dead-lettered progress, when nothing is pending before it
             await self._maybe_heartbeat()
 
     def _next_batch(self) -> list[Pending]:
@@ -164,15 +166,21 @@ class Trainer:
                     self._sampler_seen[beat.id] = time.monotonic()
 
     async def stop(self) -> None:
-        if self._started:
-            await self._settle()
-            await self._commit()
-            if self.learner.counters.updates:
-                await self._checkpoint()
-            await self.consumer.stop()
-            if self._beats is not None:
-                await self._beats.stop()
-        await self.producer.stop()
+        try:
+            if self._started:
+                try:
+                    await self._settle()
+                except Exception as exc:  # already the reason run() ended, or it will be logged with it
+                    self.log.error("background_commit_publish_failed", error=f"{type(exc).__name__}: {exc}"[:300])
+                await self._commit()
+                if self.learner.counters.updates:
+                    await self._checkpoint()
+        finally:
+            if self._started:
+                await self.consumer.stop()
+                if self._beats is not None:
+                    await self._beats.stop()
+            await self.producer.stop()
 
     def health(self) -> dict[str, Any]:
         c = self.learner.counters
@@ -252,14 +260,14 @@ class Trainer:
         await self._settle()
         candidate = None
         if c.updates % self.cfg.publish_every == 0:
-            candidate = (c.policy_version + 1, self.learner.weights())  # the weights as of this update
+            candidate = (c.policy_version + 1, self.learner.weights(), c.updates)  # as of this update
             c.policy_version += 1  # the model is at that version now; staleness counts from it
         self._after_update = asyncio.create_task(self._commit_and_publish(candidate), name="trainer-commit-publish")
         if c.updates % self.cfg.checkpoint_every == 0:
             await self._settle()
             await self._checkpoint()
 
-    async def _commit_and_publish(self, candidate: tuple[int, bytes] | None) -> None:
+    async def _commit_and_publish(self, candidate: tuple[int, bytes, int] | None) -> None:
         await self._commit()
         if candidate is not None:
             await self._publish(*candidate)
@@ -279,9 +287,13 @@ class Trainer:
             if not offsets:
                 return
             try:
-                await self.consumer.commit(offsets)
-            except KafkaError as exc:
-                if not (exc.retriable or isinstance(exc, (CommitFailedError, RebalanceInProgressError))):
+                # aiokafka retries retriable errors itself, without end: bound the wait, so an unreachable
+                # coordinator delays commits (logged, counted) instead of stalling updates and stop.
+                await asyncio.wait_for(self.consumer.commit(offsets), self.settings.kafka.request_timeout_ms / 1000)
+            except (KafkaError, TimeoutError) as exc:
+                retriable = isinstance(exc, (TimeoutError, CommitFailedError, RebalanceInProgressError)) or bool(
+                    getattr(exc, "retriable", False))
+                if not retriable:
                     raise
                 COMMIT_FAILURES.inc()
                 self.log.warning("commit_failed", error=f"{type(exc).__name__}: {exc}"[:300],
@@ -296,11 +308,11 @@ class Trainer:
         self.ledger.forget(revoked)
 
     # ---- publishing and checkpoints --------------------------------------------------------
-    async def _publish(self, version: int, data: bytes) -> None:
+    async def _publish(self, version: int, data: bytes, update: int) -> None:
         """Write the weights blob and send a candidate; paramsync verifies and publishes it."""
         key, sha = await asyncio.to_thread(self.policies.put_blob, data)
         rec = VersionRecord(version=version, blob=key, sha256=sha, size=len(data),
-                            trainer_step=self.learner.counters.updates)
+                            trainer_step=update)
         await self.producer.send_and_wait(self.topics.policy, PolicyMessage.of("candidate", rec).to_bytes(),
                                           key=KEY_CANDIDATE)
         VERSION.set(version)

@@ -111,6 +111,8 @@ class NumpyPolicy:
         z = self.logits(obs)
         if z.ndim != 2:
             raise ValueError(f"obs must be [N, {self.obs_dim}], got {np.shape(obs)}")
+        if not np.isfinite(z).all():  # would sample garbage with NaN log-probs; fail loudly instead
+            raise ValueError("policy logits are not finite (an observation with inf/NaN, or an overflow)")
         z -= z.max(axis=1, keepdims=True)
         cdf = np.exp(z).cumsum(axis=1)
         total = cdf[:, -1]  # >= 1: the max-shifted maximum contributes exp(0)

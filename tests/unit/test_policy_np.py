@@ -186,3 +186,11 @@ assert not torch, torch[:5]
 """
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_non_finite_observations_fail_loudly_instead_of_sampling_garbage() -> None:
+    policy = _policy(_model())
+    obs = np.zeros((3, 4), np.float32)
+    obs[1, 2] = np.nan
+    with pytest.raises(ValueError, match="not finite"):
+        policy.act(obs, np.random.default_rng(0))
