@@ -30,7 +30,9 @@ class TrainerStatus(BaseModel):
     samples_trained: int = Field(description="Env steps used in updates")
     samples_per_s: float = Field(description="Env steps trained per second, last 10 s")
     last_update_at: float | None
-    policy_version: int | None = Field(description="Latest version the trainer sent as a candidate")
+    policy_version: int | None = Field(
+        description="Version of the trainer's current weights (sent as a candidate right after the update "
+                    "that made them)")
 
 
 class SamplerStatus(BaseModel):
