@@ -3,7 +3,9 @@
 One model serves every service. Each section is a frozen pydantic model with ``extra="forbid"``
 so an unknown key in YAML fails at start-up, and an unknown ``FLYWHEEL_...`` variable does too.
 Environment names are ``FLYWHEEL_`` + section + ``_`` + field, upper case:
-``FLYWHEEL_KAFKA_BOOTSTRAP``, ``FLYWHEEL_TRAINER_MAX_STALENESS``, ``FLYWHEEL_RUN``.
+``FLYWHEEL_KAFKA_BOOTSTRAP``, ``FLYWHEEL_TRAINER_MAX_STALENESS``, ``FLYWHEEL_RUN``. An optional
+setting (one whose default is None) is unset with the value ``none`` or ``null``
+(``FLYWHEEL_TRAINER_TARGET_KL=none``).
 
 This module imports neither torch nor gymnasium, so config errors surface in well under a second.
 """
@@ -256,7 +258,8 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         assert isinstance(model, type) and issubclass(model, BaseModel)
         if field not in model.model_fields:
             raise ConfigError(f"unknown setting in environment: {key} (no field {section}.{field})")
-        out.setdefault(section, {})[field] = value
+        optional = not model.model_fields[field].is_required() and model.model_fields[field].default is None
+        out.setdefault(section, {})[field] = None if optional and value.strip().lower() in ("none", "null") else value
     return out
 
 

@@ -27,6 +27,17 @@ def test_env_overrides_yaml(tmp_path: Path) -> None:
     assert s.kafka.bootstrap == "host:1"
 
 
+def test_an_optional_setting_is_unset_from_the_environment(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("trainer:\n  target_kl: 0.02\n")
+    assert load_settings(cfg, environ={}).trainer.target_kl == 0.02
+    assert load_settings(cfg, environ={"FLYWHEEL_TRAINER_TARGET_KL": "none"}).trainer.target_kl is None
+    assert load_settings(cfg, environ={"FLYWHEEL_TRAINER_TARGET_KL": "NULL"}).trainer.target_kl is None
+    # Only optional settings: "none" for a required number is still a clear error naming the field.
+    with pytest.raises(ConfigError, match="max_staleness"):
+        load_settings(cfg, environ={"FLYWHEEL_TRAINER_MAX_STALENESS": "none"})
+
+
 def test_infra_env_names_map_to_fields() -> None:
     s = load_settings(None, environ={"FLYWHEEL_KAFKA_BOOTSTRAP": "127.0.0.1:19092",
                                      "FLYWHEEL_S3_ENDPOINT": "http://127.0.0.1:19000"})
