@@ -188,7 +188,10 @@ class Sampler:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # transient Kafka trouble: keep the last value, try again
-                LAG_PROBE.labels(**self._labels).observe(time.monotonic() - started)
+                lag = None
+                error = f"{type(exc).__name__}: {exc}"[:300]
+            LAG_PROBE.labels(**self._labels).observe(time.monotonic() - started)
+            if lag is None:
                 failures += 1
                 # A reading older than BACKLOG_MAX_AGE_INTERVALS intervals is no longer a reason to pause:
                 # a probe that keeps failing must not park the sampler (it would look alive, doing nothing).
@@ -197,10 +200,8 @@ class Sampler:
                     self._backlog = None
                     self._wake.set()
                 if failures == 1 or failures % 100 == 0:
-                    self.log.warning("lag_probe_failed", failures=failures, kept_backlog=self._backlog,
-                                     error=f"{type(exc).__name__}: {exc}"[:300])
+                    self.log.warning("lag_probe_failed", failures=failures, kept_backlog=self._backlog, error=error)
             else:
-                LAG_PROBE.labels(**self._labels).observe(time.monotonic() - started)
                 self._backlog_at = time.monotonic()
                 if failures:
                     self.log.info("lag_probe_recovered", failures=failures)

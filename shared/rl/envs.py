@@ -12,20 +12,30 @@ from gymnasium.vector import AutoresetMode
 from shared.fragment import FragmentSpec
 
 
-class LogNormalLatency(gym.Wrapper):
-    """Sleeps a log-normal time on every step: an env whose steps have heavy-tailed latency.
+class LogNormalDelay:
+    """Log-normal delays in seconds: with ``median_ms`` m and ``sigma`` s the p99 is m * exp(2.326 s)
+    (s=1: about 10 m)."""
 
-    With ``median_ms`` m and ``sigma`` s the p99 is m * exp(2.326 s) (s=1: about 10 m).
-    """
-
-    def __init__(self, env: gym.Env, median_ms: float, sigma: float, seed: int | None = None) -> None:
-        super().__init__(env)
+    def __init__(self, median_ms: float, sigma: float, seed: int | None = None) -> None:
         self._mu = float(np.log(median_ms / 1000.0))
         self._sigma = sigma
         self._rng = np.random.default_rng(seed)
 
+    def draw(self, n: int | None = None) -> Any:
+        """One delay, or ``n`` of them."""
+        return self._rng.lognormal(self._mu, self._sigma, n)
+
+
+class LogNormalLatency(gym.Wrapper):
+    """Sleeps a log-normal time (:class:`LogNormalDelay`) on every step: an env whose steps have
+    heavy-tailed latency."""
+
+    def __init__(self, env: gym.Env, median_ms: float, sigma: float, seed: int | None = None) -> None:
+        super().__init__(env)
+        self._delay = LogNormalDelay(median_ms, sigma, seed)
+
     def step(self, action: Any) -> Any:
-        time.sleep(float(self._rng.lognormal(self._mu, self._sigma)))
+        time.sleep(float(self._delay.draw()))
         return self.env.step(action)
 
 
@@ -36,12 +46,10 @@ class OverlappedLogNormalLatency(gym.vector.VectorWrapper):
 
     def __init__(self, env: gym.vector.VectorEnv, median_ms: float, sigma: float, seed: int | None = None) -> None:
         super().__init__(env)
-        self._mu = float(np.log(median_ms / 1000.0))
-        self._sigma = sigma
-        self._rng = np.random.default_rng(seed)
+        self._delay = LogNormalDelay(median_ms, sigma, seed)
 
     def step(self, actions: Any) -> Any:
-        time.sleep(float(self._rng.lognormal(self._mu, self._sigma, self.num_envs).max()))
+        time.sleep(float(self._delay.draw(self.num_envs).max()))
         return self.env.step(actions)
 
 

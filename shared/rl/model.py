@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 from torch.distributions import Categorical
 
 from shared.fragment import FragmentSpec
 from shared.rl.policy_np import WeightsError as WeightsError  # re-exported: one class for both loaders
+from shared.rl.policy_np import validate_weights
 
 
 def _layer(layer: nn.Linear, std: float = float(np.sqrt(2)), bias: float = 0.0) -> nn.Linear:
@@ -74,20 +74,8 @@ def weights_to_bytes(model: nn.Module) -> bytes:
     return st_save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
 
 
-
 def load_weights(model: nn.Module, data: bytes) -> None:
-    """Load a safetensors blob into ``model``, refusing anything that does not fit exactly."""
-    try:
-        tensors = st_load(data)
-    except Exception as exc:  # safetensors raises several types for a bad header
-        raise WeightsError(f"not a safetensors blob: {exc}") from None
-    own = model.state_dict()
-    if set(tensors) != set(own):
-        missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
-        raise WeightsError(f"keys differ: missing {missing}, extra {extra}")
-    for k, v in tensors.items():
-        if v.shape != own[k].shape or v.dtype != own[k].dtype:
-            raise WeightsError(f"{k}: shape {tuple(v.shape)} {v.dtype}, want {tuple(own[k].shape)} {own[k].dtype}")
-        if not torch.isfinite(v).all():
-            raise WeightsError(f"{k} holds NaN or infinite values")
-    model.load_state_dict(tensors)
+    """Load a safetensors blob into ``model``, refusing anything that does not fit exactly (the same
+    check the samplers' numpy policy applies: :func:`shared.rl.policy_np.validate_weights`)."""
+    tensors = validate_weights(data, {k: tuple(v.shape) for k, v in model.state_dict().items()})
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()})

@@ -3,8 +3,8 @@
 Samplers only need the policy's forward pass and categorical sampling; doing both in numpy is
 ~3x cheaper per vector step than torch on small batches and keeps ``import torch`` (seconds)
 out of the sampler process. The trainer keeps the torch model; both read the same safetensors
-blob, validated here exactly as :func:`shared.rl.model.load_weights` validates it (same key set,
-critic included, same shapes, float32, finite), so a blob one side accepts the other accepts.
+blob, and :func:`validate_weights` here is the one check both loaders apply (same key set, critic
+included, same shapes, float32, finite), so a blob one side accepts the other accepts.
 """
 
 from __future__ import annotations
