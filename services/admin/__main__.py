@@ -4,15 +4,35 @@ import sys
 from typing import Any
 
 from shared.service import run_main
-from shared.settings import Settings
+from shared.settings import AdminSettings, Settings
+
+MIN_TOKEN_LENGTH = 32
+"""Shortest admin token accepted outside insecure dev mode (``secrets.token_urlsafe(32)`` gives 43)."""
+
+
+def admin_token_problem(admin: AdminSettings) -> str | None:
+    """Why admin must not start with these settings, or None. ``admin.insecure_dev`` waives both checks."""
+    if admin.insecure_dev:
+        return None
+    if admin.token is None:
+        return (
+            "admin.token is not set: export FLYWHEEL_ADMIN_TOKEN=<secret> "
+            "(or FLYWHEEL_ADMIN_INSECURE_DEV=true for an unauthenticated development server)"
+        )
+    length = len(admin.token.get_secret_value())
+    if length < MIN_TOKEN_LENGTH:
+        return (
+            f"admin.token is too short ({length} characters, at least {MIN_TOKEN_LENGTH}): generate one with "
+            "`openssl rand -hex 32` or `python -c 'import secrets; print(secrets.token_urlsafe(32))'` "
+            "(or FLYWHEEL_ADMIN_INSECURE_DEV=true for a development server)"
+        )
+    return None
 
 
 def build(settings: Settings) -> tuple[Any, Any]:
-    if settings.admin.token is None and not settings.admin.insecure_dev:
-        sys.stderr.write(
-            "flywheel admin: admin.token is not set: export FLYWHEEL_ADMIN_TOKEN=<secret> "
-            "(or FLYWHEEL_ADMIN_INSECURE_DEV=true for an unauthenticated development server)\n"
-        )
+    problem = admin_token_problem(settings.admin)
+    if problem is not None:
+        sys.stderr.write(f"flywheel admin: {problem}\n")
         raise SystemExit(2)
     from services.admin.app import create_app
     from services.admin.state import AdminState

@@ -2,14 +2,17 @@
 
 No Docker engine is needed: the files are parsed and checked against what the design promises
 (official Kafka image in KRaft mode, pinned images, one Dockerfile for the four services,
-healthchecks and start-up ordering, a scalable sampler) and against the local stack (the same
-broker settings, valid Flywheel settings). `docker compose config` runs only where Docker works.
+healthchecks and start-up ordering, a scalable sampler), against the security defaults
+(ports on 127.0.0.1 only, a bucket-limited MinIO user for the services, rotated logs) and against
+the local stack (the same broker settings, valid Flywheel settings). `docker compose config` runs
+only where Docker works; tests/unit/test_compose_spec.py loads the file with compose-go itself.
 """
 
 from __future__ import annotations
 
 import base64
 import datetime as dt
+import json
 import os
 import re
 import shutil
@@ -24,9 +27,14 @@ COMPOSE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 CONFIG = REPO / "configs" / "cartpole.yaml"
+MINIO_DIR = REPO / "deploy" / "minio"
 
 FLYWHEEL_SERVICES = ("trainer", "paramsync", "admin", "sampler")
 INFRA_SERVICES = ("kafka", "minio", "minio-init", "prometheus")
+ROOT_CREDENTIAL_SERVICES = ("minio", "minio-init")
+PUBLISHED = {"admin": ["127.0.0.1:8080:8080"], "prometheus": ["127.0.0.1:9090:9090"]}
+BUCKET_ACTIONS = {"s3:ListBucket", "s3:GetBucketLocation"}
+OBJECT_ACTIONS = {"s3:GetObject", "s3:PutObject", "s3:DeleteObject"}
 HTTP_PORTS = {"trainer": 8000, "paramsync": 8000, "admin": 8080, "sampler": 8000}
 MINIO_MIN_RELEASE = dt.datetime(2025, 8, 29, tzinfo=dt.UTC)
 RELEASE_TAG = re.compile(r"RELEASE\.(\d{4}-\d{2}-\d{2}T\d{2}-\d{2}-\d{2}Z)")
@@ -166,8 +174,8 @@ def _kafka_env_to_properties(env: dict[str, str]) -> dict[str, str]:
 
 
 def test_kafka_settings_match_the_local_stack(services: dict, tmp_path: Path) -> None:
-    from shared.infra.config import InfraConfig
-    from shared.infra.kafka import server_properties
+    from devstack.config import InfraConfig
+    from devstack.kafka import server_properties
 
     local = {}
     for line in server_properties(InfraConfig.resolve(home=tmp_path)).splitlines():
@@ -203,16 +211,10 @@ def test_minio_init_creates_the_services_bucket_idempotently(services: dict) -> 
     bucket = _env(init)["BUCKET"]
     for name in FLYWHEEL_SERVICES:
         assert _env(services[name])["FLYWHEEL_S3_BUCKET"] == bucket, f"{name} uses another bucket"
-    # The services authenticate as the MinIO root user that minio-init and minio use.
-    minio_env = _env(services["minio"])
-    for name in FLYWHEEL_SERVICES:
-        env = _env(services[name])
-        assert env["AWS_ACCESS_KEY_ID"] == minio_env["MINIO_ROOT_USER"] == _env(init)["MINIO_ROOT_USER"]
-        assert (
-            env["AWS_SECRET_ACCESS_KEY"]
-            == minio_env["MINIO_ROOT_PASSWORD"]
-            == _env(init)["MINIO_ROOT_PASSWORD"]
-        )
+    # minio-init logs in as the root user that minio was started with.
+    minio_env, init_env = _env(services["minio"]), _env(init)
+    assert init_env["MINIO_ROOT_USER"] == minio_env["MINIO_ROOT_USER"]
+    assert init_env["MINIO_ROOT_PASSWORD"] == minio_env["MINIO_ROOT_PASSWORD"]
 
 
 def test_prometheus_mounts_config_and_rules(services: dict) -> None:
@@ -231,7 +233,7 @@ def test_prometheus_mounts_config_and_rules(services: dict) -> None:
     config = REPO / "deploy" / "prometheus" / config_in_container.name
     rule_files = yaml.safe_load(config.read_text())["rule_files"]
     assert rule_files == ["alerts.yml"] and (config.parent / "alerts.yml").is_file()
-    assert "9090:9090" in prom["ports"]
+    assert prom["ports"] == PUBLISHED["prometheus"]
     assert "/-/healthy" in _healthcheck_cmd(prom)
 
 
@@ -289,7 +291,7 @@ def test_admin_requires_a_token_and_publishes_8080(services: dict) -> None:
     assert re.fullmatch(r"\$\{FLYWHEEL_ADMIN_TOKEN:\?[^}]+\}", token), (
         f"the token must be required: {token!r}"
     )
-    assert admin["ports"] == ["8080:8080"]
+    assert admin["ports"] == PUBLISHED["admin"]
     for name in ("trainer", "paramsync", "sampler"):
         assert "FLYWHEEL_ADMIN_TOKEN" not in _env(services[name]), f"{name} has no use for the admin token"
 
@@ -323,6 +325,184 @@ def test_sampler_is_scalable(services: dict) -> None:
     for key in ("container_name", "ports", "hostname"):
         assert key not in sampler, f"sampler must not set {key}: `--scale sampler=N` replicas would collide"
     assert "deploy" not in sampler or "replicas" not in sampler["deploy"]
+
+
+# ---- security defaults ------------------------------------------------------------------------
+
+
+def _port_binding(port: str | int | dict) -> tuple[str | None, str | None, str]:
+    """(host_ip, published, target) of a port in short (`[IP:][HOST:]CONTAINER[/PROTO]`) or long syntax."""
+    if isinstance(port, dict):
+        published = port.get("published")
+        return port.get("host_ip"), None if published is None else str(published), str(port["target"])
+    spec = str(port).split("/", 1)[0]
+    if spec.startswith("["):  # [IPv6]:HOST:CONTAINER
+        ip, _, rest = spec[1:].partition("]:")
+        host, _, target = rest.rpartition(":")
+        return ip, host or None, target
+    parts = spec.split(":")
+    if len(parts) == 1:
+        return None, None, parts[0]
+    if len(parts) == 2:
+        return None, parts[0], parts[1]
+    return ":".join(parts[:-2]), parts[-2] or None, parts[-1]
+
+
+def test_published_ports_bind_loopback_only(services: dict) -> None:
+    published = {name: svc["ports"] for name, svc in services.items() if svc.get("ports")}
+    assert published == PUBLISHED, "only admin and Prometheus are published, and only as listed"
+    for name, ports in published.items():
+        for port in ports:
+            host_ip, host_port, _ = _port_binding(port)
+            assert host_ip == "127.0.0.1", (
+                f"{name}: {port!r} must bind 127.0.0.1 (a port without an address is published on every "
+                "interface, past the host firewall); expose deliberately with an override file"
+            )
+            assert host_port, f"{name}: {port!r} needs a fixed host port to be reachable as documented"
+    for name in ("kafka", "minio", "minio-init") + tuple(n for n in FLYWHEEL_SERVICES if n != "admin"):
+        assert "ports" not in services[name], f"{name} must not be published"
+
+
+def _mentions(value: object, needle: str) -> bool:
+    return needle in json.dumps(value)
+
+
+def test_only_minio_and_minio_init_see_the_root_credentials(services: dict) -> None:
+    for name, svc in services.items():
+        env = _env(svc)
+        if name in ROOT_CREDENTIAL_SERVICES:
+            assert {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"} <= set(env), name
+            continue
+        assert not any(k.startswith("MINIO_ROOT") for k in env), f"{name} must not get MinIO root credentials"
+        assert not _mentions(svc, "MINIO_ROOT"), f"{name} must not refer to MinIO root credentials"
+        assert "env_file" not in svc, f"{name}: an env_file could carry the root credentials"
+
+
+def _default(value: str) -> tuple[str, str]:
+    """(variable, default) of a `${VAR:-default}` value."""
+    m = INTERPOLATION.fullmatch(value)
+    assert m and m.group(2) == ":-", f"expected ${{VAR:-default}}, got {value!r}"
+    return m.group(1), m.group(3)
+
+
+def test_services_authenticate_as_the_bucket_limited_user(services: dict) -> None:
+    init_env = _env(services["minio-init"])
+    user, password = init_env["SERVICE_USER"], init_env["SERVICE_PASSWORD"]
+    for name in FLYWHEEL_SERVICES:
+        env = _env(services[name])
+        assert env["AWS_ACCESS_KEY_ID"] == user, f"{name} must use the user that minio-init creates"
+        assert env["AWS_SECRET_ACCESS_KEY"] == password, f"{name} must use the user that minio-init creates"
+    root_user_var, root_user = _default(init_env["MINIO_ROOT_USER"])
+    user_var, user_default = _default(user)
+    password_var, password_default = _default(password)
+    assert user_var != root_user_var and user_default != root_user, "MinIO refuses a user named like root"
+    assert len(user_default) >= 3 and len(password_default) >= 8, "MinIO's minimum key lengths"
+    assert not user_var.startswith("FLYWHEEL_") and not password_var.startswith("FLYWHEEL_"), (
+        "the services reject unknown FLYWHEEL_* variables; name compose-only variables otherwise"
+    )
+
+
+def test_interpolated_flywheel_variables_are_settings() -> None:
+    """A FLYWHEEL_* variable that compose reads from the shell also reaches local services: it must be valid."""
+    from shared.settings import load_settings
+
+    names = {m.group(1) for m in INTERPOLATION.finditer(COMPOSE.read_text()) if m.group(1).startswith("FLYWHEEL_")}
+    assert names == {"FLYWHEEL_ADMIN_TOKEN"}
+    for name in names:
+        load_settings(None, environ={name: "x" * 40})
+
+
+def _policy_file(services: dict) -> Path:
+    init = services["minio-init"]
+    policy_in_container = Path(_env(init)["POLICY_FILE"])
+    for volume in init["volumes"]:
+        source, target, *mode = volume.split(":")
+        if policy_in_container.parent == Path(target):
+            assert mode == ["ro"], "mount the policy read-only"
+            local = REPO / source / policy_in_container.name
+            assert local.is_file(), f"{local} is mounted as {policy_in_container} but does not exist"
+            return local
+    raise AssertionError(f"minio-init does not mount {policy_in_container.parent}")
+
+
+def _as_set(value: str | list[str]) -> set[str]:
+    return {value} if isinstance(value, str) else set(value)
+
+
+def test_policy_file_names_only_the_bucket(services: dict) -> None:
+    path = _policy_file(services)
+    assert path.parent == MINIO_DIR
+    bucket = _env(services["minio-init"])["BUCKET"]
+    policy = json.loads(path.read_text())
+    assert policy["Version"] == "2012-10-17"
+    actions: set[str] = set()
+    resources: set[str] = set()
+    for statement in policy["Statement"]:
+        assert statement["Effect"] == "Allow" and set(statement) <= {"Sid", "Effect", "Action", "Resource"}
+        stmt_actions, stmt_resources = _as_set(statement["Action"]), _as_set(statement["Resource"])
+        # Bucket-level actions on the bucket, object actions on its objects; nothing else, no wildcards.
+        if stmt_actions <= BUCKET_ACTIONS:
+            assert stmt_resources == {f"arn:aws:s3:::{bucket}"}, statement
+        else:
+            assert stmt_actions <= OBJECT_ACTIONS and stmt_resources == {f"arn:aws:s3:::{bucket}/*"}, statement
+        actions |= stmt_actions
+        resources |= stmt_resources
+    assert actions == BUCKET_ACTIONS | OBJECT_ACTIONS
+    assert resources == {f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"}
+
+
+MC_STUB = """#!/bin/sh
+echo "$*" >> "$MC_LOG"
+case "$*" in
+  "admin policy attach"*)
+    case "$MC_ATTACH" in
+      ok) echo "Attached Policies: [$4]" ;;
+      already) echo "mc: <ERROR> $MC_PREFIX The specified policy change is already in effect." >&2; exit 1 ;;
+      *) echo "mc: <ERROR> $MC_PREFIX Access Denied." >&2; exit 1 ;;
+    esac ;;
+esac
+"""
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="no POSIX sh")
+@pytest.mark.parametrize("attach", ["ok", "already", "denied"])
+def test_minio_init_script(services: dict, tmp_path: Path, attach: str) -> None:
+    """The script, with a stand-in `mc`: the bucket, the policy from the mounted file, the user, the attachment;
+    attaching a policy that is already attached counts as success, any other failure fails the job."""
+    init = services["minio-init"]
+    assert init["entrypoint"] == ["/bin/sh", "-c"] and len(init["command"]) == 1
+    script = _interpolate(init["command"][0], {})
+    env = {k: _interpolate(v, {}) for k, v in _env(init).items()}
+    (tmp_path / "mc").write_text(MC_STUB)
+    (tmp_path / "mc").chmod(0o755)
+    log = tmp_path / "mc.log"
+    proc = subprocess.run(
+        ["sh", "-c", script],
+        env={"PATH": f"{tmp_path}:/usr/bin:/bin", "MC_LOG": str(log), "MC_ATTACH": attach,
+             "MC_PREFIX": "Unable to make user/group policy association.", **env},
+        capture_output=True, text=True, timeout=30, check=False,
+    )
+    if attach == "denied":
+        assert proc.returncode != 0 and "Access Denied" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr
+    root, user = env["MINIO_ROOT_USER"], env["SERVICE_USER"]
+    assert log.read_text().splitlines() == [
+        f"alias set flywheel http://minio:9000 {root} {env['MINIO_ROOT_PASSWORD']}",
+        f"mb --ignore-existing flywheel/{env['BUCKET']}",
+        f"admin policy create flywheel {env['POLICY']} {env['POLICY_FILE']}",
+        f"admin user add flywheel {user} {env['SERVICE_PASSWORD']}",
+        f"admin policy attach flywheel {env['POLICY']} --user {user}",
+    ]
+
+
+def test_every_service_rotates_its_logs(compose: dict, services: dict) -> None:
+    shared = compose["x-logging"]
+    assert shared["driver"] == "json-file"
+    assert re.fullmatch(r"\d+[km]", shared["options"]["max-size"]), shared
+    assert 1 <= int(shared["options"]["max-file"]) <= 10
+    for name, svc in services.items():
+        assert svc.get("logging") == shared, f"{name}: use the shared log limits (logging: *logging)"
 
 
 # ---- Dockerfile -------------------------------------------------------------------------------
