@@ -8,6 +8,7 @@ goes into the dead-letter header) and whose message names what is wrong.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -47,6 +48,11 @@ class FragmentSpec:
     obs_shape: tuple[int, ...]
     num_actions: int
     max_bytes: int = 4 * 1024 * 1024
+    env_id: str | None = None
+    """The run's env: a fragment from another env is refused (None: not checked)."""
+    max_abs_value: float = 1e6
+    """Largest magnitude accepted in observations, rewards and returns. Finite but huge values (3e38)
+    pass a finiteness check and still turn the weights NaN; no sane env emits them."""
 
 
 @dataclass
@@ -111,7 +117,17 @@ def header_dict(headers: Headers | None) -> dict[str, str]:
 
 
 def decode_fragment(headers: Headers | None, payload: bytes | None, spec: FragmentSpec) -> Fragment:
-    """Validate and decode one record, or raise :class:`FragmentError`."""
+    """Validate and decode one record, or raise :class:`FragmentError` (never anything else: a record
+    that breaks the decoder in an unforeseen way is poison too, reason ``undecodable``)."""
+    try:
+        return _decode(headers, payload, spec)
+    except FragmentError:
+        raise
+    except Exception as exc:  # e.g. a safetensors dtype numpy lacks (BF16) raises KeyError inside load
+        raise FragmentError("undecodable", f"payload could not be decoded: {type(exc).__name__}: {exc}") from None
+
+
+def _decode(headers: Headers | None, payload: bytes | None, spec: FragmentSpec) -> Fragment:
     h = header_dict(headers)
     schema = h.get(H_SCHEMA)
     if schema is None:
@@ -128,6 +144,10 @@ def decode_fragment(headers: Headers | None, payload: bytes | None, spec: Fragme
         raise FragmentError("bad_header", f"policy-version/created-at not numeric: {exc}") from None
     if version < 0:
         raise FragmentError("bad_header", f"policy-version must be >= 0, got {version}")
+    if not math.isfinite(created_at):
+        raise FragmentError("bad_header", f"created-at must be a finite unix time, got {h[H_CREATED_AT]!r}")
+    if spec.env_id is not None and h[H_ENV_ID] != spec.env_id:
+        raise FragmentError("env_mismatch", f"fragment is from env {h[H_ENV_ID]!r}, this run trains {spec.env_id!r}")
     if payload is None:
         raise FragmentError("undecodable", "record has no payload")
     if len(payload) > spec.max_bytes:
@@ -179,6 +199,9 @@ def _check_tensors(t: dict[str, np.ndarray], spec: FragmentSpec) -> None:
     for name in ("obs", "logp", "rewards", "trunc_obs", "last_obs", "episode_returns"):
         if not np.isfinite(t[name]).all():
             raise FragmentError("non_finite", f"tensor {name!r} holds NaN or infinite values")
+        if t[name].size and float(np.abs(t[name]).max()) > spec.max_abs_value:
+            raise FragmentError("out_of_range", f"tensor {name!r} holds a value of magnitude "
+                                f"{float(np.abs(t[name]).max()):.3g} > {spec.max_abs_value:g}")
     if (t["logp"] > 1e-5).any():
         raise FragmentError("bad_value", "tensor 'logp' holds positive log-probabilities")
     a = t["actions"]

@@ -188,8 +188,8 @@ class LagProbe:
 async def consumer_lag(settings: Settings, group: str, topic: str) -> dict[int, int]:
     """One-shot :meth:`LagProbe.lag`."""
     probe = LagProbe(settings)
-    await probe.start()
-    try:
+    try:  # start inside: a start that fails half-way (broker down) must still close what it opened
+        await probe.start()
         return await probe.lag(group, topic)
     finally:
         await probe.stop()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,6 +30,11 @@ class MarkerConflict(RuntimeError):
 
 class StaleVersion(ValueError):
     """The record's version is not newer than the published one."""
+
+
+class BadPayload(StoreError):
+    """A record's payload is missing or does not match its sha256 and size: a fact about the data,
+    not a connectivity fault, so it is not retried."""
 
 
 @dataclass(frozen=True)
@@ -115,10 +121,10 @@ class VersionedStore:
         """The payload of ``record``, checked against its sha256; raises StoreError if bad."""
         obj = self.store.get(record.blob)
         if obj is None:
-            raise StoreError(f"payload {record.blob} of version {record.version} is missing")
+            raise BadPayload(f"payload {record.blob} of version {record.version} is missing")
         sha = hashlib.sha256(obj.data).hexdigest()
         if sha != record.sha256 or len(obj.data) != record.size:
-            raise StoreError(
+            raise BadPayload(
                 f"payload {record.blob} of version {record.version} is corrupt: "
                 f"sha256 {sha[:12]}.. size {len(obj.data)}, want {record.sha256[:12]}.. size {record.size}"
             )
@@ -139,6 +145,41 @@ class VersionedStore:
         except StoreError as exc:
             self._log.warning("marker_read_rejected", keeping_version=have, reason=str(exc))
             return None
+
+    def load_latest_good(
+        self, verify: Callable[[bytes], object] | None = None
+    ) -> tuple[VersionRecord, bytes, list[str]] | None:
+        """The newest version whose payload is intact (and passes ``verify``, which raises to refuse it):
+        the marker's, else the history's, newest first. Returns it with the reasons the newer ones were
+        refused, or None when nothing was ever published here.
+
+        Raises :class:`StoreError` when the store cannot be read (an outage is never taken for "no
+        checkpoint"), and :class:`BadPayload` when versions exist but none is usable.
+        """
+        current = self.read_marker()
+        candidates = [] if current is None else [current[0]]
+        seen = {c.version for c in candidates}
+        candidates += [r for r in reversed(self.records()) if r.version not in seen]
+        if not candidates:
+            return None
+        refused: list[str] = []
+        for rec in candidates:
+            try:
+                data = self.fetch(rec)
+                if verify is not None:
+                    verify(data)
+            except BadPayload as exc:
+                refused.append(str(exc))
+                continue
+            except Exception as exc:  # the verifier refused it (unloadable, wrong shapes)
+                if isinstance(exc, StoreError):
+                    raise
+                refused.append(f"version {rec.version} refused: {type(exc).__name__}: {exc}"[:300])
+                continue
+            if refused:
+                self._log.warning("fell_back_to_older_version", version=rec.version, refused=refused)
+            return rec, data, refused
+        raise BadPayload(f"no usable version under {self.prefix}: " + "; ".join(refused)[:1000])
 
     def records(self) -> list[VersionRecord]:
         """History records, oldest first."""

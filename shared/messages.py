@@ -8,7 +8,7 @@ compacted: the latest of each survives), heartbeats by the sender's id.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -65,6 +65,10 @@ class SamplerBeat(_Msg):
     fragments: int = 0
     env_steps: int = 0
     recent_return_mean: float | None = None
+    health: dict[str, Any] | None = None
+    """``{"state": "ok"|"degraded", "reasons": {component: reason}, "degraded_since"}``."""
+    started_at: float | None = None
+    """When this process started (a new value for the same role = a restart)."""
     ts: float = Field(default_factory=time.time)
 
 
@@ -83,6 +87,16 @@ class TrainerBeat(_Msg):
     return_count: int
     fragments_dropped_stale: int
     fragments_dead_lettered: int
+    staleness_p95: float | None = None
+    published_version: int | None = None
+    """The newest published version the trainer knows of (its staleness reference is the older of it
+    and its own version)."""
+    stalled_since: float | None = None
+    stalled_reason: str | None = None
+    nonfinite_steps_skipped: int = 0
+    candidates_resent: int = 0
+    health: dict[str, Any] | None = None
+    started_at: float | None = None
     ts: float = Field(default_factory=time.time)
 
 
@@ -93,6 +107,8 @@ class ParamsyncBeat(_Msg):
     sync_latency_p50_s: float | None
     sync_latency_p95_s: float | None
     live_samplers: int
+    health: dict[str, Any] | None = None
+    started_at: float | None = None
     ts: float = Field(default_factory=time.time)
 
 

@@ -162,3 +162,13 @@ class RateMeter:
             return 0.0
         span = max(now - events[0][0], 1e-6)
         return sum(a for _, a in events) / span
+
+
+def percentile(values: list[float] | list[int], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of ``values`` by linear interpolation; None when empty."""
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)

@@ -168,6 +168,19 @@ class TrainerSettings(_Section):
     heartbeat_interval_s: float = Field(1.0, gt=0)
     return_window: int = Field(100, ge=1)
     """Episodes in the reported mean return."""
+    max_abs_value: float = Field(1e6, gt=0)
+    """Largest magnitude accepted in a fragment's observations, rewards and returns; a larger one is
+    dead-lettered (``out_of_range``): finite but huge values would turn the weights NaN."""
+    stall_after_s: float = Field(30.0, gt=0)
+    """Training counts as stalled when records keep arriving but no update happened for this long:
+    reported in /status with its reason, the recovery (re-send the candidate, re-read the marker) is
+    tried, and ``flywheel_trainer_stalled`` turns 1 for the alert."""
+    candidate_resend_s: float = Field(10.0, gt=0)
+    """Re-send the newest candidate when it is still not published after this long (paramsync was
+    down, or the message was lost with a broker)."""
+    fresh_start: bool = False
+    """Start from scratch even though a checkpoint exists (the checkpoints are kept). Without it a
+    trainer whose checkpoints are all unusable refuses to start rather than silently reset the run."""
 
 
 class ParamsyncSettings(_Section):
@@ -176,6 +189,8 @@ class ParamsyncSettings(_Section):
     sampler_timeout_s: float = Field(10.0, gt=0)
     """A sampler silent for this long is no longer live."""
     heartbeat_interval_s: float = Field(1.0, gt=0)
+    reannounce_interval_s: float = Field(5.0, gt=0)
+    """Re-announce the published version this often, so readers that missed an announcement catch up."""
 
 
 class AdminSettings(_Section):

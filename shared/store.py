@@ -67,13 +67,14 @@ class S3Store:
     def get(self, key: str) -> StoredObject | None:
         try:
             resp = self._s3.get_object(Bucket=self.bucket, Key=key)
+            # Reading the body is network I/O too: a dropped connection here must not escape raw.
+            return StoredObject(resp["Body"].read(), resp["ETag"])
         except self._s3.exceptions.NoSuchKey:
             return None
         except Exception as exc:
             if self._code(exc) in ("NoSuchKey", "404"):
                 return None
             raise StoreError(f"get s3://{self.bucket}/{key} failed: {exc}") from exc
-        return StoredObject(resp["Body"].read(), resp["ETag"])
 
     def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "Body": data}
@@ -99,12 +100,18 @@ class S3Store:
         return True
 
     def delete(self, key: str) -> None:
-        self._s3.delete_object(Bucket=self.bucket, Key=key)
+        try:
+            self._s3.delete_object(Bucket=self.bucket, Key=key)
+        except Exception as exc:
+            raise StoreError(f"delete s3://{self.bucket}/{key} failed: {exc}") from exc
 
     def list(self, prefix: str) -> list[str]:
         keys: list[str] = []
-        for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-            keys.extend(obj["Key"] for obj in page.get("Contents", []))
+        try:
+            for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                keys.extend(obj["Key"] for obj in page.get("Contents", []))
+        except Exception as exc:
+            raise StoreError(f"list s3://{self.bucket}/{prefix} failed: {exc}") from exc
         return sorted(keys)
 
 
@@ -194,7 +201,9 @@ def s3_client(settings: Settings) -> Any:
         "s3",
         endpoint_url=settings.s3.endpoint,
         region_name=settings.s3.region,
-        config=Config(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=5, read_timeout=30),
+        # Few, short attempts: callers retry with backoff (shared.retry) and report themselves degraded;
+        # boto's own long retry chains would block them for minutes on a refused endpoint.
+        config=Config(retries={"max_attempts": 2, "mode": "standard"}, connect_timeout=3, read_timeout=20),
     )
 
 

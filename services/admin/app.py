@@ -7,20 +7,31 @@ import hmac
 import time
 from typing import Annotated
 
+from aiokafka.errors import KafkaError
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
-from services.admin.state import AdminState
-
-SAMPLER_FORGET_S = 600.0
+from services.admin.state import SAMPLER_FORGET_S, AdminState
 
 
 class PolicyStatus(BaseModel):
     version: int | None = Field(description="Version behind the marker; null before the first publish")
     sha256: str | None
     published_at: float | None = Field(description="Unix time the version's record was created")
+
+
+class ServiceHealth(BaseModel):
+    alive: bool
+    state: str = Field(description="ok, degraded (retrying a dependency: see reasons), or unknown (no heartbeat)")
+    reasons: dict[str, str] = Field(description="Per dependency, why it is degraded")
+    restarts: int = Field(description="Process restarts seen (new start time in the heartbeats)")
+
+
+class StallStatus(BaseModel):
+    since: float | None
+    reason: str
 
 
 class TrainerStatus(BaseModel):
@@ -33,6 +44,11 @@ class TrainerStatus(BaseModel):
     policy_version: int | None = Field(
         description="Version of the trainer's current weights (sent as a candidate right after the update "
                     "that made them)")
+    published_version: int | None = Field(
+        None, description="Newest published version the trainer knows of; staleness is measured from the older "
+                          "of this and policy_version")
+    stalled: StallStatus | None = Field(
+        None, description="Set while records arrive but no update happens (why, and since when)")
 
 
 class SamplerStatus(BaseModel):
@@ -54,8 +70,12 @@ class SyncStatus(BaseModel):
 
 
 class StalenessStatus(BaseModel):
-    mean: float | None = Field(description="Mean policy lag (versions) of recently trained fragments")
+    mean: float | None = Field(description="Mean policy lag (versions) of recently trained fragments, "
+                                           "measured when their batch was formed")
     max: int | None
+    p95: float | None = None
+    dropped_fraction: float | None = Field(
+        None, description="Fragments dropped as stale / (trained + dropped), since the trainer started")
 
 
 class ReturnStatus(BaseModel):
@@ -72,6 +92,8 @@ class Status(BaseModel):
     sync: SyncStatus
     staleness: StalenessStatus
     episode_return: ReturnStatus
+    services: dict[str, ServiceHealth] = Field(
+        default_factory=dict, description="trainer, paramsync and sampler:<id>: alive, ok or degraded, restarts")
 
 
 class SyncAccepted(BaseModel):
@@ -129,28 +151,47 @@ def create_app(state: AdminState) -> FastAPI:
                           steps_per_s=round(seen.beat.steps_per_s, 1), last_seen=seen.at)
             for sid, seen in sorted(v.samplers.items()) if now - seen.at <= SAMPLER_FORGET_S
         ]
+        def health(role: str, seen: object) -> ServiceHealth:
+            beat = getattr(seen, "beat", None)
+            h = getattr(beat, "health", None) or {}
+            alive = s.alive(seen, now)  # type: ignore[arg-type]
+            return ServiceHealth(alive=alive, state=str(h.get("state", "unknown")) if alive else "down",
+                                 reasons=dict(h.get("reasons") or {}), restarts=v.restarts.get(role, 0))
+
+        services = {"trainer": health("trainer", v.trainer), "paramsync": health("paramsync", v.paramsync)}
+        services.update({f"sampler:{sid}": health(f"sampler:{sid}", seen) for sid, seen in sorted(v.samplers.items())})
+        trained_dropped = (tb.fragments_trained + tb.fragments_dropped_stale) if tb else 0
         return Status(
             run=s.settings.run,
+            services=services,
             policy=PolicyStatus(version=rec.version if rec else None, sha256=rec.sha256 if rec else None,
                                 published_at=rec.created_at if rec else None),
             trainer=TrainerStatus(
                 alive=s.alive(v.trainer, now), step=tb.updates if tb else 0, updates=tb.updates if tb else 0,
                 samples_trained=tb.env_steps_trained if tb else 0,
                 samples_per_s=round(tb.samples_per_s, 1) if tb else 0.0,
-                last_update_at=tb.last_update_at if tb else None, policy_version=tb.policy_version if tb else None),
+                last_update_at=tb.last_update_at if tb else None, policy_version=tb.policy_version if tb else None,
+                published_version=tb.published_version if tb else None,
+                stalled=StallStatus(since=tb.stalled_since, reason=tb.stalled_reason)
+                if tb and tb.stalled_reason and s.alive(v.trainer, now) else None),
             samplers=samplers,
             backlog=BacklogStatus(records=sum(v.lag.values()) if v.lag is not None else None,
                                   per_partition={str(p): n for p, n in sorted((v.lag or {}).items())}),
             sync=SyncStatus(latency_p50_s=pb.sync_latency_p50_s if pb else None,
                             latency_p95_s=pb.sync_latency_p95_s if pb else None),
-            staleness=StalenessStatus(mean=tb.staleness_mean if tb else None, max=tb.staleness_max if tb else None),
+            staleness=StalenessStatus(
+                mean=tb.staleness_mean if tb else None, max=tb.staleness_max if tb else None,
+                p95=tb.staleness_p95 if tb else None,
+                dropped_fraction=round(tb.fragments_dropped_stale / trained_dropped, 4)
+                if tb and trained_dropped else None),
             episode_return=ReturnStatus(mean=tb.return_mean if tb else None, count=tb.return_count if tb else 0),
         )
 
     @app.post("/policy/sync", response_model=SyncAccepted, status_code=202,
               dependencies=[Depends(require_token)],
               responses={401: {"description": "Missing or wrong bearer token"},
-                         409: {"description": "No policy has been published yet"}})
+                         409: {"description": "No policy has been published yet"},
+                         503: {"description": "Kafka is unreachable: the command could not be sent"}})
     async def policy_sync(
         s: State, wait_s: Annotated[float, Query(ge=0, le=30, description="Wait up to this long for samplers")] = 0.0
     ) -> SyncAccepted:
@@ -158,7 +199,11 @@ def create_app(state: AdminState) -> FastAPI:
         rec = await s.published()
         if rec is None:
             raise HTTPException(status_code=409, detail="no policy has been published yet")
-        cmd = await s.request_sync()
+        try:
+            cmd = await asyncio.wait_for(s.request_sync(), s.settings.kafka.request_timeout_ms / 1000)
+        except (KafkaError, TimeoutError) as exc:
+            raise HTTPException(status_code=503, detail=f"could not send the sync command, Kafka is unreachable: "
+                                                        f"{type(exc).__name__}: {exc}"[:300]) from None
         t0 = time.monotonic()
         synced: bool | None = None
         if wait_s > 0:

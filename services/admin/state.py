@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
 from prometheus_client import Gauge
 
 from shared.kafka import Topics, consumer_lag, ensure_topics, make_consumer, make_producer, trainer_group
 from shared.logging import get_logger
 from shared.marker import VersionedStore, VersionRecord
-from shared.messages import ControlCommand, ParamsyncBeat, SamplerBeat, TrainerBeat, parse_heartbeat
+from shared.messages import ControlCommand, SamplerBeat, TrainerBeat, parse_heartbeat
+from shared.retry import Health, describe, is_transient, retry_transient
 from shared.service import run_until_first_error
 from shared.settings import Settings
 from shared.store import StoreError, open_store
@@ -37,6 +39,14 @@ class ClusterView:
     samplers: dict[str, Seen] = field(default_factory=dict)
     lag: dict[int, int] | None = None
     lag_at: float | None = None
+    restarts: dict[str, int] = field(default_factory=dict)
+    """Per role (``trainer``, ``paramsync``, ``sampler:<id>``): new process start times seen since the
+    heartbeat history admin read at start (a restart, by the supervisor or by hand)."""
+    started: dict[str, float] = field(default_factory=dict)
+
+
+SAMPLER_FORGET_S = 600.0
+"""A sampler silent this long is forgotten (per-sampler state must not grow with every restart)."""
 
 
 class AdminState:
@@ -51,13 +61,18 @@ class AdminState:
         self.view = ClusterView()
         self.log = get_logger()
         self._started = False
+        self.health_state = Health()
         self._last_published: VersionRecord | None = None
         self.alive_after_s = settings.paramsync.sampler_timeout_s
 
     async def start(self) -> None:
-        await ensure_topics(self.settings)
-        await self.producer.start()
-        await self.consumer.start()
+        async def retried(op: Any, what: str) -> Any:
+            return await retry_transient(op, what=what, component="kafka", health=self.health_state, log=self.log,
+                                         timeout_s=self.settings.kafka.request_timeout_ms / 1000)
+
+        await retried(lambda: ensure_topics(self.settings), "create topics")
+        await retried(self.producer.start, "start producer")
+        await retried(self.consumer.start, "start heartbeat reader")
         tp = TopicPartition(self.topics.heartbeats, 0)
         self.consumer.assign([tp])
         end = (await self.consumer.end_offsets([tp]))[tp]
@@ -73,12 +88,18 @@ class AdminState:
         await self.producer.stop()
 
     def health(self) -> dict[str, Any]:
-        return {"ok": self._started}
+        return {"ok": self._started, **self.health_state.as_dict()}
 
     # ---- feeds -----------------------------------------------------------------------------
     async def _heartbeats(self, stop_event: asyncio.Event) -> None:
         while not stop_event.is_set():
-            polled = await self.consumer.getmany(timeout_ms=200)
+            try:
+                polled = await self.consumer.getmany(timeout_ms=200)
+            except KafkaError as exc:
+                if not is_transient(exc):
+                    raise
+                await asyncio.sleep(1.0)
+                continue
             for records in polled.values():
                 for rec in records:
                     if rec.value is not None:
@@ -93,10 +114,27 @@ class AdminState:
         seen = Seen(beat, min(time.time(), sent_at))
         if isinstance(beat, SamplerBeat):
             self.view.samplers[beat.id] = seen
+            role = f"sampler:{beat.id}"
         elif isinstance(beat, TrainerBeat):
             self.view.trainer = seen
-        elif isinstance(beat, ParamsyncBeat):
+            role = "trainer"
+        else:
             self.view.paramsync = seen
+            role = "paramsync"
+        started = getattr(beat, "started_at", None)
+        if started is not None:
+            last = self.view.started.get(role)
+            if last is not None and started > last + 1e-3:
+                self.view.restarts[role] = self.view.restarts.get(role, 0) + 1
+            if last is None or started > last:
+                self.view.started[role] = started
+        self._forget_silent_samplers(seen.at)
+
+    def _forget_silent_samplers(self, now: float) -> None:
+        for sid in [sid for sid, s in self.view.samplers.items() if now - s.at > SAMPLER_FORGET_S]:
+            del self.view.samplers[sid]
+            self.view.started.pop(f"sampler:{sid}", None)
+            self.view.restarts.pop(f"sampler:{sid}", None)
 
     async def _lag_loop(self, stop_event: asyncio.Event) -> None:
         while not stop_event.is_set():
@@ -106,8 +144,10 @@ class AdminState:
                 BACKLOG.set(sum(lag.values()))
                 for p, n in lag.items():
                     BACKLOG_PARTITION.labels(partition=str(p)).set(n)
+                self.health_state.recovered("kafka")
             except Exception as exc:  # keep serving status with the last known lag
-                self.log.warning("lag_refresh_failed", error=str(exc))
+                self.health_state.degraded("kafka", f"lag refresh failed: {describe(exc)}")
+                self.log.warning("lag_refresh_failed", error=describe(exc))
             try:
                 await asyncio.wait_for(stop_event.wait(), timeout=self.settings.admin.refresh_interval_s)
             except TimeoutError:

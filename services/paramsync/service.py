@@ -16,18 +16,20 @@ import time
 from typing import Any
 
 from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.paramsync.tracker import SyncTracker
 from shared.kafka import Topics, ensure_topics, make_consumer, make_producer
 from shared.logging import get_logger
-from shared.marker import MarkerConflict, StaleVersion, VersionedStore
+from shared.marker import BadPayload, MarkerConflict, StaleVersion, VersionedStore, VersionRecord
 from shared.messages import KEY_ANNOUNCE, ControlCommand, ParamsyncBeat, PolicyMessage, SamplerBeat, parse_heartbeat
+from shared.retry import Health, describe, is_transient, retry_transient
 from shared.rl.envs import fragment_spec
 from shared.rl.model import ActorCritic, WeightsError, load_weights
 from shared.service import run_until_first_error
 from shared.settings import Settings
-from shared.store import StoreError, open_store
+from shared.store import open_store
 
 SYNC_LATENCY = Histogram("flywheel_paramsync_sync_latency_seconds",
                          "From a candidate's receipt to every live sampler acting on it",
@@ -37,6 +39,9 @@ CANDIDATES = Counter("flywheel_paramsync_candidates_total", "Candidates handled"
 LIVE = Gauge("flywheel_paramsync_live_samplers", "Samplers with a recent heartbeat")
 PRUNE_EVERY = 10
 PUBLISH_SECONDS = Histogram("flywheel_paramsync_publish_seconds", "Verify + marker write + announce")
+REANNOUNCED = Counter("flywheel_paramsync_reannouncements_total", "Periodic re-announcements of the published version")
+DEGRADED = Gauge("flywheel_service_degraded", "1 while the service retries a dependency", ["service"])
+CLIENT_STOP_TIMEOUT_S = 10.0
 
 
 class Paramsync:
@@ -55,41 +60,66 @@ class Paramsync:
         self.candidates = make_consumer(settings, group_id=f"{settings.run}.paramsync")
         self.inbox = make_consumer(settings, group_id=None)
         self.published_version: int | None = None
+        self.published_record: VersionRecord | None = None
+        self.health_state = Health()
+        self.started_at = time.time()
+        self._stop = asyncio.Event()
         self._publishes = 0
         self._started = False
 
+    async def _retry(self, op: Any, what: str, component: str, timeout_s: float | None = None) -> Any:
+        try:
+            return await retry_transient(op, what=what, component=component, health=self.health_state,
+                                         log=self.log, stop_event=self._stop, timeout_s=timeout_s)
+        finally:
+            DEGRADED.labels(service="paramsync").set(1 if self.health_state.reasons else 0)
+
     async def start(self) -> None:
-        await ensure_topics(self.settings)
-        await self.producer.start()
-        await self.candidates.start()
+        await self._retry(lambda: ensure_topics(self.settings), "create topics", "kafka")
+        await self._retry(self.producer.start, "start producer", "kafka")
+        await self._retry(self.candidates.start, "start candidate consumer", "kafka")
         self.candidates.subscribe([self.topics.policy])
-        await self.inbox.start()
+        await self._retry(self.inbox.start, "start inbox", "kafka")
         tps = [TopicPartition(self.topics.heartbeats, 0), TopicPartition(self.topics.control, 0)]
         self.inbox.assign(tps)
         await self.inbox.seek_to_end(*tps)
-        current = await asyncio.to_thread(self.policies.read_marker)
+        current = await self._retry(lambda: asyncio.to_thread(self.policies.read_marker), "read marker", "store")
         if current is not None:
-            self.published_version = current[0].version
-            PUBLISHED.set(current[0].version)
+            self._set_published(current[0])
         self._started = True
 
     async def run(self, stop_event: asyncio.Event) -> None:
+        self._stop = stop_event
         await run_until_first_error(
             self._candidate_loop(stop_event), self._inbox_loop(stop_event), self._beat_loop(stop_event)
         )
 
     async def stop(self) -> None:
-        await self.candidates.stop()
-        await self.inbox.stop()
-        await self.producer.stop()
+        for client in (self.candidates, self.inbox, self.producer):  # bounded: a dead broker must not hang SIGTERM
+            try:
+                await asyncio.wait_for(client.stop(), CLIENT_STOP_TIMEOUT_S)
+            except Exception as exc:
+                self.log.warning("client_stop_failed", client=type(client).__name__, error=describe(exc))
 
     def health(self) -> dict[str, Any]:
-        return {"ok": self._started, "published_version": self.published_version}
+        return {"ok": self._started, "published_version": self.published_version, **self.health_state.as_dict()}
+
+    def _set_published(self, record: VersionRecord) -> None:
+        self.published_version = record.version
+        self.published_record = record
+        PUBLISHED.set(record.version)
 
     # ---- candidates ------------------------------------------------------------------------
     async def _candidate_loop(self, stop_event: asyncio.Event) -> None:
         while not stop_event.is_set():
-            polled = await self.candidates.getmany(timeout_ms=200, max_records=50)
+            try:
+                polled = await self.candidates.getmany(timeout_ms=200, max_records=50)
+            except KafkaError as exc:
+                if not is_transient(exc):
+                    raise
+                self.health_state.degraded("kafka", f"candidate poll failed: {describe(exc)}")
+                await asyncio.sleep(1.0)
+                continue
             received = time.monotonic()
             candidates = [msg for records in polled.values() for rec in records
                           if (msg := self._parse_policy_message(rec.value, rec.offset)) is not None
@@ -104,8 +134,20 @@ class Paramsync:
                 CANDIDATES.labels(outcome=outcome).inc()
                 if outcome == "published":
                     self.tracker.published(newest.version, received)
-            for tp, records in polled.items():
-                await self.candidates.commit({tp: records[-1].offset + 1})
+            await self._commit({tp: records[-1].offset + 1 for tp, records in polled.items()})
+
+    async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
+        """Commit handled candidates. A failure (rebalance, coordinator gone, broker down) only means the
+        candidates come again after a restart, where they are refused as stale: logged, never fatal."""
+        if not offsets:
+            return
+        try:
+            await asyncio.wait_for(self.candidates.commit(offsets), self.settings.kafka.request_timeout_ms / 1000)
+        except (KafkaError, TimeoutError) as exc:
+            if isinstance(exc, KafkaError) and not is_transient(exc) and type(exc).__name__ not in (
+                    "CommitFailedError", "IllegalStateError"):
+                raise
+            self.log.warning("candidate_commit_failed", error=describe(exc))
 
     def _parse_policy_message(self, value: bytes | None, offset: int) -> PolicyMessage | None:
         if value is None:
@@ -120,14 +162,14 @@ class Paramsync:
     async def _publish(self, msg: PolicyMessage) -> str:
         record = msg.record()
         try:
-            data = await asyncio.to_thread(self.policies.fetch, record)
+            data = await self._retry(lambda: asyncio.to_thread(self.policies.fetch, record), "fetch candidate", "store")
             load_weights(self.model, data)
-        except (StoreError, WeightsError) as exc:
+        except (BadPayload, WeightsError) as exc:
             self.log.warning("candidate_rejected", policy_version=msg.version, reason=str(exc))
             return "rejected"
         for attempt in range(3):
             try:
-                await asyncio.to_thread(self.policies.publish_next, record)
+                await self._retry(lambda: asyncio.to_thread(self.policies.publish_next, record), "move marker", "store")
                 break
             except StaleVersion as exc:
                 self.log.info("candidate_stale", policy_version=msg.version, reason=str(exc))
@@ -136,25 +178,36 @@ class Paramsync:
                 self.log.warning("marker_conflict", policy_version=msg.version, attempt=attempt, reason=str(exc))
         else:
             return "conflict"
-        self.published_version = msg.version
-        PUBLISHED.set(msg.version)
-        await self._announce(record.version, msg)
+        self._set_published(record)
+        await self._announce(record)
         self._publishes += 1
         removed: list[int] = []
         if self._publishes % PRUNE_EVERY == 0:  # pruning lists and reads history: not on every publish
-            removed = await asyncio.to_thread(self.policies.prune, self.settings.paramsync.keep_versions)
+            try:
+                removed = await asyncio.to_thread(self.policies.prune, self.settings.paramsync.keep_versions)
+            except Exception as exc:  # housekeeping: tried again at the next PRUNE_EVERY
+                if not is_transient(exc):
+                    raise
+                self.log.warning("prune_failed", error=describe(exc))
         self.log.info("policy_published", policy_version=msg.version, sha256=msg.sha256[:12],
                       trainer_step=msg.trainer_step, pruned=removed or None)
         return "published"
 
-    async def _announce(self, version: int, msg: PolicyMessage) -> None:
-        ann = PolicyMessage.of("announce", msg.record())
-        await self.producer.send_and_wait(self.topics.policy, ann.to_bytes(), key=KEY_ANNOUNCE)
+    async def _announce(self, record: VersionRecord) -> None:
+        ann = PolicyMessage.of("announce", record).to_bytes()
+        await self._retry(lambda: self.producer.send_and_wait(self.topics.policy, ann, key=KEY_ANNOUNCE),
+                          "announce", "kafka", timeout_s=self.settings.kafka.request_timeout_ms / 1000)
 
     # ---- heartbeats and control ------------------------------------------------------------
     async def _inbox_loop(self, stop_event: asyncio.Event) -> None:
         while not stop_event.is_set():
-            polled = await self.inbox.getmany(timeout_ms=200)
+            try:
+                polled = await self.inbox.getmany(timeout_ms=200)
+            except KafkaError as exc:
+                if not is_transient(exc):
+                    raise
+                await asyncio.sleep(1.0)
+                continue
             for records in polled.values():
                 for rec in records:
                     if rec.value is None:
@@ -182,24 +235,44 @@ class Paramsync:
         except ValueError as exc:
             self.log.warning("control_malformed", reason=str(exc)[:300])
             return
-        current = await asyncio.to_thread(self.policies.read_marker)
+        try:
+            current = await asyncio.wait_for(asyncio.to_thread(self.policies.read_marker), 30)
+        except Exception as exc:  # the store is down: announce what we last published, if anything
+            if not is_transient(exc):
+                raise
+            self.log.warning("manual_sync_marker_unreadable", request_id=cmd.request_id, error=describe(exc))
+            current = None if self.published_record is None else (self.published_record, "")
         if current is None:
             self.log.info("manual_sync_nothing_published", request_id=cmd.request_id)
             return
         rec = current[0]
-        await self.producer.send_and_wait(self.topics.policy, PolicyMessage.of("announce", rec).to_bytes(),
-                                          key=KEY_ANNOUNCE)
+        await self._announce(rec)
         self.log.info("manual_sync_announced", request_id=cmd.request_id, policy_version=rec.version)
 
     async def _beat_loop(self, stop_event: asyncio.Event) -> None:
+        """Heartbeats, and now and then a re-announcement of the published version: a sampler or a
+        trainer that missed an announcement (a broker restart, a late start) catches up from it."""
         interval = self.settings.paramsync.heartbeat_interval_s
+        last_announce = time.monotonic()
         while not stop_event.is_set():
             live = self.tracker.live(time.monotonic())
             LIVE.set(len(live))
             beat = ParamsyncBeat(id=self.id, published_version=self.published_version,
                                  sync_latency_p50_s=self.tracker.p(0.5), sync_latency_p95_s=self.tracker.p(0.95),
-                                 live_samplers=len(live))
-            await self.producer.send(self.topics.heartbeats, beat.to_bytes(), key=self.id.encode())
+                                 live_samplers=len(live), health=self.health_state.as_dict(),
+                                 started_at=self.started_at)
+            try:
+                await self.producer.send(self.topics.heartbeats, beat.to_bytes(), key=self.id.encode())
+                if self.published_record is not None and \
+                        time.monotonic() - last_announce >= self.settings.paramsync.reannounce_interval_s:
+                    last_announce = time.monotonic()
+                    ann = PolicyMessage.of("announce", self.published_record).to_bytes()
+                    await self.producer.send(self.topics.policy, ann, key=KEY_ANNOUNCE)
+                    REANNOUNCED.inc()
+            except Exception as exc:  # not worth stopping for: the next beat retries
+                if not is_transient(exc):
+                    raise
+                self.log.debug("heartbeat_failed", error=describe(exc))
             try:
                 await asyncio.wait_for(stop_event.wait(), timeout=interval)
             except TimeoutError:

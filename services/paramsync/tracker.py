@@ -10,20 +10,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from shared.service import percentile
+
 
 @dataclass
 class SamplerState:
     version: int | None
     last_seen: float
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 class SyncTracker:

@@ -31,6 +31,7 @@ from shared.kafka import LagProbe, Topics, ensure_topics, make_consumer, make_pr
 from shared.logging import fragment_fields, get_logger
 from shared.marker import VersionedStore
 from shared.messages import ControlCommand, PolicyMessage, SamplerBeat
+from shared.retry import Health, describe, is_transient, retry_transient
 from shared.rl.policy_np import WeightsError
 from shared.service import RateMeter
 from shared.settings import Settings
@@ -49,6 +50,7 @@ LAG_PROBE = Histogram("flywheel_sampler_lag_probe_seconds", "Time of one trainer
 
 BACKLOG_MAX_AGE_INTERVALS = 25
 """Flow control forgets a backlog reading this many check intervals old (the probe kept failing)."""
+CLIENT_STOP_TIMEOUT_S = 10.0
 WAKE_TIMEOUT_S = 0.05
 """Longest a paused (or, in sync mode, waiting) loop sleeps before re-checking on its own."""
 
@@ -98,19 +100,28 @@ class Sampler:
         self._last_beat = 0.0
         self._pending: set[asyncio.Future[Any]] = set()
         self._labels = {"sampler": self.id}
+        self.health_state = Health()
+        self.started_at = time.time()
+        self._stop = asyncio.Event()
+
+    async def _retry(self, op: Any, what: str, component: str) -> Any:
+        return await retry_transient(op, what=what, component=component, health=self.health_state, log=self.log,
+                                     stop_event=self._stop,
+                                     timeout_s=self.settings.kafka.request_timeout_ms / 1000)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        await ensure_topics(self.settings)
-        await self.producer.start()
-        await self.inbox.start()
+        await self._retry(lambda: ensure_topics(self.settings), "create topics", "kafka")
+        await self._retry(self.producer.start, "start producer", "kafka")
+        await self._retry(self.inbox.start, "start inbox", "kafka")
         tps = [TopicPartition(self.topics.policy, 0), TopicPartition(self.topics.control, 0)]
         self.inbox.assign(tps)
         await self.inbox.seek_to_end(*tps)  # only what is announced from now on; the marker covers the past
         if self.lag_probe is not None:
-            await self.lag_probe.start()
+            await self._retry(self.lag_probe.start, "start lag probe", "kafka")
 
     async def run(self, stop_event: asyncio.Event) -> None:
+        self._stop = stop_event
         # Starting the background readers does not wait; the loop itself begins with the first policy.
         self._start_background()
         await self._wait_for_first_policy(stop_event)
@@ -140,15 +151,20 @@ class Sampler:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         if self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
-        await self.producer.stop()  # flushes what is buffered
-        await self.inbox.stop()
+            await asyncio.wait(self._pending, timeout=CLIENT_STOP_TIMEOUT_S)
+        clients: list[Any] = [self.producer, self.inbox]  # the producer flushes what is buffered
         if self.lag_probe is not None:
-            await self.lag_probe.stop()
+            clients.append(self.lag_probe)
+        for client in clients:  # bounded: a broker that is down must not hang SIGTERM
+            try:
+                await asyncio.wait_for(client.stop(), CLIENT_STOP_TIMEOUT_S)
+            except Exception as exc:
+                self.log.warning("client_stop_failed", client=type(client).__name__, error=describe(exc))
         self.worker.close()
 
     def health(self) -> dict[str, Any]:
-        return {"ok": True, "id": self.id, "policy_version": self.worker.policy_version, "fragments": self.fragments}
+        return {"ok": True, "id": self.id, "policy_version": self.worker.policy_version, "fragments": self.fragments,
+                **self.health_state.as_dict()}
 
     def _start_background(self) -> None:
         if self._tasks:
@@ -328,8 +344,15 @@ class Sampler:
         await self.in_flight.acquire()
         IN_FLIGHT.labels(**self._labels).inc()
         # No key: the partitioner spreads fragments over all partitions, so two samplers never share
-        # one partition while others idle (ordering across fragments does not matter).
-        fut = await self.producer.send(self.topics.samples, payload, key=None, headers=headers)
+        # one partition while others idle (ordering across fragments does not matter). While the broker
+        # is unreachable the send is retried (the sampler is degraded, producing nothing meanwhile).
+        try:
+            fut = await self._retry(lambda: self.producer.send(self.topics.samples, payload, key=None,
+                                                               headers=headers), "send fragment", "kafka")
+        except BaseException:
+            self.in_flight.release()
+            IN_FLIGHT.labels(**self._labels).dec()
+            raise
         self._pending.add(fut)
         ids = fragment_fields(frag.sample_id, frag.sampler_id, frag.policy_version)
 
@@ -338,9 +361,15 @@ class Sampler:
             self.in_flight.release()
             IN_FLIGHT.labels(**self._labels).dec()
             if f.cancelled() or f.exception() is not None:
+                # Never acknowledged, so never on the topic: this fragment is lost before it existed
+                # (counted and logged with its id); the loop goes on with the next.
                 SEND_ERRORS.labels(**self._labels).inc()
-                self.log.error("fragment_send_failed", error=str(f.exception()), **ids)
+                error = "cancelled" if f.cancelled() else describe(f.exception())  # type: ignore[arg-type]
+                self.health_state.degraded("kafka", f"fragment send failed: {error}")
+                self.log.error("fragment_send_failed", error=error, **ids)
                 return
+            if "kafka" in self.health_state.reasons:
+                self.health_state.recovered("kafka")
             meta = f.result()
             self.fragments += 1
             self.env_steps += frag.steps
@@ -367,5 +396,11 @@ class Sampler:
             fragments=self.fragments,
             env_steps=self.env_steps,
             recent_return_mean=sum(self.recent_returns) / len(self.recent_returns) if self.recent_returns else None,
+            health=self.health_state.as_dict(), started_at=self.started_at,
         )
-        await self.producer.send(self.topics.heartbeats, beat.to_bytes(), key=self.id.encode())
+        try:
+            await self.producer.send(self.topics.heartbeats, beat.to_bytes(), key=self.id.encode())
+        except Exception as exc:  # not worth stopping for: the next beat retries
+            if not is_transient(exc):
+                raise
+            self.log.debug("heartbeat_failed", error=describe(exc))

@@ -1,37 +1,48 @@
-"""The trainer service: pull fragments, validate, drop stale, update, *then* commit offsets.
+"""The trainer service: pull fragments, validate, batch, update, *then* commit offsets.
 
 Every consumed record ends in exactly one typed outcome — trained, dropped as stale, or
-dead-lettered — each counted and logged once with the fragment's identity. Offsets are
-committed only up to the first record that has not reached its outcome (see ``ledger.py``), so a
-crash loses nothing and re-delivers only what was consumed after the last commit.
+dead-lettered (poison, future version, duplicate) — each counted and logged once with the
+fragment's identity. The rules of what trains when are pure (``intake.py``); offsets are committed
+only up to the first record without an outcome (``ledger.py``) and only for owned partitions.
+
+Faults are normal: Kafka and S3 operations are retried with backoff (``shared.retry``) while the
+trainer reports itself degraded; a failed publish or checkpoint is deferred to the next update.
+Exactly-once model state: a checkpoint stores the offsets its model reflects and a restarted
+trainer resumes from them, re-training whatever came after (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import os
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError, RebalanceInProgressError
 from aiokafka.structs import ConsumerRecord
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.trainer.intake import Batch, Intake, Pending, StallWatch
 from services.trainer.learner import Learner
 from services.trainer.ledger import OffsetLedger
-from shared.fragment import Fragment, FragmentError, decode_fragment, header_dict
+from shared.fragment import FragmentError, decode_fragment, header_dict
 from shared.kafka import CommitOnRevoke, Topics, ensure_topics, make_consumer, make_producer, trainer_group
 from shared.logging import fragment_fields, get_logger
-from shared.marker import VersionedStore, VersionRecord
+from shared.marker import BadPayload, VersionedStore, VersionRecord
 from shared.messages import KEY_CANDIDATE, PolicyMessage, SamplerBeat, TrainerBeat, parse_heartbeat
+from shared.retry import Health, describe, is_transient, retry_transient
 from shared.rl.envs import fragment_spec
-from shared.service import RateMeter
+from shared.service import RateMeter, percentile
 from shared.settings import Settings
 from shared.store import open_store
+
+T = TypeVar("T")
 
 CONSUMED = Counter("flywheel_trainer_fragments_consumed_total", "Records pulled from the samples topic")
 TRAINED = Counter("flywheel_trainer_fragments_trained_total", "Fragments used in an update")
@@ -44,22 +55,24 @@ SAMPLE_PASSES = Counter("flywheel_trainer_sample_passes_total",
 BUSY = Counter("flywheel_trainer_busy_seconds_total", "Seconds spent in updates")
 UPDATE_SECONDS = Histogram("flywheel_trainer_update_seconds", "Duration of one update",
                            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
-STALENESS = Histogram("flywheel_trainer_fragment_staleness_versions", "Policy lag of trained fragments",
+STALENESS = Histogram("flywheel_trainer_fragment_staleness_versions", "Policy lag of trained fragments, at batch time",
                       buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32))
 VERSION = Gauge("flywheel_trainer_policy_version", "Latest policy version the trainer sent")
 RETURN_MEAN = Gauge("flywheel_trainer_episode_return_mean", "Mean return of the recent episodes")
 COMMIT_FAILURES = Counter("flywheel_trainer_commit_failures_total",
                           "Offset commits that failed retriably (retried with the next commit)")
 CHECKPOINTS = Counter("flywheel_trainer_checkpoints_total", "Checkpoints written")
+NONFINITE = Counter("flywheel_trainer_nonfinite_steps_skipped_total",
+                    "Gradient steps refused because the loss or gradient was not finite")
+STALLED = Gauge("flywheel_trainer_stalled", "1 while records arrive but no update happens (see /status for why)")
+RECOVERIES = Counter("flywheel_trainer_recovery_actions_total", "Automatic recovery actions", ["action"])
+DEFERRED = Counter("flywheel_trainer_deferred_total", "Publishes or checkpoints deferred by a transient fault",
+                   ["what"])
+DEGRADED = Gauge("flywheel_service_degraded", "1 while the service retries a dependency", ["service"])
 
-
-@dataclass
-class Pending:
-    tp: TopicPartition
-    offset: int
-    frag: Fragment
-    staleness: int
-    at: float  # monotonic time it was consumed
+CLIENT_STOP_TIMEOUT_S = 10.0
+POLICY_REFRESH_S = 5.0
+"""Re-read the marker this often (announcements are the fast path; this covers lost ones)."""
 
 
 class Trainer:
@@ -71,7 +84,8 @@ class Trainer:
         self.id = trainer_id or f"trainer-{socket.gethostname()}-{os.getpid()}"
         self.topics = Topics.for_run(settings.run)
         self.log = get_logger()
-        self.spec = fragment_spec(settings.env.id, settings.kafka.max_message_bytes)
+        self.spec = dataclasses.replace(fragment_spec(settings.env.id, settings.kafka.max_message_bytes),
+                                        max_abs_value=self.cfg.max_abs_value)
         self.learner = Learner(self.spec, self.cfg)
         store = open_store(settings)
         self.policies = VersionedStore(store, settings.run, "policy")
@@ -79,75 +93,114 @@ class Trainer:
         self.producer = make_producer(settings)
         self.consumer = make_consumer(settings, group_id=trainer_group(settings.run),
                                       group_instance_id=self.cfg.group_instance_id)
+        self.announcements = make_consumer(settings, group_id=None)
+        self.sync = settings.mode == "sync"
+        self.intake = Intake(max_staleness=self.cfg.max_staleness, batch_fragments=self.cfg.batch_fragments,
+                             batch_timeout_s=self.cfg.batch_timeout_s, sync=self.sync)
+        self.stall = StallWatch(self.cfg.stall_after_s, time.monotonic())
+        self.health_state = Health()
         self.ledger = OffsetLedger()
-        self.buffer: list[Pending] = []
         self.staleness: deque[int] = deque(maxlen=1000)
         self.rate = RateMeter()
         self.dropped = 0
         self.dead_lettered = 0
+        self.nonfinite_skipped = 0
+        self.candidates_resent = 0
         self.last_update_at: float | None = None
+        self.started_at = time.time()
+        self._stop = asyncio.Event()
         self._last_beat = 0.0
+        self._last_marker_read = 0.0
         self._started = False
-        # Synchronous baseline (mode: sync): train only on the current version, from every live sampler.
-        self.sync = settings.mode == "sync"
-        self.max_staleness = 0 if self.sync else self.cfg.max_staleness
+        self._resume: dict[str, int] | None = None  # checkpoint offsets to seek to on the first assignment
+        self._checkpoint_due = False
+        self._last_checkpoint: int | None = None
+        self._candidate: tuple[PolicyMessage, float] | None = None  # the newest sent, and when
+        self._stalled_logged = False
+        # Synchronous baseline (mode: sync): one fragment of the current version from every live sampler.
         self._beats = make_consumer(settings, group_id=None) if self.sync else None
         self._sampler_seen: dict[str, float] = {}
         self._after_update: asyncio.Task[None] | None = None  # the last update's commit + publish
         self._commit_lock = asyncio.Lock()
+        self._update_lock = asyncio.Lock()  # a revoke waits for the update in progress
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ---- retries -----------------------------------------------------------------------------
+    async def _retry(self, op: Callable[[], Awaitable[T]], what: str, component: str,
+                     timeout_s: float | None = None) -> T:
+        try:
+            return await retry_transient(op, what=what, component=component, health=self.health_state,
+                                         log=self.log, stop_event=self._stop, timeout_s=timeout_s)
+        finally:
+            DEGRADED.labels(service="trainer").set(1 if self.health_state.reasons else 0)
+
+    def _kafka_timeout(self) -> float:
+        return self.settings.kafka.request_timeout_ms / 1000
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        await ensure_topics(self.settings)
+        await self._retry(lambda: ensure_topics(self.settings), "create topics", "kafka")
         await self._restore()
-        await self.producer.start()
-        if await asyncio.to_thread(self.policies.read_marker) is None:
+        await self._retry(self.producer.start, "start producer", "kafka")
+        marker = await self._retry(lambda: asyncio.to_thread(self.policies.read_marker), "read policy marker", "store")
+        if marker is None:
             c = self.learner.counters
-            await self._publish(c.policy_version, self.learner.weights(), c.updates)  # a fresh run: version 0
-        await self.consumer.start()
-        self.consumer.subscribe([self.topics.samples], listener=CommitOnRevoke(self._on_revoke))
+            await self._publish(c.policy_version, self.learner.weights(), c.updates, required=True)  # version 0
+        else:
+            self.intake.saw_published(marker[0].version)
+        await self._retry(self.consumer.start, "start consumer", "kafka")
+        self.consumer.subscribe([self.topics.samples], listener=CommitOnRevoke(self._on_revoke, self._on_assign))
+        await self._retry(self.announcements.start, "start announcement reader", "kafka")
+        tp = TopicPartition(self.topics.policy, 0)
+        self.announcements.assign([tp])
+        await self.announcements.seek_to_end(tp)
         if self._beats is not None:
-            await self._beats.start()
+            await self._retry(self._beats.start, "start heartbeat reader", "kafka")
             tp = TopicPartition(self.topics.heartbeats, 0)
             self._beats.assign([tp])
             await self._beats.seek_to_end(tp)
         self._started = True
 
     async def run(self, stop_event: asyncio.Event) -> None:
+        self._stop = stop_event
+        self._tasks.append(asyncio.create_task(self._watch_announcements(), name="trainer-announcements"))
         while not stop_event.is_set():
-            polled = await self.consumer.getmany(timeout_ms=20 if self.sync else 200,
-                                                 max_records=self.cfg.poll_max_records)
-            for tp, records in polled.items():
-                for rec in records:
-                    await self._intake(tp, rec)
+            for task in self._tasks:
+                if task.done():
+                    raise RuntimeError(f"background task {task.get_name()} ended") from task.exception()
+            await self._poll_once()
             if self.sync:
                 await self._poll_live_samplers()
-            while not stop_event.is_set() and (items := self._next_batch()):
-                await self._train(items)
+            while not stop_event.is_set():
+                batch = self.intake.form_batch(time.monotonic(), self._live_samplers() if self.sync else None)
+                self._drop_stale(batch)
+                if not batch.train:
+                    break
+                await self._train(batch)
             if self._after_update is not None and self._after_update.done():
-                await self._settle()  # a failed background commit or publish stops the trainer here
+                await self._settle()  # a fatal error in the background commit or publish stops the trainer here
             if self._after_update is None:  # else that task commits; this one would only run first
                 await self._commit()  # dropped / dead-lettered progress, when nothing is pending before it
+            await self._liveness()
             await self._maybe_heartbeat()
 
-    def _next_batch(self) -> list[Pending]:
-        """The fragments to train on now, or [] to keep collecting."""
-        if not self.buffer:
-            return []
-        timed_out = time.monotonic() - self.buffer[0].at > self.cfg.batch_timeout_s
-        if self.sync:
-            # Synchronous baseline: one fragment of the current version from every live sampler.
-            have = {p.frag.sampler_id for p in self.buffer}
-            live = self._live_samplers()
-            if not timed_out and (not live or not live <= have):
-                return []
-            items, self.buffer = self.buffer, []
-            return items
-        batch = self.cfg.batch_fragments
-        if len(self.buffer) < batch and not timed_out:
-            return []
-        items, self.buffer = self.buffer[:batch], self.buffer[batch:]
-        return items
+    async def _poll_once(self) -> None:
+        want = self.cfg.poll_max_records if self.sync else min(self.cfg.poll_max_records, self.intake.wants())
+        try:
+            polled = await self.consumer.getmany(timeout_ms=20 if self.sync else 200, max_records=want)
+        except KafkaError as exc:
+            if not is_transient(exc):
+                raise
+            self.health_state.degraded("kafka", f"poll failed: {describe(exc)}")
+            self.log.warning("poll_failed", error=describe(exc))
+            await asyncio.sleep(1.0)
+            return
+        for tp, records in polled.items():
+            for rec in records:
+                if tp not in self.consumer.assignment():  # revoked while an earlier record was handled
+                    self.log.info("revoked_records_skipped", partition=tp.partition, from_offset=rec.offset)
+                    break
+                await self._intake(tp, rec)
 
     def _live_samplers(self) -> set[str]:
         now = time.monotonic()
@@ -164,6 +217,10 @@ class Trainer:
                     continue
                 if isinstance(beat, SamplerBeat):
                     self._sampler_seen[beat.id] = time.monotonic()
+        timeout = self.settings.paramsync.sampler_timeout_s
+        now = time.monotonic()
+        for sid in [s for s, seen in self._sampler_seen.items() if now - seen > 10 * timeout]:
+            del self._sampler_seen[sid]  # per-sampler state expires
 
     async def stop(self) -> None:
         try:
@@ -171,79 +228,115 @@ class Trainer:
                 try:
                     await self._settle()
                 except Exception as exc:  # already the reason run() ended, or it will be logged with it
-                    self.log.error("background_commit_publish_failed", error=f"{type(exc).__name__}: {exc}"[:300])
+                    self.log.error("background_commit_publish_failed", error=describe(exc))
                 await self._commit()
-                if self.learner.counters.updates:
-                    await self._checkpoint()
+                if self.learner.counters.updates and self._last_checkpoint != self.learner.counters.updates:
+                    try:
+                        await asyncio.wait_for(self._checkpoint(), 30)
+                    except Exception as exc:  # the store is down: the next start resumes from the previous one
+                        self.log.error("final_checkpoint_failed", error=describe(exc))
         finally:
-            if self._started:
-                await self.consumer.stop()
-                if self._beats is not None:
-                    await self._beats.stop()
-            await self.producer.stop()
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            clients: list[Any] = [self.consumer, self.announcements, self.producer]
+            if self._beats is not None:
+                clients.append(self._beats)
+            for client in clients:  # bounded: a broker that is down must not hang SIGTERM
+                try:
+                    await asyncio.wait_for(client.stop(), CLIENT_STOP_TIMEOUT_S)
+                except Exception as exc:
+                    self.log.warning("client_stop_failed", client=type(client).__name__, error=describe(exc))
 
     def health(self) -> dict[str, Any]:
         c = self.learner.counters
-        return {"ok": self._started, "updates": c.updates, "policy_version": c.policy_version}
+        stall = self.stall.check(time.monotonic(), self.intake.reference)
+        return {"ok": self._started, "updates": c.updates, "policy_version": c.policy_version,
+                **self.health_state.as_dict(), "stalled": None if stall is None else stall.reason}
 
     # ---- intake: every record gets exactly one outcome ------------------------------------
     async def _intake(self, tp: TopicPartition, rec: ConsumerRecord[Any, Any]) -> None:
         CONSUMED.inc()
+        now = time.monotonic()
+        self.stall.note("consumed", now)
         try:
             frag = decode_fragment(rec.headers, rec.value, self.spec)
         except FragmentError as err:
-            await self._dead_letter(tp, rec, err)
-            self.ledger.consumed(tp, rec.offset, pending=False)
+            await self._dead_letter(tp, rec, err.reason, str(err))
             return
-        ids = fragment_fields(frag.sample_id, frag.sampler_id, frag.policy_version, tp.partition, rec.offset)
-        self.learner.record_returns(frag)
-        staleness = max(0, self.learner.counters.policy_version - frag.policy_version)
-        if staleness > self.max_staleness:
-            self.ledger.consumed(tp, rec.offset, pending=False)
-            DROPPED.inc()
-            self.dropped += 1
-            self.log.info("fragment_dropped_stale", outcome="dropped_stale", staleness=staleness,
-                          max_staleness=self.max_staleness, **ids)
+        rejected = self.intake.admit(Pending(tp, rec.offset, frag, now))
+        if rejected is not None:
+            await self._dead_letter(tp, rec, rejected.reason, rejected.message)
             return
         self.ledger.consumed(tp, rec.offset, pending=True)
-        self.buffer.append(Pending(tp, rec.offset, frag, staleness, time.monotonic()))
-        self.log.info("fragment_consumed", staleness=staleness, **ids)
+        self.learner.record_returns(frag)
+        self.log.info("fragment_consumed", **fragment_fields(frag.sample_id, frag.sampler_id, frag.policy_version,
+                                                              tp.partition, rec.offset))
 
-    async def _dead_letter(self, tp: TopicPartition, rec: ConsumerRecord[Any, Any], err: FragmentError) -> None:
+    def _drop_stale(self, batch: Batch) -> None:
+        for p, staleness in batch.stale:
+            self.ledger.finished(p.tp, p.offset)
+            DROPPED.inc()
+            self.dropped += 1
+            self.stall.note("dropped_stale", time.monotonic())
+            f = p.frag
+            self.log.info("fragment_dropped_stale", outcome="dropped_stale", staleness=staleness,
+                          max_staleness=self.intake.max_staleness, reference_version=self.intake.reference,
+                          **fragment_fields(f.sample_id, f.sampler_id, f.policy_version, p.tp.partition, p.offset))
+
+    async def _dead_letter(self, tp: TopicPartition, rec: ConsumerRecord[Any, Any], reason: str, error: str) -> None:
         h = header_dict(rec.headers)
         headers = list(rec.headers or []) + [
-            ("dlq-reason", err.reason.encode()),
-            ("dlq-error", str(err)[:1000].encode()),
+            ("dlq-reason", reason.encode()),
+            ("dlq-error", error[:1000].encode()),
             ("dlq-source", f"{tp.topic}:{tp.partition}:{rec.offset}".encode()),
             ("dlq-at", repr(time.time()).encode()),
         ]
-        await self.producer.send_and_wait(self.topics.dlq, rec.value, key=rec.key, headers=headers)
-        DEAD.labels(reason=err.reason).inc()
+        # Only once the dead-letter topic has it is the record done: until then it is not committed.
+        await self._retry(lambda: self.producer.send_and_wait(self.topics.dlq, rec.value, key=rec.key,
+                                                              headers=headers),
+                          "dead-letter send", "kafka", timeout_s=self._kafka_timeout())
+        if tp not in self.consumer.assignment():  # revoked meanwhile: the new owner handles it (again)
+            return
+        self.ledger.consumed(tp, rec.offset, pending=False)
+        DEAD.labels(reason=reason).inc()
         self.dead_lettered += 1
-        self.log.warning("fragment_dead_lettered", outcome="dead_lettered", reason=err.reason, error=str(err),
+        self.stall.note("dead_lettered", time.monotonic())
+        self.log.warning("fragment_dead_lettered", outcome="dead_lettered", reason=reason, error=error[:500],
                          sample_id=h.get("sample-id"), sampler_id=h.get("sampler-id"),
-                         partition=tp.partition, offset=rec.offset)
+                         policy_version=h.get("policy-version"), partition=tp.partition, offset=rec.offset)
 
     # ---- update, then commit ---------------------------------------------------------------
-    async def _train(self, items: list[Pending]) -> None:
+    async def _train(self, batch: Batch) -> None:
+        async with self._update_lock:
+            await self._train_locked(batch)
+
+    async def _train_locked(self, batch: Batch) -> None:
+        items = batch.train
         t0 = time.perf_counter()
         stats = await asyncio.to_thread(self.learner.update, [p.frag for p in items])
         elapsed = time.perf_counter() - t0
         c = self.learner.counters
         self.last_update_at = time.time()
+        self.stall.trained(time.monotonic())
         UPDATES.inc()
         BUSY.inc(elapsed)
         UPDATE_SECONDS.observe(elapsed)
         TRAINED.inc(len(items))
         STEPS_TRAINED.inc(stats.env_steps)
         SAMPLE_PASSES.inc(stats.sample_passes)
+        if stats.skipped_steps:
+            NONFINITE.inc(stats.skipped_steps)
+            self.nonfinite_skipped += stats.skipped_steps
+            self.log.warning("nonfinite_steps_skipped", update=c.updates, skipped=stats.skipped_steps,
+                             taken=stats.sgd_steps)
         self.rate.add(stats.env_steps)
-        for p in items:
+        for p, staleness in zip(items, batch.staleness, strict=True):
             self.ledger.finished(p.tp, p.offset)
-            self.staleness.append(p.staleness)
-            STALENESS.observe(p.staleness)
+            self.staleness.append(staleness)
+            STALENESS.observe(staleness)
             f = p.frag
-            self.log.info("fragment_trained", outcome="trained", update=c.updates, staleness=p.staleness,
+            self.log.info("fragment_trained", outcome="trained", update=c.updates, staleness=staleness,
                           **fragment_fields(f.sample_id, f.sampler_id, f.policy_version, p.tp.partition, p.offset))
         if c.recent_returns:
             RETURN_MEAN.set(sum(c.recent_returns) / len(c.recent_returns))
@@ -261,11 +354,23 @@ class Trainer:
         candidate = None
         if c.updates % self.cfg.publish_every == 0:
             candidate = (c.policy_version + 1, self.learner.weights(), c.updates)  # as of this update
-            c.policy_version += 1  # the model is at that version now; staleness counts from it
+            c.policy_version += 1  # the model is at that version now
+            self.intake.model_version = c.policy_version
         self._after_update = asyncio.create_task(self._commit_and_publish(candidate), name="trainer-commit-publish")
-        if c.updates % self.cfg.checkpoint_every == 0:
+        # A fresh run checkpoints after its first update, so a crash never leaves records committed
+        # whose gradients are in no checkpoint; then every checkpoint_every updates.
+        if self._checkpoint_due or c.updates % self.cfg.checkpoint_every == 0 or self._last_checkpoint is None:
             await self._settle()
-            await self._checkpoint()
+            try:
+                await self._checkpoint()
+                self._checkpoint_due = False
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                self._checkpoint_due = True  # try again after the next update; the previous one stays valid
+                DEFERRED.labels(what="checkpoint").inc()
+                self.health_state.degraded("store", f"checkpoint failed: {describe(exc)}")
+                self.log.warning("checkpoint_deferred", update=c.updates, error=describe(exc))
 
     async def _commit_and_publish(self, candidate: tuple[int, bytes, int] | None) -> None:
         await self._commit()
@@ -279,80 +384,239 @@ class Trainer:
             await task
 
     async def _commit(self) -> None:
-        """Commit what has an outcome. A retriable failure (coordinator moved, timeout, connection) or a
-        rebalance in progress is logged and left for the next commit, which carries the same offsets
-        (commits are cumulative): not committing only means re-delivery after a crash, never loss."""
+        """Commit what has an outcome, on partitions this member owns. A retriable failure (coordinator
+        moved, timeout, connection) or a rebalance in progress is logged and left for the next commit,
+        which carries the same offsets (commits are cumulative): not committing only means re-delivery
+        after a crash, never loss. Restarts resume from the checkpoint's offsets anyway."""
         async with self._commit_lock:  # in order: a later commit never lands before an earlier one
-            offsets = self.ledger.committable()
+            owned = self.consumer.assignment()
+            offsets = {tp: off for tp, off in self.ledger.committable().items() if tp in owned}
             if not offsets:
                 return
             try:
                 # aiokafka retries retriable errors itself, without end: bound the wait, so an unreachable
                 # coordinator delays commits (logged, counted) instead of stalling updates and stop.
-                await asyncio.wait_for(self.consumer.commit(offsets), self.settings.kafka.request_timeout_ms / 1000)
+                await asyncio.wait_for(self.consumer.commit(offsets), self._kafka_timeout())
             except (KafkaError, TimeoutError) as exc:
                 retriable = isinstance(exc, (TimeoutError, CommitFailedError, RebalanceInProgressError)) or bool(
                     getattr(exc, "retriable", False))
                 if not retriable:
                     raise
                 COMMIT_FAILURES.inc()
-                self.log.warning("commit_failed", error=f"{type(exc).__name__}: {exc}"[:300],
+                self.health_state.degraded("kafka", f"commit failed: {describe(exc)}")
+                self.log.warning("commit_failed", error=describe(exc),
                                  offsets={f"{tp.partition}": o for tp, o in offsets.items()})
                 return
             self.ledger.mark_committed(offsets)
+            self.health_state.recovered("kafka")
         self.log.debug("offsets_committed", offsets={f"{tp.partition}": o for tp, o in offsets.items()})
 
     async def _on_revoke(self, revoked: set[TopicPartition]) -> None:
-        await self._commit()
-        self.buffer = [p for p in self.buffer if p.tp not in revoked]
-        self.ledger.forget(revoked)
+        """Before partitions leave: let the update in progress finish and commit it (its records are
+        trained by this member and must not be re-delivered), commit, then drop the rest of theirs."""
+        try:
+            async with self._update_lock:
+                try:
+                    await self._settle()
+                finally:
+                    await self._commit()
+        except Exception as exc:  # the rebalance goes on; the new owner gets the uncommitted tail
+            self.log.warning("revoke_commit_failed", error=describe(exc))
+        finally:
+            removed = self.intake.revoke(revoked)
+            self.ledger.forget(revoked)
+            if removed:
+                self.log.info("revoked_fragments_released", count=len(removed),
+                              partitions=sorted({p.tp.partition for p in removed}))
+
+    async def _on_assign(self, assigned: set[TopicPartition]) -> None:
+        """On the first assignment after a restore, seek to the offsets the checkpoint reflects: the
+        records after them are in no checkpointed model, so they are trained again (exactly once)."""
+        if self._resume is None:
+            return
+        for tp in assigned:
+            off = self._resume.pop(f"{tp.topic}:{tp.partition}", None)
+            if off is not None:
+                self.consumer.seek(tp, off)
+                self.log.info("resumed_from_checkpoint_offset", partition=tp.partition, offset=off)
+        if not self._resume:
+            self._resume = None
+
+    # ---- liveness ----------------------------------------------------------------------------
+    async def _watch_announcements(self) -> None:
+        """Background: the newest published version, from paramsync's announcements."""
+        while True:
+            try:
+                polled = await self.announcements.getmany(timeout_ms=1000)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.log.warning("announcement_read_failed", error=describe(exc))
+                await asyncio.sleep(1.0)
+                continue
+            for records in polled.values():
+                for rec in records:
+                    try:
+                        msg = PolicyMessage.model_validate_json(rec.value or b"")
+                    except ValueError:
+                        continue
+                    if msg.type == "announce":
+                        self.intake.saw_published(msg.version)
+
+    async def _liveness(self) -> None:
+        """Re-read the marker now and then; re-send a candidate paramsync has not published; report a stall."""
+        now = time.monotonic()
+        if now - self._last_marker_read > POLICY_REFRESH_S:
+            self._last_marker_read = now
+            try:
+                marker = await asyncio.wait_for(asyncio.to_thread(self.policies.read_marker), 10)
+                if marker is not None:
+                    self.intake.saw_published(marker[0].version)
+                self.health_state.recovered("store")
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                self.health_state.degraded("store", f"marker read failed: {describe(exc)}")
+        if self._candidate is not None:
+            msg, sent_at = self._candidate
+            if (self.intake.published or -1) < msg.version and now - sent_at > self.cfg.candidate_resend_s:
+                await self._resend_candidate(msg, "not published in time")
+        stall = self.stall.check(now, self.intake.reference)
+        STALLED.set(0 if stall is None else 1)
+        if stall is None:
+            self._stalled_logged = False
+        elif not self._stalled_logged:
+            self._stalled_logged = True
+            self.log.error("training_stalled", reason=stall.reason, published_version=self.intake.published,
+                           policy_version=self.learner.counters.policy_version)
+            if self._candidate is not None:
+                await self._resend_candidate(self._candidate[0], "training stalled")
+
+    async def _resend_candidate(self, msg: PolicyMessage, why: str) -> None:
+        try:
+            await asyncio.wait_for(self.producer.send_and_wait(self.topics.policy, msg.to_bytes(), key=KEY_CANDIDATE),
+                                   self._kafka_timeout())
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            self.log.warning("candidate_resend_failed", policy_version=msg.version, error=describe(exc))
+        else:
+            self.candidates_resent += 1
+            RECOVERIES.labels(action="resend_candidate").inc()
+            self.log.warning("candidate_resent", policy_version=msg.version, reason=why,
+                             published_version=self.intake.published, automatic_action=True)
+        self._candidate = (msg, time.monotonic())
 
     # ---- publishing and checkpoints --------------------------------------------------------
-    async def _publish(self, version: int, data: bytes, update: int) -> None:
-        """Write the weights blob and send a candidate; paramsync verifies and publishes it."""
-        key, sha = await asyncio.to_thread(self.policies.put_blob, data)
-        rec = VersionRecord(version=version, blob=key, sha256=sha, size=len(data),
-                            trainer_step=update)
-        await self.producer.send_and_wait(self.topics.policy, PolicyMessage.of("candidate", rec).to_bytes(),
-                                          key=KEY_CANDIDATE)
+    async def _publish(self, version: int, data: bytes, update: int, required: bool = False) -> None:
+        """Write the weights blob and send a candidate; paramsync verifies and publishes it.
+
+        A transient failure defers it (the next update sends a newer candidate) unless ``required``."""
+        async def write_and_send() -> PolicyMessage:
+            key, sha = await asyncio.to_thread(self.policies.put_blob, data)
+            rec = VersionRecord(version=version, blob=key, sha256=sha, size=len(data), trainer_step=update)
+            msg = PolicyMessage.of("candidate", rec)
+            await asyncio.wait_for(self.producer.send_and_wait(self.topics.policy, msg.to_bytes(), key=KEY_CANDIDATE),
+                                   self._kafka_timeout())
+            return msg
+
+        try:
+            if required:
+                msg = await self._retry(write_and_send, "publish candidate", "publish")
+            else:
+                msg = await write_and_send()
+        except Exception as exc:
+            if required or not is_transient(exc):
+                raise
+            DEFERRED.labels(what="publish").inc()
+            self.health_state.degraded("publish", f"candidate {version} not sent: {describe(exc)}")
+            self.log.warning("publish_deferred", policy_version=version, update=update, error=describe(exc))
+            return
+        self.health_state.recovered("publish")
+        self._candidate = (msg, time.monotonic())
         VERSION.set(version)
-        self.log.info("candidate_sent", policy_version=version, sha256=sha[:12], update=rec.trainer_step)
+        self.log.info("candidate_sent", policy_version=version, sha256=msg.sha256[:12], update=update)
 
     async def _checkpoint(self) -> None:
         c = self.learner.counters
         step = c.updates
-        current = await asyncio.to_thread(self.checkpoints.read_marker)
-        if current is not None and current[0].version >= step:
-            self.log.info("checkpoint_up_to_date", update=step)
-            return
-        offsets = self.ledger.snapshot()
+        offsets = await self._checkpoint_offsets()
         data = self.learner.state_bytes(offsets)
-        key, sha = await asyncio.to_thread(self.checkpoints.put_blob, data,
-                                           f"{self.checkpoints.prefix}/{step}/state.pt")
-        rec = VersionRecord(version=step, blob=key, sha256=sha, size=len(data), trainer_step=step,
-                            extra={"policy_version": c.policy_version, "offsets": offsets})
-        await asyncio.to_thread(self.checkpoints.publish, rec, None if current is None else current[1])
+
+        def write() -> str:
+            current = self.checkpoints.read_marker()
+            # Content-addressed under the step: a key never holds two different contents, so a blob
+            # left by a crash before its marker write can never be mistaken for a later checkpoint.
+            sha = hashlib.sha256(data).hexdigest()
+            key, _ = self.checkpoints.put_blob(data, f"{self.checkpoints.prefix}/{step}/{sha}.pt")
+            rec = VersionRecord(version=step, blob=key, sha256=sha, size=len(data), trainer_step=step,
+                                extra={"policy_version": c.policy_version, "offsets": offsets})
+            self.checkpoints.publish(rec, None if current is None else current[1])
+            return key
+
+        key = await asyncio.to_thread(write)
+        self._last_checkpoint = step
         CHECKPOINTS.inc()
-        pruned = await asyncio.to_thread(self.checkpoints.prune, self.cfg.keep_checkpoints)
+        try:
+            pruned = await asyncio.to_thread(self.checkpoints.prune, self.cfg.keep_checkpoints)
+        except Exception as exc:  # pruning is housekeeping: retried with the next checkpoint
+            pruned = []
+            self.log.warning("checkpoint_prune_failed", error=describe(exc))
+        self.health_state.recovered("store")
         self.log.info("checkpoint_written", update=step, policy_version=c.policy_version, key=key,
-                      pruned=pruned or None)
+                      offsets=offsets, pruned=pruned or None)
+
+    async def _checkpoint_offsets(self) -> dict[str, int]:
+        """What the model reflects, per partition: the ledger's position where it consumed, else the
+        consumer's position (nothing consumed there since the assignment)."""
+        offsets = self.ledger.snapshot()
+        for tp in self.consumer.assignment():
+            key = f"{tp.topic}:{tp.partition}"
+            if key not in offsets:
+                try:
+                    offsets[key] = await asyncio.wait_for(self.consumer.position(tp), 5)
+                except Exception as exc:
+                    self.log.debug("position_unknown", partition=tp.partition, error=describe(exc))
+        if self._resume:  # partitions not assigned yet since the restore keep the restored offsets
+            for key, off in self._resume.items():
+                offsets.setdefault(key, off)
+        return offsets
 
     async def _restore(self) -> None:
-        found = await asyncio.to_thread(self.checkpoints.load_newer, None)
+        """Resume from the newest usable checkpoint (falling back to older ones); never from scratch
+        while a checkpoint exists, unless ``trainer.fresh_start``; an unreachable store is retried."""
+        try:
+            found = await self._retry(
+                lambda: asyncio.to_thread(self.checkpoints.load_latest_good, self.learner.restore),
+                "read checkpoint", "store")
+        except BadPayload as exc:
+            if not self.cfg.fresh_start:
+                raise RuntimeError(f"no usable checkpoint ({exc}); refusing to start from scratch over an existing "
+                                   "run: set trainer.fresh_start=true to do so deliberately") from None
+            self.log.error("checkpoints_unusable_fresh_start", reason=str(exc)[:500])
+            found = None
+        if found is not None and self.cfg.fresh_start:
+            self.log.warning("fresh_start_ignoring_checkpoint", update=found[0].version)
+            self.learner = Learner(self.spec, self.cfg)
+            found = None
         if found is not None:
-            record, data = found
-            offsets = self.learner.restore(data)
-            self.log.info("checkpoint_restored", update=record.version,
+            record, _data, refused = found
+            offsets = {str(k): int(v) for k, v in dict(record.extra.get("offsets") or {}).items()}
+            self._resume = offsets or None
+            self._last_checkpoint = record.version
+            self.log.info("checkpoint_restored", update=record.version, fell_back=bool(refused),
                           policy_version=self.learner.counters.policy_version, checkpoint_offsets=offsets)
-        published = await asyncio.to_thread(self.policies.load_newer, self.learner.counters.policy_version)
-        if published is not None:
-            # The policy samplers act on is newer than the checkpoint (a crash after publishing):
-            # continue from it, so the trainer's model and the behaviour policy agree.
-            record, data = published
-            self.learner.load_policy_weights(data)
-            self.learner.counters.policy_version = record.version
-            self.log.info("published_policy_loaded", policy_version=record.version)
-        VERSION.set(self.learner.counters.policy_version)
+        marker = await self._retry(lambda: asyncio.to_thread(self.policies.read_marker), "read policy marker", "store")
+        c = self.learner.counters
+        if marker is not None and marker[0].version > c.policy_version:
+            # Samplers act on a version newer than the checkpoint (a crash after publishing). The model
+            # stays the checkpoint's (its weights reflect exactly the checkpoint's offsets); only the
+            # numbering moves on, so the next candidate is newer than what is published.
+            self.log.info("version_numbering_advanced", checkpoint_version=c.policy_version,
+                          published_version=marker[0].version)
+            c.policy_version = marker[0].version
+        self.intake.model_version = c.policy_version
+        VERSION.set(c.policy_version)
 
     # ---- heartbeats ------------------------------------------------------------------------
     async def _maybe_heartbeat(self) -> None:
@@ -361,12 +625,22 @@ class Trainer:
         self._last_beat = time.monotonic()
         c = self.learner.counters
         st = list(self.staleness)
+        stall = self.stall.check(time.monotonic(), self.intake.reference)
         beat = TrainerBeat(
             id=self.id, policy_version=c.policy_version, updates=c.updates, env_steps_trained=c.env_steps_trained,
             fragments_trained=c.fragments_trained, samples_per_s=self.rate.rate(), last_update_at=self.last_update_at,
             staleness_mean=sum(st) / len(st) if st else None, staleness_max=max(st) if st else None,
+            staleness_p95=percentile(st, 0.95) if st else None,
             return_mean=sum(c.recent_returns) / len(c.recent_returns) if c.recent_returns else None,
             return_count=len(c.recent_returns), fragments_dropped_stale=self.dropped,
-            fragments_dead_lettered=self.dead_lettered,
+            fragments_dead_lettered=self.dead_lettered, published_version=self.intake.published,
+            stalled_since=None if stall is None else time.time() - (time.monotonic() - stall.since),
+            stalled_reason=None if stall is None else stall.reason, nonfinite_steps_skipped=self.nonfinite_skipped,
+            candidates_resent=self.candidates_resent, health=self.health_state.as_dict(), started_at=self.started_at,
         )
-        await self.producer.send(self.topics.heartbeats, beat.to_bytes(), key=self.id.encode())
+        try:
+            await self.producer.send(self.topics.heartbeats, beat.to_bytes(), key=self.id.encode())
+        except Exception as exc:  # a heartbeat is not worth stopping for; the next one retries
+            if not is_transient(exc):
+                raise
+            self.log.debug("heartbeat_failed", error=describe(exc))

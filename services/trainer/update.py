@@ -52,6 +52,8 @@ class UpdateStats:
     update's work, comparable across updates that stopped early and ones that did not."""
     stopped_early: bool
     """True when ``target_kl`` ended the update before its last epoch."""
+    skipped_steps: int = 0
+    """Minibatch steps refused because the loss or the gradient was not finite (weights kept)."""
 
 
 def _t(x: object, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -132,7 +134,7 @@ def ppo_update(
     # ---- 3. Epochs of minibatch SGD on the clipped objective around the proximal policy ----
     mb_size = max(1, batch // cfg.minibatches)
     stats = {"pg": 0.0, "v": 0.0, "ent": 0.0, "kl": 0.0, "clip": 0.0}
-    n, stopped = 0, False
+    n, skipped, stopped = 0, 0, False
     for _ in range(cfg.epochs):
         order = torch.randperm(batch, generator=generator).to(device)
         for start in range(0, batch - mb_size + 1, mb_size):
@@ -161,7 +163,13 @@ def ppo_update(
 
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            # A non-finite loss or gradient would make the weights NaN for good: refuse the step, keep the
+            # weights and the optimizer state as they are, and let the caller count it.
+            if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
             optimizer.step()
 
             stats["kl"] += kl
@@ -174,15 +182,17 @@ def ppo_update(
         if stopped:
             break
 
+    d = max(n, 1)
     return UpdateStats(
-        policy_loss=stats["pg"] / n,
-        value_loss=stats["v"] / n,
-        entropy=stats["ent"] / n,
-        approx_kl=stats["kl"] / n,
-        clip_fraction=stats["clip"] / n,
+        policy_loss=stats["pg"] / d,
+        value_loss=stats["v"] / d,
+        entropy=stats["ent"] / d,
+        approx_kl=stats["kl"] / d,
+        clip_fraction=stats["clip"] / d,
         behaviour_weight_mean=float(behaviour_weight.mean()),
         env_steps=batch,
         sgd_steps=n,
         sample_passes=n * mb_size,
         stopped_early=stopped,
+        skipped_steps=skipped,
     )

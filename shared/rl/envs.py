@@ -87,4 +87,5 @@ def fragment_spec(env_id: str, max_bytes: int) -> FragmentSpec:
         raise ValueError(f"env.id={env_id!r}: only Discrete action spaces are supported, got {act_space}")
     if not isinstance(obs_space, gym.spaces.Box):
         raise ValueError(f"env.id={env_id!r}: only Box observation spaces are supported, got {obs_space}")
-    return FragmentSpec(obs_shape=tuple(obs_space.shape), num_actions=int(act_space.n), max_bytes=max_bytes)
+    return FragmentSpec(obs_shape=tuple(obs_space.shape), num_actions=int(act_space.n), max_bytes=max_bytes,
+                        env_id=env_id)

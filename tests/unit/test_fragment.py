@@ -131,3 +131,54 @@ def test_missing_tensor() -> None:
     with pytest.raises(FragmentError, match="lacks tensors") as e:
         decode_fragment(headers, st_save(t), SPEC)
     assert e.value.reason == "missing_tensor"
+
+
+# ---- poison records: each raises the typed error (the trainer dead-letters it), never anything else ----
+def _raw_safetensors(tensors: dict[str, tuple[str, list[int], bytes]]) -> bytes:
+    """A safetensors blob written by hand, so dtypes numpy cannot make (BF16) can be tested."""
+    import json
+    import struct
+
+    header: dict[str, object] = {}
+    data = b""
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    blob = json.dumps(header).encode()
+    return struct.pack("<Q", len(blob)) + blob + data
+
+
+def test_unknown_dtype_is_a_typed_error_not_a_crash() -> None:
+    headers, _ = encode_fragment(make_fragment())
+    payload = _raw_safetensors({"rewards": ("BF16", [5, 3], b"\x00\x3f" * 15)})
+    with pytest.raises(FragmentError) as err:
+        decode_fragment(headers, payload, SPEC)
+    assert err.value.reason in ("undecodable", "bad_dtype", "missing_tensor")
+
+
+@pytest.mark.parametrize("value", [3e38, -1e7])
+def test_huge_finite_values_are_refused(value: float) -> None:
+    frag = make_fragment()
+    headers, _ = encode_fragment(frag)
+    rewards = np.ones((5, 3), np.float32)
+    rewards[1, 1] = value
+    with pytest.raises(FragmentError) as err:
+        decode_fragment(headers, _with(frag, rewards=rewards), SPEC)
+    assert err.value.reason == "out_of_range" and "'rewards'" in str(err.value)
+
+
+@pytest.mark.parametrize("created_at", [b"nan", b"inf", b"-inf"])
+def test_non_finite_created_at_is_refused(created_at: bytes) -> None:
+    headers, payload = encode_fragment(make_fragment())
+    headers = [(k, created_at if k == "created-at" else v) for k, v in headers]
+    with pytest.raises(FragmentError) as err:
+        decode_fragment(headers, payload, SPEC)
+    assert err.value.reason == "bad_header" and "created-at" in str(err.value)
+
+
+def test_env_mismatch_is_refused() -> None:
+    headers, payload = encode_fragment(make_fragment())
+    spec = FragmentSpec(obs_shape=(4,), num_actions=2, max_bytes=1 << 20, env_id="Acrobot-v1")
+    with pytest.raises(FragmentError) as err:
+        decode_fragment(headers, payload, spec)
+    assert err.value.reason == "env_mismatch" and "CartPole-v1" in str(err.value)

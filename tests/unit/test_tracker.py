@@ -1,4 +1,5 @@
-from services.paramsync.tracker import SyncTracker, percentile
+from services.paramsync.tracker import SyncTracker
+from shared.service import percentile
 
 
 def test_latency_waits_for_every_live_sampler() -> None:

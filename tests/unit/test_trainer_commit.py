@@ -15,9 +15,13 @@ TP = TopicPartition("r.samples", 0)
 
 
 class CommitTwin:
-    def __init__(self, errors: list[Exception]) -> None:
+    def __init__(self, errors: list[Exception], owned: set[TopicPartition] | None = None) -> None:
         self.errors = errors
         self.committed: list[dict[TopicPartition, int]] = []
+        self.owned = {TP} if owned is None else owned
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self.owned)
 
     async def commit(self, offsets: dict[TopicPartition, int]) -> None:
         if self.errors:
@@ -49,3 +53,14 @@ async def test_a_fatal_commit_error_stops_the_trainer(tmp_path: Path) -> None:
     with pytest.raises(TopicAuthorizationFailedError):
         await t._commit()
     assert t.ledger.committable() == {TP: 3}
+
+
+async def test_commits_name_only_owned_partitions(tmp_path: Path) -> None:
+    # A partition revoked while its records were handled is not committed by this member (committing it
+    # would raise IllegalStateError, or move the new owner's position).
+    other = TopicPartition("r.samples", 1)
+    twin = CommitTwin([], owned={TP})
+    t = _trainer(tmp_path, twin)
+    t.ledger.consumed(other, 7, pending=False)
+    await t._commit()
+    assert twin.committed == [{TP: 3}]

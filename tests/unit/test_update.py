@@ -109,3 +109,18 @@ def test_learning_rate_anneals_with_trained_steps_and_survives_a_restore() -> No
         learner.update(frags)
     assert learner.learning_rate() == pytest.approx(1e-4)  # held at the end rate past anneal_env_steps
     assert Learner(SPEC, TrainerSettings(learning_rate=3e-4)).learning_rate() == 3e-4  # no schedule: constant
+
+
+def test_non_finite_loss_skips_the_step_and_keeps_the_weights() -> None:
+    # A fragment that slipped past validation with absurd rewards: the loss overflows to inf.
+    learner = Learner(SPEC, TrainerSettings(epochs=2, minibatches=2))
+    frags = _fragments(learner, 2)
+    frags[0].rewards[:] = 1e30
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    stats = learner.update(frags)
+    assert stats.skipped_steps == 4 and stats.sgd_steps == 0
+    for k, v in learner.model.state_dict().items():
+        assert torch.isfinite(v).all() and torch.equal(v, before[k]), k
+    # Good data afterwards trains normally.
+    stats = learner.update(_fragments(learner, 2))
+    assert stats.skipped_steps == 0 and stats.sgd_steps == 4

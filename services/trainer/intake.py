@@ -1,0 +1,186 @@
+"""Which fragments train, and when: the trainer's rules as pure classes (no I/O; the clock is passed in).
+
+:class:`Intake` (DESIGN.md, the loop, 3):
+
+- **admit** a decoded fragment: a policy version newer than any that exists is poison
+  (``future_version``); a sample id already admitted in this trainer run is a ``duplicate`` (so no
+  record is trained twice within a run, whatever Kafka re-delivers); otherwise it waits.
+- **staleness is checked when the batch is formed**, not when the fragment arrived: against the
+  *reference* version, the older of the trainer's own version and the newest *published* one
+  (samplers can only act on published versions: measured against the trainer's counter alone, an
+  unpublished run of updates would make every fragment stale and stall training for good).
+  In sync mode the reference is the trainer's own version and the bound is 0.
+- **revoke**: fragments of revoked partitions leave the buffer and their sample ids are forgotten
+  (the new owner, or this member after a re-assignment, gets them again).
+
+:class:`StallWatch`: training has stalled when records keep arriving but no update happened for
+``after_s`` seconds; it says why (all dropped as stale, all dead-lettered, waiting for a batch).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from aiokafka import TopicPartition
+
+from shared.fragment import Fragment
+
+DEDUP_WINDOW = 200_000
+"""Sample ids remembered for de-duplication (a few MB); far more than one run's re-delivery window."""
+
+
+@dataclass
+class Pending:
+    tp: TopicPartition
+    offset: int
+    frag: Fragment
+    at: float  # clock time it was admitted
+
+
+@dataclass(frozen=True)
+class Rejected:
+    reason: Literal["future_version", "duplicate"]
+    message: str
+
+
+@dataclass
+class Batch:
+    train: list[Pending] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)  # per trained fragment, at formation
+    stale: list[tuple[Pending, int]] = field(default_factory=list)  # dropped at formation, with their staleness
+
+
+class Intake:
+    def __init__(self, *, max_staleness: int, batch_fragments: int, batch_timeout_s: float, sync: bool = False,
+                 dedup_window: int = DEDUP_WINDOW) -> None:
+        self.max_staleness = 0 if sync else max_staleness
+        self.batch_fragments = batch_fragments
+        self.batch_timeout_s = batch_timeout_s
+        self.sync = sync
+        self.buffer: list[Pending] = []
+        self.model_version = 0  # the version of the trainer's current weights
+        self.published: int | None = None  # newest version behind the marker, as last seen
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._window = dedup_window
+
+    # ---- versions ---------------------------------------------------------------------------
+    def saw_published(self, version: int) -> None:
+        self.published = version if self.published is None else max(self.published, version)
+
+    @property
+    def newest(self) -> int:
+        """The newest version that exists: nothing can have been produced by a later one."""
+        return max(self.model_version, self.published or 0)
+
+    @property
+    def reference(self) -> int:
+        if self.sync or self.published is None:
+            return self.model_version
+        return min(self.model_version, self.published)
+
+    def staleness(self, frag: Fragment) -> int:
+        return max(0, self.reference - frag.policy_version)
+
+    # ---- admission --------------------------------------------------------------------------
+    def admit(self, item: Pending) -> Rejected | None:
+        """Buffer ``item`` (None) or say why it is poison."""
+        frag = item.frag
+        if frag.policy_version > self.newest:
+            return Rejected("future_version", f"policy version {frag.policy_version} is newer than any that exists "
+                                              f"(newest {self.newest})")
+        if frag.sample_id in self._seen:
+            return Rejected("duplicate", f"sample id {frag.sample_id} was already admitted in this trainer run")
+        self._seen[frag.sample_id] = None
+        if len(self._seen) > self._window:
+            self._seen.popitem(last=False)
+        self.buffer.append(item)
+        return None
+
+    # ---- batches ----------------------------------------------------------------------------
+    def form_batch(self, now: float, live_samplers: set[str] | None = None) -> Batch:
+        """Drop what is now too stale, then take a batch if one is due (``train`` empty otherwise).
+
+        Async: ``batch_fragments`` fragments, or fewer once the oldest waited ``batch_timeout_s``.
+        Sync: everything buffered once every live sampler contributed (or on the timeout).
+        """
+        out = Batch()
+        keep = []
+        for p in self.buffer:
+            s = self.staleness(p.frag)
+            if s > self.max_staleness:
+                out.stale.append((p, s))
+            else:
+                keep.append(p)
+        self.buffer = keep
+        if not self.buffer:
+            return out
+        timed_out = now - self.buffer[0].at > self.batch_timeout_s
+        if self.sync:
+            have = {p.frag.sampler_id for p in self.buffer}
+            if not timed_out and (not live_samplers or not live_samplers <= have):
+                return out
+            out.train, self.buffer = self.buffer, []
+        else:
+            if len(self.buffer) < self.batch_fragments and not timed_out:
+                return out
+            out.train, self.buffer = self.buffer[: self.batch_fragments], self.buffer[self.batch_fragments :]
+        out.staleness = [self.staleness(p.frag) for p in out.train]
+        return out
+
+    def wants(self) -> int:
+        """How many more records the next batch needs (the trainer polls no more than this)."""
+        return max(1, self.batch_fragments - len(self.buffer))
+
+    # ---- rebalances -------------------------------------------------------------------------
+    def revoke(self, partitions: Iterable[TopicPartition]) -> list[Pending]:
+        """Remove the buffered fragments of ``partitions``; they will be delivered again."""
+        gone = set(partitions)
+        removed = [p for p in self.buffer if p.tp in gone]
+        self.buffer = [p for p in self.buffer if p.tp not in gone]
+        for p in removed:
+            self._seen.pop(p.frag.sample_id, None)
+        return removed
+
+
+@dataclass
+class Stall:
+    since: float
+    reason: str
+
+
+class StallWatch:
+    """Records arrive but no update for ``after_s``: stalled, with the reason from what happened since."""
+
+    def __init__(self, after_s: float, now: float) -> None:
+        self.after_s = after_s
+        self._last_update = now
+        self._first_arrival: float | None = None  # first record since the last update
+        self._counts = {"consumed": 0, "dropped_stale": 0, "dead_lettered": 0}
+
+    def note(self, what: Literal["consumed", "dropped_stale", "dead_lettered"], now: float, n: int = 1) -> None:
+        if what == "consumed" and self._first_arrival is None:
+            self._first_arrival = now
+        self._counts[what] += n
+
+    def trained(self, now: float) -> None:
+        self._last_update = now
+        self._first_arrival = None
+        self._counts = dict.fromkeys(self._counts, 0)
+
+    def check(self, now: float, reference: int | None = None) -> Stall | None:
+        if self._first_arrival is None or now - max(self._last_update, self._first_arrival) < self.after_s:
+            return None
+        c = self._counts
+        n = c["consumed"]
+        if c["dropped_stale"] >= n:
+            why = f"all {n} fragments since the last update were dropped as stale (reference version {reference})"
+        elif c["dead_lettered"] >= n:
+            why = f"all {n} records since the last update were dead-lettered"
+        elif c["dropped_stale"] + c["dead_lettered"] >= n:
+            why = f"all {n} records since the last update were dropped as stale or dead-lettered"
+        else:
+            why = f"{n} records arrived but no update for {now - self._last_update:.0f} s"
+        return Stall(since=max(self._last_update, self._first_arrival), reason=why)

@@ -1,0 +1,126 @@
+"""Transient faults: one retry policy (tenacity), one classification, one health record.
+
+Faults are normal (DESIGN.md, the loop, 7): a broker restart, an S3 endpoint that refuses
+connections, a coordinator that moved. A service retries such an operation with capped
+exponential backoff and jitter, reports itself *degraded* with the reason while it does, and
+carries on when the dependency is back. Anything else (a bug, a bad config, a fatal Kafka error)
+is not retried: it propagates and stops the process loudly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError, NodeNotReadyError
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
+
+from shared.marker import BadPayload
+from shared.store import PreconditionFailed, StoreError
+
+T = TypeVar("T")
+
+BACKOFF_INITIAL_S = 0.5
+BACKOFF_MAX_S = 10.0
+"""Capped so a dependency that comes back is noticed within ~10 s (the goal is resuming within 30 s)."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for faults that go away on their own: connection, timeout, retriable Kafka errors, and
+    object-store errors other than a lost conditional write (that one is a decision, not a fault)."""
+    if isinstance(exc, (PreconditionFailed, BadPayload)):
+        return False
+    if isinstance(exc, (StoreError, TimeoutError, ConnectionError, KafkaConnectionError, KafkaTimeoutError,
+                        NodeNotReadyError)):
+        return True
+    if isinstance(exc, KafkaError):
+        return bool(getattr(exc, "retriable", False))
+    return False
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
+@dataclass
+class Health:
+    """What ``/healthz`` and heartbeats say: ``ok``, or ``degraded`` with a reason per component.
+
+    A component is e.g. ``kafka``, ``store``, ``publish``; :func:`retry_transient` marks it degraded
+    while it retries and clears it on success.
+    """
+
+    reasons: dict[str, str] = field(default_factory=dict)
+    since: dict[str, float] = field(default_factory=dict)
+
+    def degraded(self, component: str, reason: str) -> None:
+        self.reasons[component] = reason
+        self.since.setdefault(component, time.time())
+
+    def recovered(self, component: str) -> float | None:
+        """Clear ``component``; returns for how long it was degraded (None if it was not)."""
+        self.reasons.pop(component, None)
+        started = self.since.pop(component, None)
+        return None if started is None else time.time() - started
+
+    @property
+    def state(self) -> str:
+        return "degraded" if self.reasons else "ok"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"state": self.state, "reasons": dict(self.reasons),
+                "degraded_since": min(self.since.values()) if self.since else None}
+
+
+async def retry_transient(
+    op: Callable[[], Awaitable[T]],
+    *,
+    what: str,
+    component: str,
+    health: Health,
+    log: Any,
+    stop_event: asyncio.Event | None = None,
+    timeout_s: float | None = None,
+    max_wait_s: float = BACKOFF_MAX_S,
+) -> T:
+    """``await op()`` until it succeeds, retrying transient faults with capped, jittered backoff.
+
+    Each attempt is bounded by ``timeout_s`` (aiokafka retries some errors internally without end).
+    Retries stop when ``stop_event`` is set (the last error is raised: the service is stopping).
+    A non-transient error is raised at once.
+    """
+
+    async def attempt() -> T:
+        if timeout_s is None:
+            return await op()
+        return await asyncio.wait_for(op(), timeout_s)
+
+    def before_sleep(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        reason = f"{what} failed: {describe(exc) if exc else '?'}"
+        health.degraded(component, reason)
+        n = state.attempt_number
+        if n == 1 or n % 10 == 0:
+            delay = state.next_action.sleep if state.next_action is not None else None
+            log.warning("transient_fault", component=component, operation=what, attempt=n,
+                        retry_in_s=None if delay is None else round(delay, 2), error=describe(exc) if exc else None)
+
+    def stopping(_state: RetryCallState) -> bool:
+        return stop_event is not None and stop_event.is_set()
+
+    retrying = AsyncRetrying(
+        retry=retry_if_exception(is_transient),
+        wait=wait_exponential_jitter(initial=BACKOFF_INITIAL_S, max=max_wait_s, jitter=BACKOFF_INITIAL_S),
+        stop=stopping,
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+    result: T = await retrying(attempt)
+    if component in health.reasons:
+        took = health.recovered(component)
+        log.info("transient_fault_recovered", component=component, operation=what,
+                 degraded_s=None if took is None else round(took, 2))
+    return result

@@ -1,0 +1,128 @@
+"""The trainer's admission, batching and stall rules (services/trainer/intake.py), without a broker."""
+
+from __future__ import annotations
+
+import numpy as np
+from aiokafka import TopicPartition
+
+from services.trainer.intake import Intake, Pending, StallWatch
+from shared.fragment import Fragment
+
+TP0 = TopicPartition("run.samples", 0)
+TP1 = TopicPartition("run.samples", 1)
+
+
+def frag(version: int, sample_id: str, sampler: str = "s0") -> Fragment:
+    t, n = 2, 1
+    return Fragment(obs=np.zeros((t, n, 4), np.float32), actions=np.zeros((t, n), np.int64),
+                    logp=np.full((t, n), -0.69, np.float32), rewards=np.ones((t, n), np.float32),
+                    terminated=np.zeros((t, n), np.uint8), truncated=np.zeros((t, n), np.uint8),
+                    trunc_obs=np.zeros((0, 4), np.float32), last_obs=np.zeros((n, 4), np.float32),
+                    episode_returns=np.zeros(0, np.float32), episode_lengths=np.zeros(0, np.int32),
+                    policy_version=version, sampler_id=sampler, env_id="CartPole-v1", sample_id=sample_id)
+
+
+def pending(version: int, sid: str, offset: int = 0, tp: TopicPartition = TP0, at: float = 0.0,
+            sampler: str = "s0") -> Pending:
+    return Pending(tp, offset, frag(version, sid, sampler), at)
+
+
+def make(**kw: object) -> Intake:
+    args: dict[str, object] = {"max_staleness": 2, "batch_fragments": 2, "batch_timeout_s": 5.0}
+    args.update(kw)
+    return Intake(**args)  # type: ignore[arg-type]
+
+
+def test_staleness_is_checked_when_the_batch_is_formed_not_on_arrival() -> None:
+    intake = make(batch_fragments=3)
+    intake.model_version = intake.published = 5
+    assert intake.admit(pending(4, "a", 0)) is None  # staleness 1 on arrival
+    assert intake.admit(pending(5, "b", 1)) is None
+    intake.model_version = intake.published = 8  # three updates published meanwhile
+    assert intake.admit(pending(8, "c", 2)) is None
+    batch = intake.form_batch(now=0.0)
+    assert [(p.frag.sample_id, s) for p, s in batch.stale] == [("a", 4), ("b", 3)]
+    assert batch.train == []  # only one fragment left: not a batch yet
+    assert [p.frag.sample_id for p in intake.buffer] == ["c"]
+
+
+def test_reference_is_the_older_of_own_and_published_version() -> None:
+    intake = make()
+    intake.model_version = 20  # many updates that paramsync never published
+    intake.saw_published(10)
+    assert intake.reference == 10
+    assert intake.admit(pending(10, "a")) is None
+    assert intake.admit(pending(9, "b")) is None
+    batch = intake.form_batch(now=0.0)
+    # Measured against the trainer's own counter both would be stale and training would stall for good.
+    assert [p.frag.sample_id for p in batch.train] == ["a", "b"] and batch.staleness == [0, 1]
+
+
+def test_sync_mode_uses_own_version_and_zero_bound() -> None:
+    intake = make(sync=True, max_staleness=8)
+    intake.model_version, intake.published = 4, 3
+    intake.admit(pending(3, "old", sampler="s0"))
+    intake.admit(pending(4, "new", sampler="s1"))
+    batch = intake.form_batch(now=0.0, live_samplers={"s1"})
+    assert [p.frag.sample_id for p, _ in batch.stale] == ["old"]
+    assert [p.frag.sample_id for p in batch.train] == ["new"]
+
+
+def test_future_versions_are_refused() -> None:
+    intake = make()
+    intake.model_version, intake.published = 7, 6
+    rejected = intake.admit(pending(999_999_999, "x"))
+    assert rejected is not None and rejected.reason == "future_version" and "newest 7" in rejected.message
+    assert intake.admit(pending(7, "y")) is None  # the trainer's own newest version exists
+
+
+def test_duplicate_sample_ids_are_refused_within_a_run() -> None:
+    intake = make(batch_fragments=1)
+    assert intake.admit(pending(0, "same", 0)) is None
+    assert intake.form_batch(now=0.0).train  # trained
+    rejected = intake.admit(pending(0, "same", 1))
+    assert rejected is not None and rejected.reason == "duplicate"
+
+
+def test_dedup_window_is_bounded() -> None:
+    intake = make(batch_fragments=1, dedup_window=3)
+    for i in range(5):
+        assert intake.admit(pending(0, f"id{i}", i)) is None
+        intake.form_batch(now=0.0)
+    assert intake.admit(pending(0, "id0", 9)) is None  # forgotten: the window holds 3 ids
+    assert intake.admit(pending(0, "id4", 10)) is not None
+
+
+def test_revoke_removes_buffered_fragments_and_forgets_their_ids() -> None:
+    intake = make(batch_fragments=10)
+    intake.admit(pending(0, "p0", 0, TP0))
+    intake.admit(pending(0, "p1", 0, TP1))
+    removed = intake.revoke({TP1})
+    assert [p.frag.sample_id for p in removed] == ["p1"]
+    assert [p.frag.sample_id for p in intake.buffer] == ["p0"]
+    # Re-delivered after a re-assignment: not a duplicate, it was never trained here.
+    assert intake.admit(pending(0, "p1", 0, TP1)) is None
+
+
+def test_partial_batch_after_timeout_and_poll_bound() -> None:
+    intake = make(batch_fragments=4, batch_timeout_s=1.0)
+    intake.admit(pending(0, "a", at=10.0))
+    assert intake.wants() == 3
+    assert intake.form_batch(now=10.5).train == []
+    assert [p.frag.sample_id for p in intake.form_batch(now=11.5).train] == ["a"]
+
+
+def test_stall_watch_reasons() -> None:
+    w = StallWatch(after_s=30, now=0.0)
+    assert w.check(100.0) is None  # nothing arrives: idle, not stalled
+    w.note("consumed", 100.0, 5)
+    w.note("dropped_stale", 100.0, 5)
+    assert w.check(120.0) is None
+    stall = w.check(131.0, reference=7)
+    assert stall is not None and "dropped as stale" in stall.reason and "reference version 7" in stall.reason
+    w.trained(132.0)
+    assert w.check(200.0) is None
+    w.note("consumed", 200.0, 2)
+    w.note("dead_lettered", 200.0, 2)
+    stall = w.check(240.0)
+    assert stall is not None and "dead-lettered" in stall.reason
