@@ -16,12 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError, NodeNotReadyError
+from prometheus_client import Gauge
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
 from shared.marker import BadPayload
 from shared.store import PreconditionFailed, StoreError
 
 T = TypeVar("T")
+
+DEGRADED = Gauge("flywheel_service_degraded", "1 while the service retries a dependency (see /healthz for why)",
+                 ["service"])
 
 BACKOFF_INITIAL_S = 0.5
 BACKOFF_MAX_S = 10.0
@@ -53,17 +57,23 @@ class Health:
     while it retries and clears it on success.
     """
 
+    service: str = "service"
     reasons: dict[str, str] = field(default_factory=dict)
     since: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        DEGRADED.labels(service=self.service).set(0)
 
     def degraded(self, component: str, reason: str) -> None:
         self.reasons[component] = reason
         self.since.setdefault(component, time.time())
+        DEGRADED.labels(service=self.service).set(1)
 
     def recovered(self, component: str) -> float | None:
         """Clear ``component``; returns for how long it was degraded (None if it was not)."""
         self.reasons.pop(component, None)
         started = self.since.pop(component, None)
+        DEGRADED.labels(service=self.service).set(1 if self.reasons else 0)
         return None if started is None else time.time() - started
 
     @property

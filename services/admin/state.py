@@ -61,7 +61,7 @@ class AdminState:
         self.view = ClusterView()
         self.log = get_logger()
         self._started = False
-        self.health_state = Health()
+        self.health_state = Health("admin")
         self._last_published: VersionRecord | None = None
         self.alive_after_s = settings.paramsync.sampler_timeout_s
 

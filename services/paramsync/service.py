@@ -40,7 +40,6 @@ LIVE = Gauge("flywheel_paramsync_live_samplers", "Samplers with a recent heartbe
 PRUNE_EVERY = 10
 PUBLISH_SECONDS = Histogram("flywheel_paramsync_publish_seconds", "Verify + marker write + announce")
 REANNOUNCED = Counter("flywheel_paramsync_reannouncements_total", "Periodic re-announcements of the published version")
-DEGRADED = Gauge("flywheel_service_degraded", "1 while the service retries a dependency", ["service"])
 CLIENT_STOP_TIMEOUT_S = 10.0
 
 
@@ -61,18 +60,15 @@ class Paramsync:
         self.inbox = make_consumer(settings, group_id=None)
         self.published_version: int | None = None
         self.published_record: VersionRecord | None = None
-        self.health_state = Health()
+        self.health_state = Health("paramsync")
         self.started_at = time.time()
         self._stop = asyncio.Event()
         self._publishes = 0
         self._started = False
 
     async def _retry(self, op: Any, what: str, component: str, timeout_s: float | None = None) -> Any:
-        try:
-            return await retry_transient(op, what=what, component=component, health=self.health_state,
-                                         log=self.log, stop_event=self._stop, timeout_s=timeout_s)
-        finally:
-            DEGRADED.labels(service="paramsync").set(1 if self.health_state.reasons else 0)
+        return await retry_transient(op, what=what, component=component, health=self.health_state,
+                                     log=self.log, stop_event=self._stop, timeout_s=timeout_s)
 
     async def start(self) -> None:
         await self._retry(lambda: ensure_topics(self.settings), "create topics", "kafka")

@@ -100,7 +100,7 @@ class Sampler:
         self._last_beat = 0.0
         self._pending: set[asyncio.Future[Any]] = set()
         self._labels = {"sampler": self.id}
-        self.health_state = Health()
+        self.health_state = Health("sampler")
         self.started_at = time.time()
         self._stop = asyncio.Event()
 

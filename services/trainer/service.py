@@ -68,7 +68,6 @@ STALLED = Gauge("flywheel_trainer_stalled", "1 while records arrive but no updat
 RECOVERIES = Counter("flywheel_trainer_recovery_actions_total", "Automatic recovery actions", ["action"])
 DEFERRED = Counter("flywheel_trainer_deferred_total", "Publishes or checkpoints deferred by a transient fault",
                    ["what"])
-DEGRADED = Gauge("flywheel_service_degraded", "1 while the service retries a dependency", ["service"])
 
 CLIENT_STOP_TIMEOUT_S = 10.0
 POLICY_REFRESH_S = 5.0
@@ -98,7 +97,7 @@ class Trainer:
         self.intake = Intake(max_staleness=self.cfg.max_staleness, batch_fragments=self.cfg.batch_fragments,
                              batch_timeout_s=self.cfg.batch_timeout_s, sync=self.sync)
         self.stall = StallWatch(self.cfg.stall_after_s, time.monotonic())
-        self.health_state = Health()
+        self.health_state = Health("trainer")
         self.ledger = OffsetLedger()
         self.staleness: deque[int] = deque(maxlen=1000)
         self.rate = RateMeter()
@@ -128,11 +127,8 @@ class Trainer:
     # ---- retries -----------------------------------------------------------------------------
     async def _retry(self, op: Callable[[], Awaitable[T]], what: str, component: str,
                      timeout_s: float | None = None) -> T:
-        try:
-            return await retry_transient(op, what=what, component=component, health=self.health_state,
-                                         log=self.log, stop_event=self._stop, timeout_s=timeout_s)
-        finally:
-            DEGRADED.labels(service="trainer").set(1 if self.health_state.reasons else 0)
+        return await retry_transient(op, what=what, component=component, health=self.health_state,
+                                     log=self.log, stop_event=self._stop, timeout_s=timeout_s)
 
     def _kafka_timeout(self) -> float:
         return self.settings.kafka.request_timeout_ms / 1000
