@@ -8,13 +8,58 @@ carries ``sample_id``, ``sampler_id``, ``policy_version`` (and on the trainer ``
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import threading
+from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
 
 
-def configure_logging(service: str, run: str, level: str = "INFO", stream: TextIO | None = None) -> None:
+class RotatingFile:
+    """A text stream that writes whole lines to ``path`` and rotates it by size, in this process.
+
+    Rotation renames ``path`` to ``path.1`` (shifting older copies up to ``backups``) before a line
+    that would take the file past ``max_bytes``, then reopens ``path``: no line is lost or split, which
+    copy-and-truncate rotation from outside cannot promise. Thread-safe (uvicorn, to_thread workers).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int, backups: int) -> None:
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held for the process lifetime
+        self._size = self.path.stat().st_size
+
+    def write(self, text: str) -> int:
+        data = text.encode("utf-8", "replace")
+        with self._lock:
+            if self._size and self._size + len(data) > self.max_bytes:
+                self._rotate()
+            self._fh.write(text)
+            self._fh.flush()
+            self._size += len(data)
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            self._fh.flush()
+
+    def _rotate(self) -> None:
+        self._fh.close()
+        for i in range(self.backups - 1, 0, -1):
+            src = self.path.with_name(f"{self.path.name}.{i}")
+            if src.exists():
+                os.replace(src, self.path.with_name(f"{self.path.name}.{i + 1}"))
+        os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._size = 0
+
+
+def configure_logging(service: str, run: str, level: str = "INFO", stream: TextIO | Any | None = None) -> None:
     """Route structlog (and stdlib logging, e.g. aiokafka's) to JSON lines on ``stream``."""
     stream = stream if stream is not None else sys.stdout
     shared: list[Any] = [

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from shared.logging import configure_logging, get_logger
+from shared.logging import RotatingFile, configure_logging, get_logger
 from shared.settings import ConfigError, Settings, load_settings
 
 
@@ -49,7 +49,10 @@ def entrypoint(service: str, argv: list[str] | None = None) -> Settings:
     except ConfigError as exc:
         sys.stderr.write(f"flywheel {service}: {exc}\n")
         raise SystemExit(2) from None
-    configure_logging(service, settings.run, settings.log.level)
+    stream = None
+    if settings.log.file is not None:
+        stream = RotatingFile(settings.log.file, settings.log.max_bytes, settings.log.backups)
+    configure_logging(service, settings.run, settings.log.level, stream)
     get_logger().info("config_resolved", config=settings.redacted())
     return settings
 

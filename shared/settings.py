@@ -211,6 +211,14 @@ class HttpSettings(_Section):
 
 class LogSettings(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    file: Path | None = None
+    """Write the JSON lines to this file, rotated by size (None: standard output, where compose's log
+    driver caps them). Rotation happens in the process, between lines, so no line is lost or cut."""
+    max_bytes: int = Field(20 * 1024 * 1024, ge=64 * 1024)
+    """Size at which ``file`` is rotated to ``file.1`` (``file.1`` to ``file.2``, ...)."""
+    backups: int = Field(3, ge=1, le=1000)
+    """Rotated files kept; the oldest is deleted. The per-fragment lines are the trace ``flywheel trace``
+    reads, so keep enough for the window you want to trace."""
 
 
 class Settings(_Section):

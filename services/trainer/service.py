@@ -226,7 +226,9 @@ class Trainer:
                 except Exception as exc:  # already the reason run() ended, or it will be logged with it
                     self.log.error("background_commit_publish_failed", error=describe(exc))
                 await self._commit()
-                if self.learner.counters.updates and self._last_checkpoint != self.learner.counters.updates:
+                if self.learner.counters.updates and self._last_checkpoint == self.learner.counters.updates:
+                    self.log.info("checkpoint_up_to_date", update=self._last_checkpoint)
+                elif self.learner.counters.updates:
                     try:
                         await asyncio.wait_for(self._checkpoint(), 30)
                     except Exception as exc:  # the store is down: the next start resumes from the previous one
