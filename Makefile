@@ -13,11 +13,11 @@ ONLY ?=
 help:
 	@echo "make up        run the whole stack (docker compose if a Docker engine answers, else local processes)"
 	@echo "make down      stop it"
-	@echo "make status    what runs (local stack)"
+	@echo "make status    what runs (local stack), with restart counts"
 	@echo "make test      all tests (brings test Kafka + S3 up itself when no endpoints are given)"
 	@echo "make test-unit fast tests only"
 	@echo "make bench     the benchmark suite (ONLY=name for one figure) -> docs/benchmarks.md"
-	@echo "make lint      ruff + mypy --strict on shared/ and services/"
+	@echo "make lint      ruff + mypy --strict on shared/, services/ and devstack/"
 	@echo "make infra-up / infra-down   just Kafka + S3 as local processes"
 
 $(STAMP): pyproject.toml
@@ -35,20 +35,20 @@ up: install
 		docker compose up -d --build --scale sampler=$(SAMPLERS) && docker compose ps; \
 	else \
 		echo "No Docker engine: running the same stack as local processes."; \
-		$(PY) -m shared.localstack up --samplers $(SAMPLERS) --config $(CONFIG); \
+		$(PY) -m devstack up --samplers $(SAMPLERS) --config $(CONFIG); \
 	fi
 
 down: install
-	@if docker info >/dev/null 2>&1; then docker compose down; else $(PY) -m shared.localstack down; fi
+	@if docker info >/dev/null 2>&1; then docker compose down; else $(PY) -m devstack down; fi
 
 status: install
-	$(PY) -m shared.localstack status
+	$(PY) -m devstack status
 
 infra-up: install
-	$(PY) -m shared.infra up
+	$(PY) -m devstack infra-up
 
 infra-down: install
-	$(PY) -m shared.infra down
+	$(PY) -m devstack infra-down
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -62,7 +62,7 @@ bench: install
 
 lint: install
 	$(PY) -m pip install --quiet -e '.[test,dev]'
-	$(PY) -m ruff check shared services tests
+	$(PY) -m ruff check shared services devstack tests bench
 	$(PY) -m mypy
 
 clean:

@@ -32,7 +32,8 @@ from bench.common import (
     suite_cpu_seconds,
 )
 from bench.figures import FIGURES
-from shared.infra.config import REPO_ROOT
+from devstack import REPO_ROOT
+from devstack import down as infra_down
 
 
 def _command(argv: list[str]) -> str:
@@ -108,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             delete_topics(ctx, f"bench-{name.replace('_', '-')}-{stamp}")
     finally:
         if not args.keep_infra:
-            import shared.infra
-
-            shared.infra.down(BENCH_HOME, progress=lambda m: None)
+            infra_down(BENCH_HOME, progress=lambda m: None)
     say(f"suite took {time.monotonic() - started:.0f} s; {md_path}, {json_path}")
     return 1 if failed else 0
 

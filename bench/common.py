@@ -27,9 +27,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-import shared.infra
-from shared.infra.config import REPO_ROOT, InfraEndpoints
-from shared.localstack.stack import LocalStack
+from devstack import REPO_ROOT, InfraEndpoints, LocalStack, ensure_up
 
 BENCH_HOME = REPO_ROOT / ".flywheel" / "bench"
 KAFKA_PORT, CONTROLLER_PORT, S3_PORT = 29092, 29093, 29000
@@ -219,8 +217,8 @@ class Context:
 
 
 def bench_infra() -> InfraEndpoints:
-    return shared.infra.ensure_up(BENCH_HOME, kafka_port=KAFKA_PORT, controller_port=CONTROLLER_PORT,
-                                  s3_port=S3_PORT, progress=lambda m: None)
+    return ensure_up(BENCH_HOME, kafka_port=KAFKA_PORT, controller_port=CONTROLLER_PORT,
+                     s3_port=S3_PORT, progress=lambda m: None)
 
 
 # ---- metrics and logs ------------------------------------------------------------------------
@@ -291,7 +289,7 @@ class BenchStack:
         self.stack = LocalStack(self.home, config=config, run=run, env=env, infra=ctx.infra,
                                 admin_port=ADMIN_PORT, trainer_port=TRAINER_PORT, paramsync_port=PARAMSYNC_PORT,
                                 sampler_base_port=SAMPLER_BASE_PORT, store_backend="local",
-                                progress=lambda m: None)
+                                supervise=False, progress=lambda m: None)  # figures restart processes by hand
         self.samplers = 0
         self.scrape_misses = 0
         self._last_sampler: dict[int, dict[str, float]] = {}

@@ -117,7 +117,7 @@ named in its section; nothing is edited by hand. The raw figures are in
 
 How the suite measures (and its limits):
 
-- It runs the real local stack (`shared.localstack.LocalStack`: trainer, paramsync, admin, N
+- It runs the real local stack (`devstack.LocalStack`: trainer, paramsync, admin, N
   samplers as processes) on its own Kafka + S3 (`.flywheel/bench`, ports 29092/29093/29000) and
   service ports (28xxx), so it never collides with `make up` or the tests. Each figure uses a
   fresh run name (fresh topics, consumer groups and store prefix); the object store is the local

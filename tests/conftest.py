@@ -4,7 +4,7 @@ Where the endpoints come from, in order:
 1. ``FLYWHEEL_KAFKA_BOOTSTRAP`` / ``FLYWHEEL_S3_ENDPOINT`` when set (plus ``FLYWHEEL_S3_BUCKET``,
    ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``);
 2. testcontainers (``apache/kafka`` and MinIO) when a Docker engine answers;
-3. the local process stack of ``shared.infra`` in ``.flywheel/test-infra`` on ports 19092/19093/19000,
+3. the local process stack of ``devstack`` (Kafka + S3 only) in ``.flywheel/test-infra`` on ports 19092/19093/19000,
    apart from a ``make up`` stack; it is left running after the session so the next one starts fast.
 Whatever the source, the fixture checks the endpoint really works (a produce/consume round trip, an
 S3 put/get) before any test uses it, and fails the tests that need it with the reason otherwise.
@@ -25,11 +25,18 @@ from typing import Any
 
 import pytest
 
-from shared.infra import InfraEndpoints, InfraError, ensure_up
-from shared.infra import kafka as infra_kafka
-from shared.infra import s3 as infra_s3
-from shared.infra.config import TEST_CONTROLLER_PORT, TEST_HOME, TEST_KAFKA_PORT, TEST_S3_PORT
-from shared.infra.readiness import run_coro
+from devstack import (
+    TEST_CONTROLLER_PORT,
+    TEST_HOME,
+    TEST_KAFKA_PORT,
+    TEST_S3_PORT,
+    InfraEndpoints,
+    InfraError,
+    ensure_up,
+    run_coro,
+)
+from devstack import kafka as infra_kafka
+from devstack import s3 as infra_s3
 
 KAFKA_IMAGE = "apache/kafka:4.1.1"
 MINIO_IMAGE = "minio/minio:RELEASE.2025-09-07T16-13-09Z"

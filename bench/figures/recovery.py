@@ -8,7 +8,7 @@ from typing import Any
 
 from bench.common import BenchStack, Context, Spread, say, stack
 from bench.report import FigureResult, Row
-from shared.infra.procs import port_is_free
+from devstack.procs import port_is_free
 
 NAME = "recovery"
 TITLE = ("Restart after kill -9 (2 samplers, default config): trainer process start -> first committed update "

@@ -10,8 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from shared.infra import InfraEndpoints
-from shared.localstack.stack import LocalStack
+from devstack import InfraEndpoints, LocalStack
 
 
 @pytest.fixture

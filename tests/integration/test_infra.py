@@ -1,4 +1,4 @@
-"""The test fixtures give a working Kafka and S3, and the local stack's `up` is idempotent."""
+"""The test fixtures give a working Kafka and S3, and `python -m devstack infra-up` is idempotent."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from shared.infra.config import REPO_ROOT, TEST_CONTROLLER_PORT, TEST_HOME, TEST_KAFKA_PORT, TEST_S3_PORT
+from devstack import REPO_ROOT, TEST_CONTROLLER_PORT, TEST_HOME, TEST_KAFKA_PORT, TEST_S3_PORT
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3]
 
@@ -65,8 +65,8 @@ def _up() -> tuple[subprocess.CompletedProcess[str], float]:
     cmd = [
         sys.executable,
         "-m",
-        "shared.infra",
-        "up",
+        "devstack",
+        "infra-up",
         "--home",
         str(TEST_HOME),
         "--kafka-port",

@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from shared.infra.config import KAFKA_POM, InfraError, cache_root, kafka_version
-from shared.infra.procs import file_lock, tail
+from devstack.config import KAFKA_POM, StackError, cache_root, kafka_version
+from devstack.procs import file_lock, tail
 
 MIN_JAVA = 17
 MAVEN_TIMEOUT_S = 900.0
@@ -21,27 +21,27 @@ Progress = Callable[[str], None]
 
 
 def find_java() -> str:
-    """Path of a `java` (JAVA_HOME first, then PATH) that is at least Java 17, else InfraError."""
+    """Path of a `java` (JAVA_HOME first, then PATH) that is at least Java 17, else StackError."""
     java_home = os.environ.get("JAVA_HOME")
     java = str(Path(java_home) / "bin" / "java") if java_home else shutil.which("java")
     if not java or not Path(java).exists():
         where = f"JAVA_HOME={java_home} has no bin/java" if java_home else "no `java` on PATH"
-        raise InfraError(
+        raise StackError(
             f"Java not found ({where}); the local Kafka needs Java >= {MIN_JAVA}, "
             "e.g. `apt-get install openjdk-17-jre-headless`"
         )
     try:
         out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise InfraError(f"`{java} -version` failed: {exc}") from exc
+        raise StackError(f"`{java} -version` failed: {exc}") from exc
     match = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
     if not match:
-        raise InfraError(f"cannot parse the Java version from `{java} -version`: {out.stderr.strip()!r}")
+        raise StackError(f"cannot parse the Java version from `{java} -version`: {out.stderr.strip()!r}")
     major = int(match.group(1))
     if major == 1 and match.group(2):  # "1.8.0_392" style
         major = int(match.group(2))
     if major < MIN_JAVA:
-        raise InfraError(f"{java} is Java {major}; Kafka {kafka_version()} needs Java >= {MIN_JAVA}")
+        raise StackError(f"{java} is Java {major}; Kafka {kafka_version()} needs Java >= {MIN_JAVA}")
     return java
 
 
@@ -69,7 +69,7 @@ def ensure_kafka_jars(progress: Progress) -> Path:
     version = kafka_version()
     mvn = shutil.which("mvn")
     if mvn is None:
-        raise InfraError(
+        raise StackError(
             f"Kafka {version}'s jars are not cached in {libs} and `mvn` is not on PATH to fetch them; "
             "install Maven (`apt-get install maven`) or point FLYWHEEL_CACHE at a filled cache"
         )
@@ -101,14 +101,14 @@ def ensure_kafka_jars(progress: Progress) -> Path:
                 if now - started > MAVEN_TIMEOUT_S:
                     proc.kill()
                     proc.wait()
-                    raise InfraError(f"Maven did not finish within {MAVEN_TIMEOUT_S:.0f} s; see {mvn_log}")
+                    raise StackError(f"Maven did not finish within {MAVEN_TIMEOUT_S:.0f} s; see {mvn_log}")
                 if now >= next_report:
                     progress(f"  ... still fetching Kafka jars ({now - started:.0f} s)")
                     next_report += 10.0
                 time.sleep(0.5)
         jars = sorted(p.name for p in scratch.glob("*.jar")) if scratch.is_dir() else []
         if proc.returncode != 0 or not any(n.startswith(f"kafka_2.13-{version}") for n in jars):
-            raise InfraError(
+            raise StackError(
                 f"fetching Kafka {version} with Maven failed (exit {proc.returncode}): {' '.join(cmd)}\n"
                 f"last lines of {mvn_log}:\n{tail(mvn_log)}"
             )

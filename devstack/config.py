@@ -1,4 +1,4 @@
-"""Configuration of the local (Docker-free) infrastructure: ports, paths, credentials."""
+"""Where a local stack lives and what it listens on: its home, ports, endpoints, credentials; the one error."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 KAFKA_POM = REPO_ROOT / "deploy" / "kafka" / "pom.xml"
 KAFKA_LOG4J2 = REPO_ROOT / "deploy" / "kafka" / "log4j2.properties"
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "cartpole.yaml"
 
 DEFAULT_KAFKA_PORT = 9092
 DEFAULT_CONTROLLER_PORT = 9093
@@ -33,8 +34,17 @@ HEALTHCHECK_TOPIC = "_flywheel_healthcheck"
 HEALTHCHECK_KEY = "_flywheel_healthcheck"
 
 
-class InfraError(RuntimeError):
-    """The local infrastructure could not be brought up, inspected or stopped (message says why)."""
+class StackError(RuntimeError):
+    """The local stack could not start, check or stop a process (the message says why)."""
+
+
+InfraError = StackError  # the names the two former packages used
+LocalStackError = StackError
+
+
+def default_home() -> Path:
+    """``$FLYWHEEL_HOME``, else ``<repo>/.flywheel``."""
+    return Path(os.environ.get("FLYWHEEL_HOME") or REPO_ROOT / ".flywheel").expanduser().resolve()
 
 
 @dataclass(frozen=True)
@@ -67,12 +77,12 @@ def _env_port(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise InfraError(f"{name}={raw!r} is not a port number") from None
+        raise StackError(f"{name}={raw!r} is not a port number") from None
 
 
 @dataclass(frozen=True)
 class InfraConfig:
-    """Everything that identifies one local stack: its home directory and its ports."""
+    """Everything that identifies one home's Kafka + S3: the home directory and the ports."""
 
     home: Path
     kafka_port: int
@@ -89,10 +99,9 @@ class InfraConfig:
         s3_port: int | None = None,
         bucket: str | None = None,
     ) -> InfraConfig:
-        """Explicit arguments win, then FLYWHEEL_INFRA_* environment variables, then defaults."""
-        home_path = Path(home or os.environ.get("FLYWHEEL_INFRA_HOME") or REPO_ROOT / ".flywheel")
+        """Explicit arguments win, then FLYWHEEL_INFRA_*_PORT / FLYWHEEL_HOME, then defaults."""
         cfg = cls(
-            home=home_path.expanduser().resolve(),
+            home=Path(home).expanduser().resolve() if home else default_home(),
             kafka_port=kafka_port or _env_port("FLYWHEEL_INFRA_KAFKA_PORT", DEFAULT_KAFKA_PORT),
             controller_port=controller_port
             or _env_port("FLYWHEEL_INFRA_CONTROLLER_PORT", DEFAULT_CONTROLLER_PORT),
@@ -106,11 +115,11 @@ class InfraConfig:
         ports = {"kafka": self.kafka_port, "controller": self.controller_port, "s3": self.s3_port}
         for name, port in ports.items():
             if not 1 <= port <= 65535:
-                raise InfraError(f"{name} port {port} is outside 1..65535")
+                raise StackError(f"{name} port {port} is outside 1..65535")
         if len(set(ports.values())) != len(ports):
-            raise InfraError(f"the kafka, controller and s3 ports must differ, got {ports}")
+            raise StackError(f"the kafka, controller and s3 ports must differ, got {ports}")
         if not (3 <= len(self.bucket) <= 63) or self.bucket != self.bucket.lower():
-            raise InfraError(f"bucket name {self.bucket!r} is not a valid S3 bucket name")
+            raise StackError(f"bucket name {self.bucket!r} is not a valid S3 bucket name")
 
     @property
     def kafka_dir(self) -> Path:
@@ -127,10 +136,6 @@ class InfraConfig:
     @property
     def logs_dir(self) -> Path:
         return self.home / "logs"
-
-    @property
-    def pids_dir(self) -> Path:
-        return self.home / "pids"
 
     @property
     def env_file(self) -> Path:
@@ -155,9 +160,9 @@ def kafka_version() -> str:
     try:
         root = ET.parse(KAFKA_POM).getroot()
     except (OSError, ET.ParseError) as exc:
-        raise InfraError(f"cannot read the Kafka version from {KAFKA_POM}: {exc}") from exc
+        raise StackError(f"cannot read the Kafka version from {KAFKA_POM}: {exc}") from exc
     ns = "{http://maven.apache.org/POM/4.0.0}"
     node = root.find(f"{ns}properties/{ns}kafka.version")
     if node is None or not (node.text or "").strip():
-        raise InfraError(f"{KAFKA_POM} has no <properties><kafka.version>")
+        raise StackError(f"{KAFKA_POM} has no <properties><kafka.version>")
     return (node.text or "").strip()

@@ -9,24 +9,16 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from shared.infra.config import HEALTHCHECK_TOPIC, KAFKA_LOG4J2, InfraConfig, InfraError
-from shared.infra.procs import read_cmdline, spawn, tail
+from devstack.config import HEALTHCHECK_TOPIC, KAFKA_LOG4J2, InfraConfig, StackError
+from devstack.procs import Proc, read_cmdline, tail
 
+NAME = "kafka"
 HEAP_OPTS = ["-Xms256m", "-Xmx768m"]
 _PORTS_FLAG = "-Dflywheel.infra.ports="
 
 
-def pidfile(cfg: InfraConfig) -> Path:
-    return cfg.pids_dir / "kafka.pid"
-
-
-def log_path(cfg: InfraConfig) -> Path:
-    return cfg.logs_dir / "kafka.log"
-
-
-def is_ours(cfg: InfraConfig, args: list[str]) -> bool:
-    """Whether `args` is the broker we start for this home (whatever ports it was given)."""
-    return "kafka.Kafka" in args and str(cfg.kafka_properties) in args and Path(args[0]).name == "java"
+def proc(cfg: InfraConfig) -> Proc:
+    return Proc(cfg.home, NAME)
 
 
 def running_ports(args: list[str]) -> tuple[int, int] | None:
@@ -41,7 +33,7 @@ def running_ports(args: list[str]) -> tuple[int, int] | None:
 def server_properties(cfg: InfraConfig) -> str:
     port, cport = cfg.kafka_port, cfg.controller_port
     return f"""\
-# Written by `python -m shared.infra up`; regenerated on every start. Single-node KRaft on 127.0.0.1.
+# Written by `python -m devstack infra-up` / `up`; regenerated on every start. Single-node KRaft on 127.0.0.1.
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@127.0.0.1:{cport}
@@ -85,31 +77,19 @@ def prepare(cfg: InfraConfig, java: str, libs: Path, progress: Callable[[str], N
         return
     cluster_id = _new_cluster_id()
     progress(f"formatting Kafka storage in {cfg.kafka_data_dir} (cluster id {cluster_id})")
-    cmd = [
-        java,
-        "-cp",
-        f"{libs}/*",
-        f"-Dlog4j2.configurationFile={KAFKA_LOG4J2}",
-        "kafka.tools.StorageTool",
-        "format",
-        "-t",
-        cluster_id,
-        "-c",
-        str(cfg.kafka_properties),
-    ]
+    cmd = [java, "-cp", f"{libs}/*", f"-Dlog4j2.configurationFile={KAFKA_LOG4J2}", "kafka.tools.StorageTool",
+           "format", "-t", cluster_id, "-c", str(cfg.kafka_properties)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    with open(log_path(cfg), "a") as log:
-        log.write(f"\n===== flywheel infra: {' '.join(cmd)}\n{out.stdout}{out.stderr}")
+    log = proc(cfg).log
+    with open(log, "a") as fh:
+        fh.write(f"\n===== devstack: {' '.join(cmd)}\n{out.stdout}{out.stderr}")
     if out.returncode != 0:
-        raise InfraError(
-            f"formatting Kafka storage failed (exit {out.returncode}); last lines of {log_path(cfg)}:\n"
-            f"{tail(log_path(cfg))}"
-        )
+        raise StackError(f"formatting Kafka storage failed (exit {out.returncode}); last lines of {log}:\n{tail(log)}")
 
 
-def start(cfg: InfraConfig, java: str, libs: Path) -> int:
-    """Start the broker detached; returns its pid (also written to the pid file)."""
-    cmd = [
+def command(cfg: InfraConfig, java: str, libs: Path) -> list[str]:
+    """The broker's command line; log4j2 writes to the console only (the log, which is rotated)."""
+    return [
         java,
         *HEAP_OPTS,
         "-XX:+UseG1GC",
@@ -123,16 +103,15 @@ def start(cfg: InfraConfig, java: str, libs: Path) -> int:
         "kafka.Kafka",
         str(cfg.kafka_properties),
     ]
-    return spawn(cmd, log_path=log_path(cfg), pidfile=pidfile(cfg), cwd=cfg.kafka_dir)
 
 
 def check_ports(cfg: InfraConfig, pid: int) -> None:
     """A reused broker must listen where this call expects it."""
     ports = running_ports(read_cmdline(pid) or [])
     if ports != (cfg.kafka_port, cfg.controller_port):
-        raise InfraError(
+        raise StackError(
             f"our Kafka in {cfg.home} (pid {pid}) already runs with (broker, controller) ports {ports}, not "
-            f"{(cfg.kafka_port, cfg.controller_port)}; run `python -m shared.infra down --home {cfg.home}` "
+            f"{(cfg.kafka_port, cfg.controller_port)}; run `python -m devstack infra-down --home {cfg.home}` "
             "first or use the same ports"
         )
 
@@ -176,7 +155,7 @@ async def roundtrip(bootstrap: str, timeout_s: float) -> None:
             consumer.seek(tp, meta.offset)
             record = await consumer.getone()
             if record.value != payload:
-                raise InfraError(f"health-check read back {record.value!r}, expected {payload!r}")
+                raise StackError(f"health-check read back {record.value!r}, expected {payload!r}")
             await consumer.commit({tp: meta.offset + 1})
         finally:
             await consumer.stop()

@@ -18,10 +18,11 @@ from typing import Any
 
 import yaml
 
-from shared.infra.config import REPO_ROOT
-from shared.infra.procs import Matcher, find_ours, is_running, port_is_free, spawn, stop
-from shared.localstack.process import require_free, wait_http_ok
+from devstack.config import REPO_ROOT
+from devstack.procs import Proc, is_running, port_is_free, require_free
+from devstack.readiness import http_ok, wait_until
 
+NAME = "prometheus"
 LOCAL_CONFIG = REPO_ROOT / "deploy" / "prometheus" / "prometheus.local.yml"
 NOT_INSTALLED = (
     "prometheus is not on PATH, so alert rules are not evaluated locally "
@@ -34,35 +35,13 @@ def binary() -> str | None:
     return shutil.which("prometheus")
 
 
-def pidfile(home: Path) -> Path:
-    return home / "pids" / "prometheus.pid"
-
-
-def log_path(home: Path) -> Path:
-    return home / "logs" / "prometheus.log"
-
-
-def tsdb_path(home: Path) -> Path:
-    return home / "prometheus"
-
-
-def config_path(home: Path) -> Path:
-    return home / "prometheus.yml"
-
-
-def matcher(home: Path) -> Matcher:
-    """Recognises the Prometheus we start for ``home`` (by its storage path)."""
-    flag = f"--storage.tsdb.path={tsdb_path(home)}"
-    return lambda args: Path(args[0]).name == "prometheus" and flag in args
+def proc(home: Path) -> Proc:
+    return Proc(home, NAME)
 
 
 def command(exe: str, home: Path, port: int) -> list[str]:
-    return [
-        exe,
-        f"--config.file={config_path(home)}",
-        f"--storage.tsdb.path={tsdb_path(home)}",
-        f"--web.listen-address=127.0.0.1:{port}",
-    ]
+    return [exe, f"--config.file={home / 'prometheus.yml'}", f"--storage.tsdb.path={home / 'prometheus'}",
+            f"--web.listen-address=127.0.0.1:{port}"]
 
 
 def write_config(home: Path, targets: dict[str, list[int]], port: int) -> Path:
@@ -82,17 +61,12 @@ def write_config(home: Path, targets: dict[str, list[int]], port: int) -> Path:
         else:
             continue
         job["static_configs"] = [{"targets": [f"127.0.0.1:{p}" for p in ports]}]
-    path = config_path(home)
+    path = home / "prometheus.yml"
     tmp = path.with_suffix(".tmp")
-    header = f"# Written by shared.localstack from {LOCAL_CONFIG}; edit that file, not this one.\n"
+    header = f"# Written by devstack from {LOCAL_CONFIG}; edit that file, not this one.\n"
     tmp.write_text(header + yaml.safe_dump(cfg, sort_keys=False))
     tmp.replace(path)
     return path
-
-
-def find(home: Path) -> int | None:
-    """The pid of this home's running Prometheus, or None."""
-    return find_ours(pidfile(home), matcher(home))
 
 
 def ensure_running(
@@ -107,27 +81,17 @@ def ensure_running(
         progress(NOT_INSTALLED)
         return None
     write_config(home, targets, port)
-    pid = find(home)
-    if pid is not None:
+    prom = proc(home)
+    if (pid := prom.pid()) is not None:
         os.kill(pid, signal.SIGHUP)  # re-read the targets: samplers may have been scaled
         progress(f"prometheus already running (pid {pid}), configuration reloaded")
         return pid
     if not port_is_free(port):
         require_free("prometheus; or run without it: --no-prometheus", port, home)
-    log = log_path(home)
-    pid = spawn(command(exe, home, port), log_path=log, pidfile=pidfile(home), cwd=home)
+    pid, _ = prom.ensure(command(exe, home, port), cwd=home)
     started = pid
-    took = wait_http_ok(
-        f"prometheus (pid {pid})",
-        f"http://127.0.0.1:{port}/-/ready",
-        deadline=max(deadline, time.monotonic() + 30.0),
-        alive=lambda: is_running(started),
-        log_path=log,
-    )
-    progress(f"prometheus ready (pid {pid}) after {took:.1f} s on http://127.0.0.1:{port}, log {log}")
+    took = wait_until(f"prometheus (pid {pid})", lambda left: http_ok(f"http://127.0.0.1:{port}/-/ready"),
+                      deadline=max(deadline, time.monotonic() + 30.0), alive=lambda: is_running(started),
+                      log_path=prom.log)
+    progress(f"prometheus ready (pid {pid}) after {took:.1f} s on http://127.0.0.1:{port}, log {prom.log}")
     return pid
-
-
-def stop_running(home: Path) -> int | None:
-    """Stop this home's Prometheus (by pid); returns the pid stopped, or None."""
-    return stop(pidfile(home), matcher(home))

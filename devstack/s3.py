@@ -7,39 +7,30 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from shared.infra.config import (
-    HEALTHCHECK_KEY,
-    S3_ACCESS_KEY,
-    S3_REGION,
-    S3_SECRET_KEY,
-    InfraConfig,
-    InfraError,
-)
-from shared.infra.procs import read_cmdline, spawn
+from devstack.config import HEALTHCHECK_KEY, S3_ACCESS_KEY, S3_REGION, S3_SECRET_KEY, InfraConfig, StackError
+from devstack.procs import Proc, read_cmdline
+
+NAME = "s3"
 
 
-def pidfile(cfg: InfraConfig) -> Path:
-    return cfg.pids_dir / "s3.pid"
-
-
-def log_path(cfg: InfraConfig) -> Path:
-    return cfg.logs_dir / "s3.log"
+def proc(cfg: InfraConfig) -> Proc:
+    return Proc(cfg.home, NAME)
 
 
 def moto_server_path() -> Path:
     """`moto_server` from the virtual environment that runs this interpreter."""
     path = Path(sys.executable).parent / "moto_server"
     if not path.is_file():
-        raise InfraError(
+        raise StackError(
             f"{path} not found: the S3 server comes from `moto[server]` in this virtual environment "
             f"({sys.prefix}); install the test extra, e.g. `pip install -e '.[test]'`"
         )
     return path
 
 
-def is_ours(args: list[str]) -> bool:
-    """Whether `args` is a moto server (the pid file in our home says it is the one we started)."""
-    return any(Path(a).name == "moto_server" for a in args[:2])
+def command(cfg: InfraConfig) -> list[str]:
+    """moto's server on 127.0.0.1."""
+    return [sys.executable, str(moto_server_path()), "-H", "127.0.0.1", "-p", str(cfg.s3_port)]
 
 
 def running_port(args: list[str]) -> int | None:
@@ -49,19 +40,13 @@ def running_port(args: list[str]) -> int | None:
     return None
 
 
-def start(cfg: InfraConfig) -> int:
-    """Start moto's server detached on 127.0.0.1; returns its pid (also written to the pid file)."""
-    cmd = [sys.executable, str(moto_server_path()), "-H", "127.0.0.1", "-p", str(cfg.s3_port)]
-    return spawn(cmd, log_path=log_path(cfg), pidfile=pidfile(cfg), cwd=cfg.home)
-
-
 def check_port(cfg: InfraConfig, pid: int) -> None:
     """A reused S3 server must listen where this call expects it."""
     port = running_port(read_cmdline(pid) or [])
     if port != cfg.s3_port:
-        raise InfraError(
+        raise StackError(
             f"our S3 server in {cfg.home} (pid {pid}) already runs on port {port}, not {cfg.s3_port}; "
-            f"run `python -m shared.infra down --home {cfg.home}` first or use the same port"
+            f"run `python -m devstack infra-down --home {cfg.home}` first or use the same port"
         )
 
 
@@ -101,10 +86,7 @@ def ensure_bucket(s3: Any, bucket: str) -> None:
     try:
         s3.create_bucket(Bucket=bucket)
     except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") not in (
-            "BucketAlreadyOwnedByYou",
-            "BucketAlreadyExists",
-        ):
+        if exc.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
             raise
 
 
@@ -124,4 +106,4 @@ def roundtrip(
     s3.put_object(Bucket=bucket, Key=HEALTHCHECK_KEY, Body=body)
     got = s3.get_object(Bucket=bucket, Key=HEALTHCHECK_KEY)["Body"].read()
     if got != body:
-        raise InfraError(f"S3 health-check read back {got!r}, expected {body!r}")
+        raise StackError(f"S3 health-check read back {got!r}, expected {body!r}")

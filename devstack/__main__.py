@@ -1,0 +1,186 @@
+"""``python -m devstack COMMAND``: the whole Flywheel stack as local processes, without Docker.
+
+    up [--samplers N] [--config PATH] [--run NAME] [--store local|s3] [--no-prometheus] [--log-max-mb MB]
+    down [--keep-infra]          stop the supervisor, the services (trainer last), Prometheus, Kafka + S3
+    status                       every process: alive/DEAD, pid, restarts, endpoint, log
+    restart SERVICE              trainer|paramsync|admin|sampler|sampler-<i>
+    hold NAME / release NAME     the supervisor leaves NAME alone / looks after it again
+    infra-up / infra-down        just Kafka + S3
+    supervise                    the supervisor itself (``up`` starts it)
+
+Every command takes ``--home`` (default ``$FLYWHEEL_HOME``, else ``<repo>/.flywheel``). See
+docs/local-stack.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from devstack import infra, supervisor
+from devstack.config import DEFAULT_CONFIG, DEFAULT_TIMEOUT_S, StackError, default_home
+from devstack.logs import LOG_MAX_BYTES
+from devstack.services import parse_key
+from devstack.stack import LocalStack
+from devstack.state import StackState
+
+DEFAULT_ADMIN_URL = "http://127.0.0.1:8080"  # what the `flywheel` CLI assumes without --url
+PROG = "python -m devstack"
+
+
+def _out(line: str = "") -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--home", type=Path, help="state directory (default: $FLYWHEEL_HOME, else <repo>/.flywheel)")
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run Flywheel (Kafka, S3, trainer, paramsync, admin, samplers, Prometheus) as local "
+        "processes, without Docker, with a supervisor that restarts what dies.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", parents=[common], help="start (or reuse) the stack and wait until it is healthy")
+    up.add_argument("--samplers", type=int, help="sampler replicas (default: as last time, else 2)")
+    up.add_argument("--config", help="YAML config (default: as last time, else configs/cartpole.yaml)")
+    up.add_argument("--run", help="run name, overriding the config's (default: as last time)")
+    up.add_argument("--store", choices=["local", "s3"],
+                    help="object store: local = <home>/store, kept across down/up (default); "
+                    "s3 = the local S3 server (moto: in memory, lost on down)")
+    up.add_argument("--no-prometheus", action="store_true", help="do not run Prometheus")
+    up.add_argument("--no-supervise", action="store_true", help="no supervisor: nothing is restarted")
+    up.add_argument("--log-max-mb", type=float,
+                    help="rotate a log past this size (default: as last time, else %(default)s)")
+    up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait (default: %(default)s)")
+    down = sub.add_parser("down", parents=[common], help="stop the supervisor, the services, then Kafka and S3")
+    down.add_argument("--keep-infra", action="store_true", help="leave Kafka and the S3 server running")
+    sub.add_parser("status", parents=[common], help="the stack's processes, alive or dead, pids, restarts")
+    restart = sub.add_parser("restart", parents=[common], help="stop and start a service, wait until healthy")
+    restart.add_argument("service", help="trainer, paramsync, admin, sampler (every replica) or sampler-<i>")
+    for name, what in (("hold", "leave NAME alone: do not restart it"), ("release", "restart NAME again if it dies")):
+        cmd = sub.add_parser(name, parents=[common], help=f"tell the supervisor to {what}")
+        cmd.add_argument("name", help="kafka, s3, trainer, paramsync, admin, sampler-<i> or prometheus")
+    infra_up = sub.add_parser("infra-up", parents=[common], help="just Kafka + S3 (ports: FLYWHEEL_INFRA_*_PORT)")
+    infra_up.add_argument("--kafka-port", type=int, help="Kafka client (PLAINTEXT) port (default 9092)")
+    infra_up.add_argument("--controller-port", type=int, help="KRaft controller port (default 9093)")
+    infra_up.add_argument("--s3-port", type=int, help="S3 endpoint port (default 9000)")
+    infra_up.add_argument("--bucket", help="bucket to create (default: flywheel)")
+    infra_up.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait")
+    sub.add_parser("infra-down", parents=[common], help="stop this home's Kafka + S3")
+    sub.add_parser("supervise", parents=[common], help="run the supervisor in the foreground (up starts it)")
+    return parser
+
+
+def _stack(home: Path, config: str | None = None, run: str | None = None, store: str | None = None, *,
+           supervise: bool = True, log_max_bytes: int = LOG_MAX_BYTES) -> LocalStack:
+    """A LocalStack for ``home``, with the config, run, store and ports of the last ``up``."""
+    last = StackState(home).load()
+    ports = {k: int(v) for k, v in (last.get("ports") or {}).items()}
+    return LocalStack(home, config=config or last.get("config") or DEFAULT_CONFIG, run=run or last.get("run"),
+                      store_backend=store or last.get("store_backend") or "local",
+                      admin_port=ports.get("admin", 8080), trainer_port=ports.get("trainer", 8101),
+                      paramsync_port=ports.get("paramsync", 8102), sampler_base_port=ports.get("sampler_base", 8110),
+                      prometheus_port=ports.get("prometheus", 9090), supervise=supervise, log_max_bytes=log_max_bytes)
+
+
+def _up(args: argparse.Namespace, home: Path) -> int:
+    last = StackState(home).load()
+    samplers = args.samplers if args.samplers is not None else len(last.get("samplers") or [0, 1])
+    log_max = int(args.log_max_mb * 1024 * 1024) if args.log_max_mb else int(last.get("log_max_bytes") or LOG_MAX_BYTES)
+    stack = _stack(home, args.config, args.run, args.store, supervise=not args.no_supervise, log_max_bytes=log_max)
+    now = {"config": str(stack.config), "run": stack.run, "store_backend": stack.store_backend}
+    changed = [k for k, v in now.items() if k in last and last[k] != v]
+    if changed and stack.pids():
+        _out(f"note: {', '.join(changed)} changed since the last up; processes already running keep the old "
+             "settings (down, then up, to apply them everywhere)")
+    try:
+        stack.up(samplers=samplers, timeout_s=args.timeout, prometheus=not args.no_prometheus)
+    except StackError as exc:
+        raise StackError(f"{exc}\n(what did start is still running: see `{PROG} status`, "
+                         f"stop it with `{PROG} down`)") from None
+    _out()
+    _out(f"Flywheel is up: {samplers} sampler(s), config {stack.config}, state in {home}")
+    store = f"{home}/store (kept across down/up)" if stack.store_backend == "local" else "the S3 server"
+    _out(f"store:      {store}")
+    _out(f"logs:       (rotated past {log_max / 2**20:.0f} MiB, 3 kept)")
+    for st in stack.status():
+        _out(f"  {st.name:<11} {st.log}")
+    _out(f"admin API:  {stack.admin_url}    OpenAPI docs: {stack.admin_url}/docs")
+    source = stack.admin_token_source
+    if source.startswith("/"):
+        _out(f"token:      {source} (mode 0600): export FLYWHEEL_ADMIN_TOKEN=$(cat {source})")
+    else:
+        _out(f"token:      from {source}")
+    url = "" if stack.admin_url == DEFAULT_ADMIN_URL else f" --url {stack.admin_url}"
+    _out(f"status:     flywheel status{url}    (processes: {PROG} status)")
+    _out(f"stop:       make down    (or: {PROG} down)")
+    return 0
+
+
+def _status(home: Path) -> int:
+    stack = _stack(home)
+    states = stack.status()
+    _out(f"flywheel local stack in {home}")
+    for st in states:
+        pid = f"pid {st.pid or '-'}" + ("" if st.alive or not st.pid else " (last)")
+        alive = "alive" if st.alive else "DEAD "
+        restarts = f"restarts {st.restarts}" + (" held" if st.held else "")
+        _out(f"  {st.name:<11} {alive}  {pid:<17}  {restarts:<16}  {st.endpoint:<36}  {st.log}")
+    sup = stack.supervisor_pid()
+    _out(f"  supervisor  {f'alive  pid {sup}' if sup else 'not running: nothing is restarted'}")
+    if not any(st.alive for st in states):
+        _out(f"nothing is running: {PROG} up")
+    return 0 if all(st.alive for st in states) else 3
+
+
+def _restart(name: str, home: Path) -> int:
+    stack = _stack(home)
+    service, replica = parse_key(name)
+    replicas = stack.state.samplers() if name == "sampler" else [replica]
+    for r in replicas:
+        stack.stop(service, r)
+        stack.start(service, r)
+    for r in replicas:
+        stack.wait_healthy(service, r)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # readiness reports its own errors
+    home = args.home.expanduser().resolve() if args.home else default_home()
+    try:
+        if args.command == "up":
+            return _up(args, home)
+        if args.command == "down":
+            _stack(home).down(infra=not args.keep_infra)
+        elif args.command == "status":
+            return _status(home)
+        elif args.command == "restart":
+            return _restart(args.service, home)
+        elif args.command == "hold":
+            _stack(home).hold(args.name)
+        elif args.command == "release":
+            _stack(home).release(args.name)
+        elif args.command == "infra-up":
+            ep = infra.ensure_up(home, kafka_port=args.kafka_port, controller_port=args.controller_port,
+                                 s3_port=args.s3_port, bucket=args.bucket, timeout_s=args.timeout)
+            _out(f"kafka bootstrap: {ep.kafka_bootstrap}")
+            _out(f"s3 endpoint:     {ep.s3_endpoint} (bucket {ep.bucket}, key/secret testing/testing)")
+        elif args.command == "infra-down":
+            infra.down(home)
+        else:
+            return supervisor.main(home)
+        return 0
+    except StackError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Flywheel's four services as processes: their names, command line, environment and admin token."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from devstack.config import InfraEndpoints, StackError
+from shared.settings import ConfigError, load_settings
+
+HOST = "127.0.0.1"
+SERVICES = ("trainer", "paramsync", "admin", "sampler")
+START_ORDER = ("trainer", "paramsync", "admin", "sampler")
+STOP_ORDER = ("sampler", "admin", "paramsync", "trainer")  # trainer last: it commits what it trained
+TOKEN_ENV = "FLYWHEEL_ADMIN_TOKEN"
+TOKEN_FILE = "admin-token"
+
+
+def proc_key(service: str, replica: int = 0) -> str:
+    """``trainer``, ``paramsync``, ``admin``, or ``sampler-<i>``: the process's name (pid file, log, pids())."""
+    if service not in SERVICES:
+        raise StackError(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
+    if replica < 0 or (service != "sampler" and replica != 0):
+        raise StackError(f"{service} has no replica {replica} (only samplers are replicated)")
+    return f"sampler-{replica}" if service == "sampler" else service
+
+
+def parse_key(key: str) -> tuple[str, int]:
+    """The inverse of :func:`proc_key`: ``sampler-1`` -> (``sampler``, 1); ``sampler`` -> (``sampler``, 0)."""
+    service, _, index = key.partition("-")
+    if service == "sampler" and index:
+        if not index.isdigit():
+            raise StackError(f"bad sampler name {key!r}; expected sampler-<index>, e.g. sampler-1")
+        return service, int(index)
+    proc_key(service)  # validates the name
+    return service, 0
+
+
+def service_command(service: str) -> list[str]:
+    """``<this python> -m services.<service>``."""
+    return [sys.executable, "-m", f"services.{service}"]
+
+
+def service_env(
+    base: Mapping[str, str],
+    *,
+    service: str,
+    replica: int,
+    port: int,
+    home: Path,
+    config: Path,
+    run: str | None,
+    store_backend: str,
+    endpoints: InfraEndpoints,
+    admin_token: str,
+    overrides: Mapping[str, str],
+) -> dict[str, str]:
+    """``base`` (os.environ) + endpoints + config, run, store, HTTP, sampler id + ``overrides``.
+
+    ``FLYWHEEL_HOME`` is set last: it marks the process as this stack's (see ``Proc.pid``). The
+    admin token goes to the admin only.
+    """
+    env = dict(base)
+    env.update(endpoints.as_env())
+    env["FLYWHEEL_CONFIG"] = str(config)
+    if run:
+        env["FLYWHEEL_RUN"] = run
+    env["FLYWHEEL_STORE_BACKEND"] = store_backend
+    if store_backend == "local":
+        env["FLYWHEEL_STORE_LOCAL_ROOT"] = str(home / "store")
+    env["FLYWHEEL_HTTP_HOST"] = HOST
+    env["FLYWHEEL_HTTP_PORT"] = str(port)
+    if service == "sampler":
+        env["FLYWHEEL_SAMPLER_ID"] = proc_key(service, replica)
+    if service == "admin":
+        env[TOKEN_ENV] = admin_token
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(overrides)
+    env["FLYWHEEL_HOME"] = str(home)
+    return env
+
+
+def validate_config(config: Path, env: Mapping[str, str]) -> None:
+    """Load the settings a service would see, before starting any (no torch import: well under 1 s)."""
+    try:
+        load_settings(config, environ=env)
+    except ConfigError as exc:
+        raise StackError(str(exc)) from None
+
+
+def resolve_admin_token(home: Path, env: Mapping[str, str]) -> tuple[str, str]:
+    """(token, where it comes from): ``env`` / the environment if they set it, else ``<home>/admin-token``.
+
+    The file is created once with a fresh ``secrets.token_urlsafe(32)`` and mode 0600; later calls
+    read it, so restarts keep the token. The ``flywheel`` CLI reads the same file.
+    """
+    for source, mapping in (("the stack's env", env), ("$FLYWHEEL_ADMIN_TOKEN", os.environ)):
+        value = mapping.get(TOKEN_ENV)
+        if value:
+            return value, source
+    path = home / TOKEN_FILE
+    home.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        if stat.S_IMODE(path.stat().st_mode) & 0o077:
+            path.chmod(0o600)
+        token = path.read_text().strip()
+        if not token:
+            raise StackError(f"{path} is empty; delete it to generate a new admin token") from None
+        return token, str(path)
+    token = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token + "\n")
+    return token, str(path)

@@ -1,0 +1,323 @@
+"""LocalStack: the whole Flywheel system as local processes (the Docker-free ``make up``).
+
+The single place that knows how to run trainer, paramsync, admin and N samplers on one machine
+(their environment, ports, logs and launch records under ``<home>``, start-up health, stop order),
+next to Kafka + S3 (``devstack.infra``) and Prometheus, with a supervisor that restarts what dies."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from devstack import kafka, s3, supervisor
+from devstack import prometheus as prom
+from devstack.config import DEFAULT_CONFIG, REPO_ROOT, InfraEndpoints, StackError
+from devstack.infra import down as infra_down
+from devstack.infra import ensure_up, say
+from devstack.infra import status as infra_status
+from devstack.logs import LOG_MAX_BYTES
+from devstack.procs import (
+    Proc,
+    ProcStatus,
+    file_lock,
+    is_running,
+    port_is_free,
+    require_free,
+    table_lock,
+    tail,
+    wait_gone,
+)
+from devstack.readiness import http_ok, wait_until
+from devstack.services import (
+    HOST,
+    SERVICES,
+    START_ORDER,
+    parse_key,
+    proc_key,
+    resolve_admin_token,
+    service_command,
+    service_env,
+    validate_config,
+)
+from devstack.state import StackState, SupervisorState
+
+INFRA = (kafka.NAME, s3.NAME)
+
+
+class LocalStack:
+    """Trainer, paramsync, admin and samplers as detached processes whose state lives in ``home``.
+
+    ``infra`` None means Kafka + S3 are this home's own (started on demand on the default ports,
+    supervised, stopped by ``down()``); given endpoints are used, never supervised nor stopped.
+    ``supervise``: ``up`` starts this home's supervisor, which restarts any wanted process that
+    dies (see ``devstack.supervisor``). Every method is idempotent and works across Python
+    processes: it reads the files in ``home``.
+    """
+
+    def __init__(
+        self,
+        home: str | os.PathLike[str],
+        config: str | os.PathLike[str] = DEFAULT_CONFIG,
+        run: str | None = None,
+        env: dict[str, str] | None = None,
+        infra: InfraEndpoints | None = None,
+        admin_port: int = 8080,
+        trainer_port: int = 8101,
+        paramsync_port: int = 8102,
+        sampler_base_port: int = 8110,
+        store_backend: str = "local",
+        *,
+        prometheus_port: int = 9090,
+        supervise: bool = True,
+        log_max_bytes: int = LOG_MAX_BYTES,
+        progress: Callable[[str], None] = say,
+    ) -> None:
+        if store_backend not in ("local", "s3"):
+            raise StackError(f"store_backend must be 'local' or 's3', got {store_backend=}")
+        self.home = Path(home).expanduser().resolve()
+        self.config = Path(config).expanduser().resolve()
+        self.run = run
+        self.env = dict(env or {})
+        self.store_backend = store_backend
+        self.prometheus_port = prometheus_port
+        self.supervise = supervise
+        self.log_max_bytes = log_max_bytes
+        self._infra = infra
+        self._owns_infra = infra is None
+        self._ports = {"trainer": trainer_port, "paramsync": paramsync_port, "admin": admin_port}
+        self._sampler_base_port = sampler_base_port
+        self._progress = progress
+        self._token: tuple[str, str] | None = None
+        self.state = StackState(self.home)
+
+    # ---- names, files, ports -------------------------------------------------------------
+    def _proc(self, service: str, replica: int = 0) -> Proc:
+        return Proc(self.home, self._name(service, replica))
+
+    def _name(self, name: str, replica: int = 0) -> str:
+        """The process name for a service (+ replica), ``sampler-<i>``, ``prometheus``, or Kafka / S3
+        (only when this stack owns them)."""
+        if name in INFRA:
+            if not self._owns_infra:
+                raise StackError(f"{name} is not this stack's: its Kafka + S3 endpoints were given")
+            return name
+        if name == prom.NAME:
+            return name
+        if name in SERVICES:
+            return proc_key(name, replica)
+        parse_key(name)  # sampler-<i>, or an error naming what is expected
+        return name
+
+    def log_path(self, service: str, replica: int = 0) -> Path:
+        return self._proc(service, replica).log
+
+    def pidfile(self, service: str, replica: int = 0) -> Path:
+        return self._proc(service, replica).pidfile
+
+    def port(self, service: str, replica: int = 0) -> int:
+        proc_key(service, replica)
+        return self._sampler_base_port + replica if service == "sampler" else self._ports[service]
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{HOST}:{self._ports['admin']}"
+
+    @property
+    def admin_token(self) -> str:
+        self._token = self._token or resolve_admin_token(self.home, self.env)
+        return self._token[0]
+
+    @property
+    def admin_token_source(self) -> str:
+        """Where the token comes from: the path of ``<home>/admin-token`` or the variable's name."""
+        self._token = self._token or resolve_admin_token(self.home, self.env)
+        return self._token[1]
+
+    def endpoints(self, timeout_s: float = 120.0) -> InfraEndpoints:
+        """Kafka + S3 endpoints; for a stack that owns its infra, starts (or reuses) it."""
+        if self._infra is None:
+            try:
+                self._infra = ensure_up(self.home, timeout_s=timeout_s, progress=self._progress)
+            except StackError as exc:
+                raise StackError(f"Kafka / S3 did not come up: {exc}") from exc
+        return self._infra
+
+    def service_env(self, service: str, replica: int = 0) -> dict[str, str]:
+        """The full environment one service process is started with (see ``services.service_env``)."""
+        return service_env(os.environ, service=service, replica=replica, port=self.port(service, replica),
+                           home=self.home, config=self.config, run=self.run, store_backend=self.store_backend,
+                           endpoints=self.endpoints(), admin_token=self.admin_token, overrides=self.env)
+
+    # ---- one process ---------------------------------------------------------------------
+    def pid(self, service: str, replica: int = 0) -> int | None:
+        """The pid of this stack's running ``service`` replica, or None."""
+        return self._proc(service, replica).pid()
+
+    def pids(self) -> dict[str, int]:
+        """Running processes by name (``trainer``, ``sampler-1``, ``prometheus``, ...)."""
+        return {st.name: st.pid for st in self.status(infra=False) if st.alive and st.pid is not None}
+
+    def start(self, service: str, replica: int = 0) -> int:
+        """Start one service process (detached) unless it already runs; return its pid. Does not wait."""
+        proc = self._proc(service, replica)
+        if (pid := proc.pid()) is not None:
+            self._progress(f"{proc.name} already running (pid {pid})")
+            return pid
+        port = self.port(service, replica)
+        require_free(proc.name, port, self.home)
+        env = self.service_env(service, replica)
+        pid, started = proc.ensure(service_command(service), cwd=REPO_ROOT, env=env)
+        if service == "sampler":
+            self.state.add_sampler(replica)
+        what = f"started {proc.name}" if started else f"{proc.name} was just restarted by the supervisor"
+        self._progress(f"{what} (pid {pid}) on {HOST}:{port}, log {proc.log}")
+        return pid
+
+    def wait_healthy(self, service: str, replica: int = 0, timeout_s: float = 60.0) -> None:
+        """Wait until the process answers 200 on /healthz; raise with its log tail if it exits.
+
+        A supervised process that is down (killed, restart pending) is waited for first.
+        """
+        proc, deadline = self._proc(service, replica), time.monotonic() + timeout_s
+        pid = proc.pid()
+        while pid is None and time.monotonic() < deadline and proc.record() and self.supervisor_pid():
+            time.sleep(0.1)
+            pid = proc.pid()
+        if pid is None:
+            raise StackError(f"{proc.name} is not running.\nlast 30 lines of {proc.log}:\n{tail(proc.log)}")
+        url = f"http://{HOST}:{self.port(service, replica)}/healthz"
+        took = wait_until(f"{proc.name} (pid {pid})", lambda left: http_ok(url, min(left, 2.0)), deadline=deadline,
+                          alive=lambda: is_running(pid), log_path=proc.log)
+        self._progress(f"{proc.name} healthy (pid {pid}) after {took:.1f} s")
+
+    def kill(self, name: str, replica: int = 0, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to a process: a service (``replica`` for samplers), ``sampler-<i>``,
+        ``prometheus``, or ``kafka`` / ``s3`` when this stack owns them. A supervised process that
+        dies of it is restarted (see :meth:`hold`). With SIGKILL, wait until it is gone and (for a
+        service) its port is released or a restarted one runs, so an immediate :meth:`start` works."""
+        proc = self._proc(name, replica)
+        pid = proc.pid()
+        if pid is None:
+            raise StackError(f"cannot signal {proc.name}: it is not running")
+        os.kill(pid, sig)
+        if sig == signal.SIGKILL and wait_gone(pid, timeout_s=10.0) and name not in (*INFRA, prom.NAME):
+            service, index = parse_key(proc.name)
+            port, deadline = self.port(service, index), time.monotonic() + 10.0
+            while not port_is_free(port) and proc.pid() in (None, pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        self._progress(f"sent {signal.Signals(sig).name} to {proc.name} (pid {pid})")
+
+    def stop(self, service: str, replica: int = 0, timeout_s: float = 20.0) -> None:
+        """SIGTERM, wait up to ``timeout_s`` for a clean exit, then SIGKILL. No-op when not running.
+
+        The process stops being wanted first, so the supervisor does not take it for dead.
+        """
+        proc = self._proc(service, replica)
+        if (pid := proc.stop(timeout_s)) is not None:
+            self._progress(f"stopped {proc.name} (pid {pid})")
+
+    def hold(self, name: str, replica: int = 0) -> None:
+        """Tell the supervisor to leave this process alone (not restart it) until :meth:`release`."""
+        self._set_held(self._name(name, replica), True)
+
+    def release(self, name: str, replica: int = 0) -> None:
+        """Undo :meth:`hold`: a process that is down is restarted after the usual backoff."""
+        self._set_held(self._name(name, replica), False)
+
+    def _set_held(self, key: str, held: bool) -> None:
+        with table_lock(self.home):
+            SupervisorState(self.home).update(key, held=held)
+        self._progress(f"{key} {'held: the supervisor leaves it alone' if held else 'released'}")
+
+    def restarts(self) -> dict[str, int]:
+        """How often the supervisor restarted each process (since the last ``down``)."""
+        return SupervisorState(self.home).restarts()
+
+    def supervisor_pid(self) -> int | None:
+        """The pid of this home's running supervisor, or None."""
+        return supervisor.proc(self.home).pid()
+
+    # ---- the whole stack -----------------------------------------------------------------
+    def up(self, samplers: int = 2, timeout_s: float = 120.0, prometheus: bool = True) -> None:
+        """Infra (if needed), admin token, trainer, paramsync, admin, ``samplers`` samplers, the
+        supervisor; wait for all, then Prometheus.
+
+        Running processes are reused; samplers beyond ``samplers`` are stopped (scaling down).
+        """
+        if samplers < 0:
+            raise StackError(f"samplers must be >= 0, got {samplers=}")
+        deadline = time.monotonic() + timeout_s
+        with file_lock(self.home / ".localstack.lock"):
+            wanted = self._layout(range(samplers))
+            for service, replica in wanted:  # before anything starts: a taken port fails fast
+                if self.pid(service, replica) is None:
+                    require_free(proc_key(service, replica), self.port(service, replica), self.home)
+            self.endpoints(timeout_s)
+            self._progress(f"admin token: {self.admin_token_source}")
+            validate_config(self.config, self.service_env("trainer"))
+            for replica in self.state.samplers():
+                if replica >= samplers:
+                    self.stop("sampler", replica)
+                    SupervisorState(self.home).forget([proc_key("sampler", replica)])
+            self.state.save(samplers=list(range(samplers)), prometheus=prometheus, config=str(self.config),
+                            run=self.run, store_backend=self.store_backend, log_max_bytes=self.log_max_bytes,
+                            ports={**self._ports, "sampler_base": self._sampler_base_port,
+                                   "prometheus": self.prometheus_port})
+            for service, replica in wanted:
+                self.start(service, replica)
+            if self.supervise:
+                pid, started = supervisor.start(self.home)
+                self._progress(f"supervisor {'started' if started else 'already running'} (pid {pid}), "
+                               f"log {supervisor.proc(self.home).log}")
+            elif (stopped := supervisor.proc(self.home).stop()) is not None:
+                self._progress(f"stopped the supervisor (pid {stopped}): supervise=False")
+            for service, replica in wanted:
+                self.wait_healthy(service, replica, timeout_s=max(1.0, deadline - time.monotonic()))
+            if prometheus:
+                targets = {s: [self.port(s)] for s in ("trainer", "paramsync", "admin")}
+                targets["sampler"] = [self.port("sampler", r) for r in range(samplers)]
+                prom.ensure_running(self.home, self.prometheus_port, targets, deadline=deadline,
+                                    progress=self._progress)
+
+    def down(self, infra: bool = True) -> None:
+        """Stop the supervisor, then samplers (together), admin, paramsync, the trainer (it commits),
+        Prometheus, and Kafka + S3 when this stack owns them and ``infra``."""
+        if not self.home.is_dir():
+            return
+        with file_lock(self.home / ".localstack.lock"):
+            if (pid := supervisor.proc(self.home).stop()) is not None:
+                self._progress(f"stopped the supervisor (pid {pid})")
+            layout = self._layout(self.state.samplers())
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                list(pool.map(lambda r: self.stop("sampler", r), [r for s, r in layout if s == "sampler"]))
+            for service in ("admin", "paramsync", "trainer"):
+                self.stop(service)
+            if (pid := prom.proc(self.home).stop()) is not None:
+                self._progress(f"stopped prometheus (pid {pid})")
+            stopped = [proc_key(s, r) for s, r in layout] + [prom.NAME]
+            if infra and self._owns_infra:
+                infra_down(self.home, progress=self._progress)
+                stopped += INFRA
+            SupervisorState(self.home).forget(stopped)
+
+    def status(self, infra: bool = True) -> list[ProcStatus]:
+        """Every process this stack runs or should run, alive or dead, with pid, endpoint and restarts."""
+        out = [self._proc(s, r).status(f"http://{HOST}:{self.port(s, r)}")
+               for s, r in self._layout(self.state.samplers())]
+        if self.state.load().get("prometheus") and prom.binary():
+            out.append(prom.proc(self.home).status(f"http://{HOST}:{self.prometheus_port}"))
+        if infra and self._owns_infra:
+            out += infra_status(self.home)
+        sup = SupervisorState(self.home).load()
+        return [dataclasses.replace(st, restarts=int(sup.get(st.name, {}).get("restarts", 0)),
+                                    held=bool(sup.get(st.name, {}).get("held"))) for st in out]
+
+    @staticmethod
+    def _layout(samplers: Iterable[int]) -> list[tuple[str, int]]:
+        """(service, replica) in start order."""
+        return [(s, 0) for s in START_ORDER if s != "sampler"] + [("sampler", i) for i in samplers]
