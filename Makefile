@@ -8,7 +8,7 @@ CONFIG ?= configs/cartpole.yaml
 PYTEST_ARGS ?=
 ONLY ?=
 
-.PHONY: help install up down status infra-up infra-down test test-unit bench lint clean
+.PHONY: help install up down status infra-up infra-down test test-faults test-unit bench lint clean
 
 help:
 	@echo "make up        run the whole stack (docker compose if a Docker engine answers, else local processes)"
@@ -16,6 +16,7 @@ help:
 	@echo "make status    what runs (local stack), with restart counts"
 	@echo "make test      all tests (brings test Kafka + S3 up itself when no endpoints are given)"
 	@echo "make test-unit fast tests only"
+	@echo "make test-faults  the whole fault-injection suite (~10 min) -> docs/reliability.md"
 	@echo "make bench     the benchmark suite (ONLY=name for one figure) -> docs/benchmarks.md"
 	@echo "make lint      ruff + mypy --strict on shared/, services/ and devstack/"
 	@echo "make infra-up / infra-down   just Kafka + S3 as local processes"
@@ -51,7 +52,10 @@ infra-down: install
 	$(PY) -m devstack infra-down
 
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not faults_full" $(PYTEST_ARGS)
+
+test-faults: install
+	FLYWHEEL_WRITE_RELIABILITY=1 $(PY) -m pytest tests/faults $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+import shared.service
 from devstack import REPO_ROOT, InfraEndpoints, LocalStack, ensure_up
 
 BENCH_HOME = REPO_ROOT / ".flywheel" / "bench"
@@ -74,13 +75,9 @@ class Spread:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 1]."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    """Linear-interpolated percentile, q in [0, 1]; NaN when empty (a figure with no data)."""
+    value = shared.service.percentile(values, q)
+    return float("nan") if value is None else value
 
 
 # ---- the machine -----------------------------------------------------------------------------

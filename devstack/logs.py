@@ -45,7 +45,11 @@ def rotate(path: Path, max_bytes: int = LOG_MAX_BYTES, backups: int = LOG_BACKUP
 
 
 def rotate_all(logs_dir: Path, max_bytes: int = LOG_MAX_BYTES, backups: int = LOG_BACKUPS) -> list[Path]:
-    """Rotate every ``*.log`` in ``logs_dir`` that is over the cap; return those rotated."""
+    """Rotate every ``*.log`` and ``*.out`` in ``logs_dir`` that is over the cap; return those rotated.
+
+    The services rotate their own ``*.log`` (between lines, at the same cap: ``log.file``), so in
+    practice this acts on the infrastructure's logs and on standard-output files."""
     if not logs_dir.is_dir():
         return []
-    return [path for path in sorted(logs_dir.glob("*.log")) if rotate(path, max_bytes, backups)]
+    paths = sorted([*logs_dir.glob("*.log"), *logs_dir.glob("*.out")])
+    return [path for path in paths if rotate(path, max_bytes, backups)]

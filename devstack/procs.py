@@ -71,6 +71,16 @@ class Proc:
     def log(self) -> Path:
         return self.home / "logs" / f"{self.name}.log"
 
+    @property
+    def out(self) -> Path:
+        """Standard output and error of a process that writes its own log file (the services, with
+        ``FLYWHEEL_LOG_FILE`` = :attr:`log`): start-up lines and a crash's traceback."""
+        return self.home / "logs" / f"{self.name}.out"
+
+    def crash_log(self) -> Path:
+        """Where a crash's last words are: :attr:`out` when the process logs to its own file."""
+        return self.out if self.out.exists() else self.log
+
     def record(self) -> LaunchRecord | None:
         """The launch record while the process is wanted, else None."""
         try:
@@ -104,14 +114,16 @@ class Proc:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.pidfile.parent.mkdir(parents=True, exist_ok=True)
         self.record_path.parent.mkdir(parents=True, exist_ok=True)
-        rotate(self.log, int(StackState(self.home).load().get("log_max_bytes") or LOG_MAX_BYTES))  # unsupervised too
-        with open(self.log, "ab") as log:  # "a": O_APPEND, so a copy-truncate never leaves a hole
+        # A process that writes (and rotates) its own log file gets a separate file for stdout + stderr.
+        stdout = self.out if env is not None and env.get("FLYWHEEL_LOG_FILE") == str(self.log) else self.log
+        rotate(stdout, int(StackState(self.home).load().get("log_max_bytes") or LOG_MAX_BYTES))  # unsupervised too
+        with open(stdout, "ab") as log:  # "a": O_APPEND, so a copy-truncate never leaves a hole
             log.write(f"\n{BANNER} {self.name} at {time.strftime('%Y-%m-%dT%H:%M:%S')}: {' '.join(cmd)}\n".encode())
             log.flush()
             proc = subprocess.Popen(cmd, cwd=cwd, env=None if env is None else dict(env), stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         proc.returncode = 0  # it is meant to outlive us: no "still running" warning at exit
-        record = LaunchRecord(list(cmd), str(cwd), None if env is None else dict(env), str(self.log))
+        record = LaunchRecord(list(cmd), str(cwd), None if env is None else dict(env), str(stdout))
         fd = os.open(self.record_path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:  # 0600: the environment may hold the admin token
             json.dump(asdict(record), fh, indent=1)

@@ -58,6 +58,8 @@ def service_env(
     endpoints: InfraEndpoints,
     admin_token: str,
     overrides: Mapping[str, str],
+    log_max_bytes: int | None = None,
+    log_backups: int | None = None,
 ) -> dict[str, str]:
     """``base`` (os.environ) + endpoints + config, run, store, HTTP, sampler id + ``overrides``.
 
@@ -79,6 +81,13 @@ def service_env(
     if service == "admin":
         env[TOKEN_ENV] = admin_token
     env["PYTHONUNBUFFERED"] = "1"
+    # The service writes its JSON lines to logs/<name>.log itself and rotates it between lines, so no
+    # line (the per-fragment trace) is lost to rotation; stdout/stderr go to logs/<name>.out.
+    env["FLYWHEEL_LOG_FILE"] = str(home / "logs" / f"{proc_key(service, replica)}.log")
+    if log_max_bytes is not None:
+        env["FLYWHEEL_LOG_MAX_BYTES"] = str(log_max_bytes)
+    if log_backups is not None:
+        env["FLYWHEEL_LOG_BACKUPS"] = str(log_backups)
     env.update(overrides)
     env["FLYWHEEL_HOME"] = str(home)
     return env

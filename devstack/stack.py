@@ -20,7 +20,7 @@ from devstack.config import DEFAULT_CONFIG, REPO_ROOT, InfraEndpoints, StackErro
 from devstack.infra import down as infra_down
 from devstack.infra import ensure_up, say
 from devstack.infra import status as infra_status
-from devstack.logs import LOG_MAX_BYTES
+from devstack.logs import LOG_BACKUPS, LOG_MAX_BYTES
 from devstack.procs import (
     Proc,
     ProcStatus,
@@ -151,7 +151,8 @@ class LocalStack:
         """The full environment one service process is started with (see ``services.service_env``)."""
         return service_env(os.environ, service=service, replica=replica, port=self.port(service, replica),
                            home=self.home, config=self.config, run=self.run, store_backend=self.store_backend,
-                           endpoints=self.endpoints(), admin_token=self.admin_token, overrides=self.env)
+                           endpoints=self.endpoints(), admin_token=self.admin_token, overrides=self.env,
+                           log_max_bytes=self.log_max_bytes, log_backups=LOG_BACKUPS)
 
     # ---- one process ---------------------------------------------------------------------
     def pid(self, service: str, replica: int = 0) -> int | None:
@@ -189,10 +190,11 @@ class LocalStack:
             time.sleep(0.1)
             pid = proc.pid()
         if pid is None:
-            raise StackError(f"{proc.name} is not running.\nlast 30 lines of {proc.log}:\n{tail(proc.log)}")
+            raise StackError(f"{proc.name} is not running.\nlast 30 lines of {proc.crash_log()}:\n"
+                             f"{tail(proc.crash_log())}")
         url = f"http://{HOST}:{self.port(service, replica)}/healthz"
         took = wait_until(f"{proc.name} (pid {pid})", lambda left: http_ok(url, min(left, 2.0)), deadline=deadline,
-                          alive=lambda: is_running(pid), log_path=proc.log)
+                          alive=lambda: is_running(pid), log_path=proc.crash_log())
         self._progress(f"{proc.name} healthy (pid {pid}) after {took:.1f} s")
 
     def kill(self, name: str, replica: int = 0, sig: int = signal.SIGKILL) -> None:

@@ -102,7 +102,7 @@ def test_up_status_restart_sampler_down(stack: LocalStack, run_name: str) -> Non
     new_pid = stack.start("sampler", 0)
     assert new_pid != pids["sampler-0"]
     stack.wait_healthy("sampler", 0, timeout_s=60)
-    assert stack.log_path("sampler", 0).read_text().count(BANNER) == 2
+    assert stack.log_path("sampler", 0).with_suffix(".out").read_text().count(BANNER) == 2  # stdout: banners
 
     stack.down(infra=False)
     everything = [*pids.values(), new_pid]

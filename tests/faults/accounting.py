@@ -1,0 +1,177 @@
+"""Account for every record: read the topics back from the broker and the trainer's log lines.
+
+A record of ``<run>.samples`` is *accounted for* when the trainer logged an outcome for it
+(``fragment_trained``, ``fragment_dropped_stale``, ``fragment_dead_lettered``) with its partition,
+offset and sample id. A trainer *run* is one process lifetime (its log starts with
+``config_resolved``). The guarantees checked (docs/reliability.md):
+
+- within one run, no record has two outcomes (so none is trained twice);
+- across runs, a record is trained again only when the later run restored a checkpoint whose
+  offsets precede it (its first training was in no checkpointed model: exactly once in the model);
+- every record below the trainer group's committed offsets has an outcome (nothing skipped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+
+OUTCOMES = {"fragment_trained": "trained", "fragment_dropped_stale": "dropped_stale",
+            "fragment_dead_lettered": "dead_lettered"}
+Key = tuple[int, int]  # (partition, offset)
+
+
+def log_files(path: Path) -> list[Path]:
+    """A log and its rotated copies, oldest first (``x.log.3``, ``x.log.2``, ``x.log.1``, ``x.log``)."""
+    rotated = sorted(path.parent.glob(path.name + ".*"), key=lambda p: -int(p.suffix[1:]) if p.suffix[1:].isdigit()
+                     else 0)
+    return [p for p in rotated if p.suffix[1:].isdigit()] + ([path] if path.exists() else [])
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for f in log_files(path):
+        for line in f.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+    return out
+
+
+def split_runs(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    runs: list[list[dict[str, Any]]] = []
+    for e in events:
+        if e.get("event") == "config_resolved" or not runs:
+            runs.append([])
+        runs[-1].append(e)
+    return runs
+
+
+async def read_topic(bootstrap: str, topic: str, timeout_s: float = 60) -> dict[Key, dict[str, str]]:
+    """(partition, offset) -> headers of every record on ``topic``, from the broker itself."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                                max_partition_fetch_bytes=8 << 20, fetch_max_bytes=64 << 20)
+    await consumer.start()
+    out: dict[Key, dict[str, str]] = {}
+    try:
+        parts = consumer.partitions_for_topic(topic)
+        if not parts:
+            await consumer._client.force_metadata_update()  # noqa: SLF001
+            parts = consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in parts]
+        if not tps:
+            return out
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
+            for tp, recs in (await consumer.getmany(timeout_ms=500)).items():
+                for rec in recs:
+                    out[(tp.partition, rec.offset)] = {k: (v or b"").decode(errors="replace")
+                                                       for k, v in (rec.headers or [])}
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def committed(bootstrap: str, group: str) -> dict[int, int]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(group)
+        return {tp.partition: meta.offset for tp, meta in offsets.items() if meta.offset >= 0}
+    finally:
+        await admin.close()
+
+
+@dataclass
+class Accounting:
+    produced: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    runs: int = 0
+    trained_twice_in_a_run: list[Key] = field(default_factory=list)
+    two_outcomes_in_a_run: list[Key] = field(default_factory=list)
+    retrained_after_restore: int = 0
+    retrained_without_restore: list[Key] = field(default_factory=list)
+    missing: list[Key] = field(default_factory=list)
+    wrong_sample_id: list[Key] = field(default_factory=list)
+    dead_letter_reasons: Counter[str] = field(default_factory=Counter)
+    silent_resets: list[str] = field(default_factory=list)
+
+    def problems(self) -> list[str]:
+        out = []
+        # two_outcomes_in_a_run is not a problem by itself: a record re-delivered in the same run (a commit
+        # lost with a rebalance) is refused as a duplicate; only training it twice would be.
+        for name in ("trained_twice_in_a_run", "retrained_without_restore", "missing", "wrong_sample_id",
+                     "silent_resets"):
+            items = getattr(self, name)
+            if items:
+                out.append(f"{name}: {len(items)}, e.g. {items[:5]}")
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        return {"produced": self.produced, **{k: self.outcomes[k] for k in ("trained", "dropped_stale",
+                                                                              "dead_lettered")},
+                "trainer_runs": self.runs, "retrained_after_restore": self.retrained_after_restore,
+                "trained_twice_in_a_run": len(self.trained_twice_in_a_run), "missing": len(self.missing),
+                "redelivered_in_a_run": len(self.two_outcomes_in_a_run)}
+
+
+def account(produced: dict[Key, dict[str, str]], trainer_log: Path, committed_offsets: dict[int, int]) -> Accounting:
+    acc = Accounting(produced=len(produced))
+    runs = split_runs(read_events(trainer_log))
+    acc.runs = len(runs)
+    trained_before: dict[Key, int] = {}  # key -> run index of its last training
+    seen_any: set[Key] = set()
+    for i, run in enumerate(runs):
+        restored = [e for e in run if e.get("event") == "checkpoint_restored"]
+        offsets = {int(k.rsplit(":", 1)[1]): int(v) for k, v in (restored[0].get("checkpoint_offsets") or {}).items()
+                   } if restored else {}
+        if i > 0 and not restored and any(e.get("event") == "update_done" for e in runs[i - 1]):
+            acc.silent_resets.append(f"run {i} started without restoring a checkpoint after run {i - 1} trained")
+        per_run: Counter[Key] = Counter()
+        trained_in_run: Counter[Key] = Counter()
+        for e in run:
+            kind = OUTCOMES.get(e.get("event", ""))
+            if kind is None or e.get("partition") is None or e.get("offset") is None:
+                continue
+            key = (int(e["partition"]), int(e["offset"]))
+            per_run[key] += 1
+            acc.outcomes[kind] += 1
+            seen_any.add(key)
+            if kind == "dead_lettered":
+                acc.dead_letter_reasons[str(e.get("reason"))] += 1
+            want = produced.get(key, {}).get("sample-id")
+            if want is not None and e.get("sample_id") not in (None, want):
+                acc.wrong_sample_id.append(key)
+            if kind == "trained":
+                trained_in_run[key] += 1
+                if key in trained_before and trained_before[key] < i:
+                    if key[1] >= offsets.get(key[0], 1 << 62):
+                        acc.retrained_after_restore += 1
+                    else:
+                        acc.retrained_without_restore.append(key)
+                trained_before[key] = i
+        acc.two_outcomes_in_a_run += [k for k, n in per_run.items() if n > 1]
+        acc.trained_twice_in_a_run += [k for k, n in trained_in_run.items() if n > 1]
+    for key in produced:
+        p, off = key
+        if off < committed_offsets.get(p, 0) and key not in seen_any:
+            acc.missing.append(key)
+    return acc
+
+
+def account_now(bootstrap: str, topic: str, group: str, trainer_log: Path) -> Accounting:
+    produced = asyncio.run(read_topic(bootstrap, topic))
+    return account(produced, trainer_log, asyncio.run(committed(bootstrap, group)))

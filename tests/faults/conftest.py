@@ -1,0 +1,171 @@
+"""The fault-injection suite's stack: its own Kafka (so a test can kill it), moto S3 behind a proxy
+(so the endpoint can go down while the objects stay), and the four services under the supervisor.
+
+Faults are injected from outside the processes: signals, stopping and restarting Kafka, closing the
+S3 endpoint, another member joining the trainer's consumer group, poison records on the topic. Random
+points come from one seed, logged at the start (``FLYWHEEL_FAULT_SEED=<n>`` replays a run).
+
+``make test`` runs the tests marked ``faults`` only; ``make test-faults`` runs the whole suite
+(``faults_full`` too) and writes ``docs/reliability.md`` from what it measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import devstack
+from devstack import kafka as devkafka
+from shared.kafka import Topics, trainer_group
+from tests.faults.accounting import Accounting, account_now
+from tests.faults.proxy import TcpProxy
+
+KAFKA_PORT, CONTROLLER_PORT, S3_PORT, S3_PROXY_PORT = 19392, 19393, 19300, 19301
+ADMIN_PORT = 18700
+RECOVERY_GOAL_S = 30.0
+LOG_CAP = 256 * 1024
+"""A small log cap, so files rotate during the suite; services keep every backup here (the accounting
+reads all of them), a real stack keeps 3."""
+
+
+@dataclass
+class Row:
+    fault: str
+    outcome: str
+    recover_s: float | None
+    lost: int
+    trained_twice: int
+    restarts: dict[str, int]
+    note: str = ""
+
+
+@dataclass
+class FaultEnv:
+    stack: devstack.LocalStack
+    infra_home: Path
+    proxy: TcpProxy
+    endpoints: devstack.InfraEndpoints
+    run: str
+    seed: int
+    rng: random.Random
+    say: Callable[[str], None]
+    rows: list[Row] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    # ---- reading the stack ----------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        r = httpx.get(f"{self.stack.admin_url}/status", timeout=10)
+        r.raise_for_status()
+        body: dict[str, Any] = r.json()
+        return body
+
+    def published(self) -> int:
+        try:
+            return int(self.status()["policy"]["version"] or -1)
+        except (httpx.HTTPError, KeyError, TypeError, ValueError):
+            return -1
+
+    def wait_version_advances(self, beyond: int, timeout_s: float) -> float:
+        """Seconds until the published version passes ``beyond``; raises on timeout."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.published() > beyond:
+                return time.monotonic() - t0
+            time.sleep(0.5)
+        raise AssertionError(f"the published version did not pass {beyond} within {timeout_s:.0f} s "
+                             f"(trainer log: {self.stack.log_path('trainer')})")
+
+    def restarts(self) -> dict[str, int]:
+        return {k: v for k, v in self.stack.restarts().items() if v}
+
+    def account(self) -> Accounting:
+        topic = Topics.for_run(self.run).samples
+        return account_now(self.endpoints.kafka_bootstrap, topic, trainer_group(self.run),
+                           self.stack.log_path("trainer"))
+
+    def check_accounting(self, fault: str, recover_s: float | None, note: str = "") -> Accounting:
+        acc = self.account()
+        self.say(f"[{fault}] accounting: {acc.summary()}")
+        self.rows.append(Row(fault, "ok" if not acc.problems() else "FAILED", recover_s, len(acc.missing),
+                             len(acc.trained_twice_in_a_run), self.restarts(), note))
+        assert not acc.problems(), acc.problems()
+        return acc
+
+    # ---- faults ---------------------------------------------------------------------------
+    def kafka_pid(self) -> int | None:
+        cfg = devstack.InfraConfig.resolve(self.infra_home, KAFKA_PORT, CONTROLLER_PORT, S3_PORT, None)
+        return devkafka.proc(cfg).pid()
+
+    def kill_kafka(self) -> None:
+        pid = self.kafka_pid()
+        assert pid is not None, "the fault suite's Kafka is not running"
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while self.kafka_pid() is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.say(f"kafka (pid {pid}) killed with SIGKILL")
+
+    def start_kafka(self) -> None:
+        devstack.ensure_up(self.infra_home, kafka_port=KAFKA_PORT, controller_port=CONTROLLER_PORT,
+                           s3_port=S3_PORT, progress=self.say)
+
+
+@pytest.fixture(scope="session")
+def fault_env(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[FaultEnv]:
+    seed = int(os.environ.get("FLYWHEEL_FAULT_SEED") or random.SystemRandom().randrange(1 << 31))
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+
+    def say(msg: str) -> None:
+        line = f"[faults {time.strftime('%H:%M:%S')}] {msg}"
+        if reporter is not None:
+            reporter.write_line(line)
+        else:
+            print(line)  # noqa: T201
+
+    say(f"seed {seed} (replay with FLYWHEEL_FAULT_SEED={seed})")
+    root = tmp_path_factory.mktemp("faults")
+    infra_home = root / "infra"
+    ep = devstack.ensure_up(infra_home, kafka_port=KAFKA_PORT, controller_port=CONTROLLER_PORT, s3_port=S3_PORT,
+                            progress=say)
+    proxy = TcpProxy(S3_PROXY_PORT, "127.0.0.1", S3_PORT)
+    proxy.up()
+    endpoints = devstack.InfraEndpoints(kafka_bootstrap=ep.kafka_bootstrap, s3_endpoint=proxy.endpoint,
+                                        bucket=ep.bucket, access_key=ep.access_key, secret_key=ep.secret_key,
+                                        region=ep.region)
+    run = f"faults-{seed}"
+    stack = devstack.LocalStack(
+        root / "stack", run=run, infra=endpoints, store_backend="s3", admin_port=ADMIN_PORT,
+        trainer_port=ADMIN_PORT + 1, paramsync_port=ADMIN_PORT + 2, sampler_base_port=ADMIN_PORT + 10,
+        env={"FLYWHEEL_TRAINER_CHECKPOINT_EVERY": "10", "FLYWHEEL_TRAINER_SEED": str(seed % 1000),
+             "FLYWHEEL_SAMPLER_SEED": str(seed % 1000), "FLYWHEEL_LOG_BACKUPS": "1000"},
+        log_max_bytes=LOG_CAP, progress=say)
+    env = FaultEnv(stack, infra_home, proxy, endpoints, run, seed, random.Random(seed), say)
+    try:
+        stack.up(samplers=2, prometheus=False, timeout_s=180)
+        env.wait_version_advances(3, timeout_s=120)  # training runs
+        yield env
+    finally:
+        try:
+            stack.down(infra=False)
+        finally:
+            proxy.close()
+            devstack.down(infra_home, progress=say)
+            if os.environ.get("FLYWHEEL_WRITE_RELIABILITY") == "1" and env.rows:
+                from tests.faults.report import write_reliability
+
+                path = write_reliability(env.rows, seed)
+                say(f"wrote {path}")
+
+
+def run_async(coro: Any) -> Any:
+    return asyncio.run(coro)

@@ -1,0 +1,111 @@
+"""Writes docs/reliability.md from what the fault suite measured (``make test-faults``)."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.faults.conftest import Row
+
+REPO = Path(__file__).resolve().parents[2]
+
+GUARANTEES = """\
+## What Flywheel guarantees, and where it ends
+
+- **No service exits on a transient fault.** Kafka and object-store operations are retried with
+  capped exponential backoff and jitter (`shared/retry.py`, tenacity; at most 10 s between tries),
+  the service reports itself `degraded` with the reason (`/healthz`, `/status` → `services`,
+  `flywheel_service_degraded`) and resumes by itself when the dependency is back. A fatal error (a
+  bug, a refused authorisation, a configuration error) stops the process with a non-zero status
+  and the reason in its last log line.
+- **The local stack restarts what dies** (`python -m devstack supervise`, started by `make up`):
+  capped exponential backoff with jitter, restarts counted (`python -m devstack status`). Compose
+  does the same with `restart: unless-stopped`. Admin's `/status` counts restarts it sees in the
+  heartbeats (`services.<name>.restarts`).
+- **Every record has exactly one outcome per trainer run**: trained, dropped as stale (at batch
+  time, against the older of the trainer's version and the newest published one), or
+  dead-lettered to `<run>.samples.dlq` with a `dlq-reason` header (undecodable, bad dtype or
+  shape, non-finite, out of range, bad header, env mismatch, future version, duplicate sample id,
+  oversize). Offsets are committed only after the outcome, and only for partitions the trainer owns.
+- **No record is trained twice within a trainer run** (sample ids are de-duplicated over the last
+  200,000; a revoke waits for the update in progress and commits it before the partitions go).
+- **Exactly-once model state across crashes**: a checkpoint stores the offsets its model reflects,
+  and a restarted trainer seeks to them, so what was trained after the last checkpoint (and lost
+  with the crash) is trained again, once. Checkpoint blobs are content-addressed; restore falls
+  back to the previous good checkpoint; an unreachable store is retried, never taken for "no
+  checkpoint"; with checkpoints present but none usable the trainer refuses to start unless
+  `trainer.fresh_start=true`.
+- **A non-finite loss or gradient is refused** (the step is skipped and counted, the weights and
+  optimizer state are kept).
+- **Training cannot stall silently**: a candidate not published within
+  `trainer.candidate_resend_s` is re-sent; paramsync re-announces the published version every
+  `paramsync.reannounce_interval_s`; records arriving with no update for `trainer.stall_after_s`
+  set `trainer.stalled` in `/status` with the reason, trigger a re-send, and fire
+  `FlywheelTrainingStalled` if that did not help within 2 minutes.
+
+Where it ends:
+
+- **One trainer.** Exactly-once model state assumes a single trainer process owns the run's
+  checkpoints; a second trainer in the group is handled (rebalances are safe, nothing is trained
+  by both) but two trainers would each checkpoint their own share.
+- **Records re-read after a crash may be dropped as stale.** They are re-processed from the
+  checkpoint's offsets, but against the current published version; those older than
+  `max_staleness` are dropped (counted), not trained. Checkpoint more often
+  (`trainer.checkpoint_every`) to shorten that window.
+- **Fragments a sampler could not send are gone** (`flywheel_sampler_send_errors_total`, logged with
+  their sample id): they never reached Kafka, so no consumer can account for them.
+- **Kafka's own durability** is the broker's: the local stack and compose run one broker with
+  replication factor 1, so a lost disk loses the topics. Use a real cluster with
+  `kafka.replication_factor: 3` for that.
+- **Log lines**: services rotate their log files by size between lines (`log.file`,
+  `log.max_bytes`, `log.backups`); lines older than the kept backups are gone, and with them the
+  trace of those samples.
+"""
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
+def write_reliability(rows: list[Row], seed: int, path: Path | None = None) -> Path:
+    path = path or REPO / "docs" / "reliability.md"
+    lines = [
+        "# Reliability: faults injected into the real stack",
+        "",
+        "Written by the fault-injection suite (`make test-faults`, `tests/faults/`); do not edit by hand.",
+        f"Last run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"commit `{_git('rev-parse', '--short', 'HEAD')}`"
+        f"{' (with uncommitted changes)' if _git('status', '--porcelain') else ''}, seed {seed} "
+        f"(replay: `FLYWHEEL_FAULT_SEED={seed} make test-faults`), {platform.node()} "
+        f"({platform.machine()}, Python {platform.python_version()}).",
+        "",
+        "The stack: its own Kafka broker (KRaft, killed and restarted by the suite), moto S3 behind a TCP proxy",
+        "(the endpoint goes down, the objects stay), trainer, paramsync, admin and 2 samplers under the",
+        "local stack's supervisor. Faults come from outside the processes. After each, every record on",
+        "`<run>.samples` is read back from the broker and matched with the trainer's outcome log lines",
+        "(`tests/faults/accounting.py`).",
+        "",
+        "| fault | outcome | time to recover (s) | records lost | trained twice in a run | restarts so far | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        restarts = ", ".join(f"{k} {v}" for k, v in sorted(r.restarts.items())) or "none"
+        rec = "-" if r.recover_s is None else f"{r.recover_s:.1f}"
+        lines.append(f"| {r.fault} | {r.outcome} | {rec} | {r.lost} | {r.trained_twice} | {restarts} | {r.note} |")
+    lines += [
+        "",
+        "*Time to recover*: for a kill, from the kill until the policy version advances again (worst of",
+        "the kills); for an outage, from the dependency's return until the policy version advances.",
+        "*Records lost*: records below the trainer group's committed offsets with no outcome.",
+        "",
+        GUARANTEES,
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
