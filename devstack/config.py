@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +30,14 @@ TEST_S3_PORT = 19000
 S3_ACCESS_KEY = "testing"
 S3_SECRET_KEY = "testing"
 S3_REGION = "us-east-1"
+
+# The SCRAM user of the optional SASL_PLAINTEXT listener (InfraConfig.kafka_sasl_port), created when the
+# broker's storage is formatted. Development credentials, like the S3 ones above; the PLAINTEXT listener
+# stays open beside it, so this listener is for exercising authentication, not for keeping anyone out.
+KAFKA_SASL_MECHANISM = "SCRAM-SHA-512"
+KAFKA_SASL_USERNAME = "flywheel"
+KAFKA_SASL_PASSWORD = "flywheel-dev-scram-secret"
+_SCRAM_SAFE = re.compile(r"[A-Za-z0-9._@-]+")  # no ',', '=', ']', quotes: kafka-storage --add-scram's syntax
 
 HEALTHCHECK_TOPIC = "_flywheel_healthcheck"
 HEALTHCHECK_KEY = "_flywheel_healthcheck"
@@ -57,6 +66,10 @@ class InfraEndpoints:
     access_key: str = S3_ACCESS_KEY
     secret_key: str = S3_SECRET_KEY
     region: str = S3_REGION
+    kafka_sasl_bootstrap: str | None = None
+    """The broker's SASL_PLAINTEXT listener (SCRAM-SHA-512), when it has one; not in :meth:`as_env`."""
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: str | None = field(default=None, repr=False)
 
     def as_env(self) -> dict[str, str]:
         """The environment variables that point Flywheel's services at these endpoints."""
@@ -67,6 +80,18 @@ class InfraEndpoints:
             "AWS_ACCESS_KEY_ID": self.access_key,
             "AWS_SECRET_ACCESS_KEY": self.secret_key,
             "AWS_DEFAULT_REGION": self.region,
+        }
+
+    def kafka_sasl_env(self) -> dict[str, str]:
+        """The FLYWHEEL_KAFKA_* variables that point Flywheel's clients at the SASL listener (SCRAM-SHA-512)."""
+        if self.kafka_sasl_bootstrap is None or self.kafka_sasl_username is None or self.kafka_sasl_password is None:
+            raise StackError("this broker has no SASL listener (start it with kafka_sasl_port)")
+        return {
+            "FLYWHEEL_KAFKA_BOOTSTRAP": self.kafka_sasl_bootstrap,
+            "FLYWHEEL_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+            "FLYWHEEL_KAFKA_SASL_MECHANISM": KAFKA_SASL_MECHANISM,
+            "FLYWHEEL_KAFKA_SASL_USERNAME": self.kafka_sasl_username,
+            "FLYWHEEL_KAFKA_SASL_PASSWORD": self.kafka_sasl_password,
         }
 
 
@@ -89,6 +114,10 @@ class InfraConfig:
     controller_port: int
     s3_port: int
     bucket: str
+    kafka_sasl_port: int | None = None
+    """An extra SASL_PLAINTEXT listener (SCRAM-SHA-512) on this port; None (the default): PLAINTEXT only."""
+    kafka_sasl_username: str = KAFKA_SASL_USERNAME
+    kafka_sasl_password: str = field(default=KAFKA_SASL_PASSWORD, repr=False)
 
     @classmethod
     def resolve(
@@ -98,8 +127,13 @@ class InfraConfig:
         controller_port: int | None = None,
         s3_port: int | None = None,
         bucket: str | None = None,
+        *,
+        kafka_sasl_port: int | None = None,
     ) -> InfraConfig:
-        """Explicit arguments win, then FLYWHEEL_INFRA_*_PORT / FLYWHEEL_HOME, then defaults."""
+        """Explicit arguments win, then FLYWHEEL_INFRA_*_PORT / FLYWHEEL_HOME, then defaults.
+
+        The SASL listener is off unless ``kafka_sasl_port`` is given (no environment variable turns it on).
+        """
         cfg = cls(
             home=Path(home).expanduser().resolve() if home else default_home(),
             kafka_port=kafka_port or _env_port("FLYWHEEL_INFRA_KAFKA_PORT", DEFAULT_KAFKA_PORT),
@@ -107,19 +141,25 @@ class InfraConfig:
             or _env_port("FLYWHEEL_INFRA_CONTROLLER_PORT", DEFAULT_CONTROLLER_PORT),
             s3_port=s3_port or _env_port("FLYWHEEL_INFRA_S3_PORT", DEFAULT_S3_PORT),
             bucket=bucket or DEFAULT_BUCKET,
+            kafka_sasl_port=kafka_sasl_port,
         )
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
         ports = {"kafka": self.kafka_port, "controller": self.controller_port, "s3": self.s3_port}
+        if self.kafka_sasl_port is not None:
+            ports["kafka sasl"] = self.kafka_sasl_port
         for name, port in ports.items():
             if not 1 <= port <= 65535:
                 raise StackError(f"{name} port {port} is outside 1..65535")
         if len(set(ports.values())) != len(ports):
-            raise StackError(f"the kafka, controller and s3 ports must differ, got {ports}")
+            raise StackError(f"the {', '.join(ports)} ports must differ, got {ports}")
         if not (3 <= len(self.bucket) <= 63) or self.bucket != self.bucket.lower():
             raise StackError(f"bucket name {self.bucket!r} is not a valid S3 bucket name")
+        for what, value in (("user name", self.kafka_sasl_username), ("password", self.kafka_sasl_password)):
+            if not _SCRAM_SAFE.fullmatch(value):
+                raise StackError(f"the Kafka SASL {what} may hold only letters, digits and . _ @ -")
 
     @property
     def kafka_dir(self) -> Path:
@@ -143,10 +183,14 @@ class InfraConfig:
 
     @property
     def endpoints(self) -> InfraEndpoints:
+        sasl = self.kafka_sasl_port is not None
         return InfraEndpoints(
             kafka_bootstrap=f"127.0.0.1:{self.kafka_port}",
             s3_endpoint=f"http://127.0.0.1:{self.s3_port}",
             bucket=self.bucket,
+            kafka_sasl_bootstrap=f"127.0.0.1:{self.kafka_sasl_port}" if sasl else None,
+            kafka_sasl_username=self.kafka_sasl_username if sasl else None,
+            kafka_sasl_password=self.kafka_sasl_password if sasl else None,
         )
 
 

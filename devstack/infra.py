@@ -29,6 +29,7 @@ def ensure_up(
     controller_port: int | None = None,
     s3_port: int | None = None,
     bucket: str | None = None,
+    kafka_sasl_port: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: Progress = say,
 ) -> InfraEndpoints:
@@ -36,9 +37,11 @@ def ensure_up(
 
     Idempotent: what runs is reused (``Proc.pid`` checks it is what we started). Kafka's data
     survives ``down``/``up``. Writes ``<home>/infra.env``. Raises StackError with the reason (and a
-    log tail) when anything fails or ``timeout_s`` passes while waiting.
+    log tail) when anything fails or ``timeout_s`` passes while waiting. ``kafka_sasl_port`` adds a
+    SASL_PLAINTEXT listener (SCRAM-SHA-512, user created when the storage is formatted, so use a fresh
+    home); the endpoints then carry its address and credentials (``InfraEndpoints.kafka_sasl_env``).
     """
-    cfg = InfraConfig.resolve(home, kafka_port, controller_port, s3_port, bucket)
+    cfg = InfraConfig.resolve(home, kafka_port, controller_port, s3_port, bucket, kafka_sasl_port=kafka_sasl_port)
     cfg.home.mkdir(parents=True, exist_ok=True)
     with file_lock(cfg.home / ".infra.lock"):
         started = time.monotonic()
@@ -50,6 +53,8 @@ def ensure_up(
             require_free("kafka; see --kafka-port, FLYWHEEL_INFRA_KAFKA_PORT", cfg.kafka_port, cfg.home)
             require_free("kafka controller; see --controller-port, FLYWHEEL_INFRA_CONTROLLER_PORT",
                          cfg.controller_port, cfg.home)
+            if cfg.kafka_sasl_port is not None:
+                require_free("kafka SASL listener (kafka_sasl_port)", cfg.kafka_sasl_port, cfg.home)
         if s3_pid is not None:
             s3.check_port(cfg, s3_pid)
         else:
@@ -82,6 +87,14 @@ def ensure_up(
                           deadline=deadline, alive=lambda: is_running(pid_kafka), log_path=kproc.log,
                           progress=progress)
         progress(f"Kafka ready at {ep.kafka_bootstrap} after {took:.1f} s")
+        if ep.kafka_sasl_bootstrap is not None:
+            sasl_bootstrap, security = ep.kafka_sasl_bootstrap, kafka.sasl_security(cfg)
+            took = wait_until(f"Kafka SASL listener at {sasl_bootstrap}",
+                              lambda left: run_coro(kafka.roundtrip(sasl_bootstrap, min(left, 30.0), security)),
+                              deadline=deadline, alive=lambda: is_running(pid_kafka), log_path=kproc.log,
+                              progress=progress)
+            progress(f"Kafka SASL_PLAINTEXT ({cfg.kafka_sasl_username}, SCRAM-SHA-512) ready at {sasl_bootstrap} "
+                     f"after {took:.1f} s")
         write_env_file(cfg.env_file, ep)
         progress(f"Kafka + S3 up in {time.monotonic() - started:.1f} s; endpoints in {cfg.env_file}")
         return ep

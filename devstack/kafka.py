@@ -8,13 +8,17 @@ import subprocess
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from devstack.config import HEALTHCHECK_TOPIC, KAFKA_LOG4J2, InfraConfig, StackError
+from devstack.config import HEALTHCHECK_TOPIC, KAFKA_LOG4J2, KAFKA_SASL_MECHANISM, InfraConfig, StackError
 from devstack.procs import Proc, read_cmdline, tail
 
 NAME = "kafka"
 HEAP_OPTS = ["-Xms256m", "-Xmx768m"]
 _PORTS_FLAG = "-Dflywheel.infra.ports="
+_SASL_PORT_FLAG = "-Dflywheel.infra.sasl_port="
+SCRAM_USERS_FILE = "scram-users"
+"""Beside the data dir: the SCRAM users added when the storage was formatted (names only)."""
 
 
 def proc(cfg: InfraConfig) -> Proc:
@@ -30,19 +34,46 @@ def running_ports(args: list[str]) -> tuple[int, int] | None:
     return None
 
 
+def running_sasl_port(args: list[str]) -> int | None:
+    """The SASL listener's port recorded on a running broker's command line (None: it has none)."""
+    for arg in args:
+        if arg.startswith(_SASL_PORT_FLAG):
+            return int(arg[len(_SASL_PORT_FLAG) :])
+    return None
+
+
 def server_properties(cfg: InfraConfig) -> str:
-    port, cport = cfg.kafka_port, cfg.controller_port
+    """The broker's configuration: PLAINTEXT for clients and the controller; with ``cfg.kafka_sasl_port`` also a
+    SASL_PLAINTEXT listener for clients that authenticates with SCRAM-SHA-512 (users in the cluster metadata,
+    added at format time; see :func:`prepare`). Inter-broker and controller traffic stay PLAINTEXT."""
+    port, cport, sport = cfg.kafka_port, cfg.controller_port, cfg.kafka_sasl_port
+    listeners = f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{cport}"
+    advertised = f"PLAINTEXT://127.0.0.1:{port}"
+    protocols = "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
+    sasl = ""
+    if sport is not None:
+        listeners += f",SASL_PLAINTEXT://127.0.0.1:{sport}"
+        advertised += f",SASL_PLAINTEXT://127.0.0.1:{sport}"
+        protocols += ",SASL_PLAINTEXT:SASL_PLAINTEXT"
+        mech = KAFKA_SASL_MECHANISM.lower()
+        # The server side of SCRAM needs a JAAS entry without options: credentials live in the cluster metadata.
+        sasl = f"""\
+# SASL_PLAINTEXT listener (devstack kafka_sasl_port): SCRAM users are created by `kafka-storage format --add-scram`.
+sasl.enabled.mechanisms={KAFKA_SASL_MECHANISM}
+listener.name.sasl_plaintext.sasl.enabled.mechanisms={KAFKA_SASL_MECHANISM}
+listener.name.sasl_plaintext.{mech}.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+"""
     return f"""\
 # Written by `python -m devstack infra-up` / `up`; regenerated on every start. Single-node KRaft on 127.0.0.1.
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@127.0.0.1:{cport}
-listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{cport}
-advertised.listeners=PLAINTEXT://127.0.0.1:{port}
+listeners={listeners}
+advertised.listeners={advertised}
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
-log.dirs={cfg.kafka_data_dir}
+listener.security.protocol.map={protocols}
+{sasl}log.dirs={cfg.kafka_data_dir}
 num.partitions=1
 default.replication.factor=1
 min.insync.replicas=1
@@ -73,18 +104,33 @@ def prepare(cfg: InfraConfig, java: str, libs: Path, progress: Callable[[str], N
     cfg.kafka_dir.mkdir(parents=True, exist_ok=True)
     cfg.logs_dir.mkdir(parents=True, exist_ok=True)
     cfg.kafka_properties.write_text(server_properties(cfg))
+    users_file = cfg.kafka_dir / SCRAM_USERS_FILE
     if (cfg.kafka_data_dir / "meta.properties").is_file():
+        if cfg.kafka_sasl_port is not None:
+            users = users_file.read_text().split() if users_file.is_file() else []
+            if cfg.kafka_sasl_username not in users:
+                raise StackError(
+                    f"the Kafka storage in {cfg.kafka_data_dir} was formatted without the SCRAM user "
+                    f"{cfg.kafka_sasl_username!r} (users are added at format time): use another home for a SASL "
+                    "broker, or stop this one and delete its data dir"
+                )
         return
     cluster_id = _new_cluster_id()
     progress(f"formatting Kafka storage in {cfg.kafka_data_dir} (cluster id {cluster_id})")
     cmd = [java, "-cp", f"{libs}/*", f"-Dlog4j2.configurationFile={KAFKA_LOG4J2}", "kafka.tools.StorageTool",
            "format", "-t", cluster_id, "-c", str(cfg.kafka_properties)]
+    shown = list(cmd)
+    if cfg.kafka_sasl_port is not None:
+        scram = f"{KAFKA_SASL_MECHANISM}=[name={cfg.kafka_sasl_username},password={cfg.kafka_sasl_password}]"
+        cmd += ["--add-scram", scram]
+        shown += ["--add-scram", f"{KAFKA_SASL_MECHANISM}=[name={cfg.kafka_sasl_username},password=***]"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     log = proc(cfg).log
     with open(log, "a") as fh:
-        fh.write(f"\n===== devstack: {' '.join(cmd)}\n{out.stdout}{out.stderr}")
+        fh.write(f"\n===== devstack: {' '.join(shown)}\n{out.stdout}{out.stderr}")
     if out.returncode != 0:
         raise StackError(f"formatting Kafka storage failed (exit {out.returncode}); last lines of {log}:\n{tail(log)}")
+    users_file.write_text(f"{cfg.kafka_sasl_username}\n" if cfg.kafka_sasl_port is not None else "")
 
 
 def command(cfg: InfraConfig, java: str, libs: Path) -> list[str]:
@@ -96,6 +142,7 @@ def command(cfg: InfraConfig, java: str, libs: Path) -> list[str]:
         "-XX:+ExitOnOutOfMemoryError",
         "-Djava.awt.headless=true",
         f"{_PORTS_FLAG}{cfg.kafka_port},{cfg.controller_port}",
+        *([f"{_SASL_PORT_FLAG}{cfg.kafka_sasl_port}"] if cfg.kafka_sasl_port is not None else []),
         f"-Dlog4j2.configurationFile={KAFKA_LOG4J2}",
         f"-Dkafka.logs.dir={cfg.logs_dir}",
         "-cp",
@@ -107,23 +154,35 @@ def command(cfg: InfraConfig, java: str, libs: Path) -> list[str]:
 
 def check_ports(cfg: InfraConfig, pid: int) -> None:
     """A reused broker must listen where this call expects it."""
-    ports = running_ports(read_cmdline(pid) or [])
-    if ports != (cfg.kafka_port, cfg.controller_port):
+    args = read_cmdline(pid) or []
+    ports, sasl_port = running_ports(args), running_sasl_port(args)
+    if ports != (cfg.kafka_port, cfg.controller_port) or sasl_port != cfg.kafka_sasl_port:
         raise StackError(
-            f"our Kafka in {cfg.home} (pid {pid}) already runs with (broker, controller) ports {ports}, not "
-            f"{(cfg.kafka_port, cfg.controller_port)}; run `python -m devstack infra-down --home {cfg.home}` "
-            "first or use the same ports"
+            f"our Kafka in {cfg.home} (pid {pid}) already runs with (broker, controller) ports {ports} and SASL "
+            f"port {sasl_port}, not {(cfg.kafka_port, cfg.controller_port)} and {cfg.kafka_sasl_port}; run "
+            f"`python -m devstack infra-down --home {cfg.home}` first or use the same ports"
         )
 
 
-async def roundtrip(bootstrap: str, timeout_s: float) -> None:
-    """Create the health-check topic if needed, produce one record, consume it back and commit it."""
+def sasl_security(cfg: InfraConfig) -> dict[str, Any]:
+    """aiokafka's keyword arguments for the SASL listener (what shared.kafka.client_security gives for it)."""
+    return {"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": KAFKA_SASL_MECHANISM,
+            "sasl_plain_username": cfg.kafka_sasl_username, "sasl_plain_password": cfg.kafka_sasl_password}
+
+
+async def roundtrip(bootstrap: str, timeout_s: float, security: dict[str, Any] | None = None) -> None:
+    """Create the health-check topic if needed, produce one record, consume it back and commit it.
+
+    ``security``: aiokafka's security keyword arguments (e.g. :func:`sasl_security`); none: PLAINTEXT.
+    """
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import TopicAlreadyExistsError, for_code
 
+    sec = security or {}
+
     async def _run() -> None:
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000, **sec)
         await admin.start()
         try:
             topic = NewTopic(HEALTHCHECK_TOPIC, 1, 1, topic_configs={"retention.ms": "3600000"})
@@ -135,7 +194,7 @@ async def roundtrip(bootstrap: str, timeout_s: float) -> None:
             await admin.close()
         payload = uuid.uuid4().hex.encode()
         producer = AIOKafkaProducer(
-            bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, request_timeout_ms=5000
+            bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, request_timeout_ms=5000, **sec
         )
         await producer.start()
         try:
@@ -148,6 +207,7 @@ async def roundtrip(bootstrap: str, timeout_s: float) -> None:
             group_id=HEALTHCHECK_TOPIC,
             enable_auto_commit=False,
             request_timeout_ms=5000,
+            **sec,
         )
         await consumer.start()
         try:

@@ -1,21 +1,25 @@
 """Kafka plumbing: a run's topics, the idempotent producer, the manual-commit consumer, lag.
 
-Topics are prefixed by the run name so several runs share one cluster (DESIGN.md).
+Topics are prefixed by the run name so several runs share one cluster (DESIGN.md). Every client is made
+here, with the security settings of :func:`client_security` (TLS, SASL; docs/security.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.conn import collect_hosts, create_conn
+from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+from aiokafka.helpers import create_ssl_context
 
 from shared.logging import get_logger
-from shared.settings import Settings
+from shared.settings import SASL_PROTOCOLS, SSL_PROTOCOLS, Settings
 
 log = get_logger(component="kafka")
 
@@ -46,6 +50,55 @@ def trainer_group(run: str) -> str:
     return f"{run}.trainer"
 
 
+def client_security(settings: Settings) -> dict[str, Any]:
+    """The security keyword arguments of every aiokafka client (producer, consumer, admin), from settings.
+
+    ``PLAINTEXT`` gives ``{"security_protocol": "PLAINTEXT"}``; the ``SASL_*`` protocols add the mechanism,
+    user and password; ``SSL`` and ``SASL_SSL`` add an ``ssl_context`` built by aiokafka's
+    ``create_ssl_context`` (host names verified; ``kafka.ssl_cafile`` or the system CAs; the client
+    certificate when ``kafka.ssl_certfile`` is set). The result holds the password in clear: pass it to
+    a client, never log it.
+    """
+    k = settings.kafka
+    out: dict[str, Any] = {"security_protocol": k.security_protocol}
+    if k.security_protocol in SASL_PROTOCOLS:
+        assert k.sasl_username is not None and k.sasl_password is not None  # KafkaSettings validated both
+        out["sasl_mechanism"] = k.sasl_mechanism
+        out["sasl_plain_username"] = k.sasl_username
+        out["sasl_plain_password"] = k.sasl_password.get_secret_value()
+    if k.security_protocol in SSL_PROTOCOLS:
+        out["ssl_context"] = create_ssl_context(cafile=k.ssl_cafile, certfile=k.ssl_certfile, keyfile=k.ssl_keyfile)
+    return out
+
+
+async def check_credentials(settings: Settings, timeout_s: float = 10.0) -> None:
+    """Connect to a bootstrap server, authenticate (TLS handshake, SASL), disconnect.
+
+    A client's ``start()`` reports a rejected password as ``KafkaConnectionError("Unable to bootstrap
+    ...")``: it looks like a broker that is down, and is retried as one. This raises the broker's answer
+    instead (``SaslAuthenticationFailed``, ``UnsupportedSaslMechanismError``, an ``ssl.SSLError``), so
+    a start-up check can fail fast and say why. ``KafkaConnectionError`` when no bootstrap server can be
+    reached at all; ``TimeoutError`` after ``timeout_s``.
+    """
+    security = client_security(settings)
+
+    async def _check() -> None:
+        last: BaseException | None = None
+        for host, port, _family in collect_hosts(settings.kafka.bootstrap, randomize=False):
+            try:
+                conn = await create_conn(host, port, request_timeout_ms=settings.kafka.request_timeout_ms, **security)
+            except ssl.SSLError:
+                raise  # the TLS handshake failed: an answer, not an unreachable server
+            except (OSError, TimeoutError) as exc:  # unreachable: try the next server
+                last = exc
+                continue
+            conn.close()
+            return
+        raise KafkaConnectionError(f"no bootstrap server of {settings.kafka.bootstrap!r} could be reached: {last!r}")
+
+    await asyncio.wait_for(_check(), timeout_s)
+
+
 def topic_specs(settings: Settings) -> list[NewTopic]:
     """Partitions and configs of every run topic, from settings."""
     k = settings.kafka
@@ -66,7 +119,7 @@ def topic_specs(settings: Settings) -> list[NewTopic]:
 async def ensure_topics(settings: Settings) -> Topics:
     """Create the run's topics if absent (idempotent; safe when several services race)."""
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap,
-                                request_timeout_ms=settings.kafka.request_timeout_ms)
+                                request_timeout_ms=settings.kafka.request_timeout_ms, **client_security(settings))
     await admin.start()
     try:
         existing = set(await admin.list_topics())
@@ -93,6 +146,7 @@ def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
         "max_request_size": k.max_message_bytes + 64 * 1024,
         "request_timeout_ms": k.request_timeout_ms,
         "linger_ms": 2,
+        **client_security(settings),
     }
     kwargs.update(overrides)
     return AIOKafkaProducer(**kwargs)
@@ -114,6 +168,7 @@ def make_consumer(settings: Settings, *topics: str, group_id: str | None, **over
         "session_timeout_ms": 6_000,
         "heartbeat_interval_ms": 2_000,
         "max_poll_interval_ms": 300_000,
+        **client_security(settings),
     }
     kwargs.update(overrides)
     return AIOKafkaConsumer(*topics, **kwargs)
@@ -151,9 +206,10 @@ class LagProbe:
 
     def __init__(self, settings: Settings) -> None:
         k = settings.kafka
-        self._admin = AIOKafkaAdminClient(bootstrap_servers=k.bootstrap, request_timeout_ms=k.request_timeout_ms)
+        self._admin = AIOKafkaAdminClient(bootstrap_servers=k.bootstrap, request_timeout_ms=k.request_timeout_ms,
+                                          **client_security(settings))
         self._probe = AIOKafkaConsumer(bootstrap_servers=k.bootstrap, enable_auto_commit=False,
-                                       request_timeout_ms=k.request_timeout_ms)
+                                       request_timeout_ms=k.request_timeout_ms, **client_security(settings))
 
     async def start(self) -> None:
         await self._admin.start()

@@ -19,7 +19,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 ENV_PREFIX = "FLYWHEEL_"
 # Variables with the prefix that are not settings fields.
@@ -33,6 +42,10 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+SASL_PROTOCOLS = ("SASL_PLAINTEXT", "SASL_SSL")
+SSL_PROTOCOLS = ("SSL", "SASL_SSL")
 
 
 class KafkaSettings(_Section):
@@ -54,6 +67,62 @@ class KafkaSettings(_Section):
     """Largest fragment accepted (also ``max.message.bytes`` of the samples topic)."""
     request_timeout_ms: int = Field(30_000, ge=1000)
     """Client request timeout."""
+    sasl_mechanism: Literal["SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN"] = "SCRAM-SHA-512"
+    """SASL mechanism of the ``SASL_*`` protocols (the SCRAM ones never send the password). ``PLAIN`` sends the
+    password itself: use it over ``SASL_SSL`` only."""
+    sasl_username: str | None = Field(None, min_length=1)
+    """SASL user (required by the ``SASL_*`` protocols)."""
+    sasl_password: SecretStr | None = None
+    """SASL password (required by the ``SASL_*`` protocols). A secret: set it from the environment only
+    (``FLYWHEEL_KAFKA_SASL_PASSWORD``), never in a file under ``configs/``; masked in the logged config."""
+    ssl_cafile: Path | None = None
+    """PEM file of the CA(s) that signed the brokers' certificates (``SSL``, ``SASL_SSL``); unset: the
+    system's trusted CAs. Broker host names are always verified."""
+    ssl_certfile: Path | None = None
+    """PEM file of this client's certificate chain, for brokers that require client authentication (mTLS)."""
+    ssl_keyfile: Path | None = None
+    """PEM file of the private key of ``ssl_certfile`` (unset: the key is in ``ssl_certfile``)."""
+    # Declared after the fields it governs: its validator checks them against it. A model validator would
+    # do too, but its error would echo the whole section, password included, in the start-up error.
+    security_protocol: Literal["PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL", "SSL"] = Field(
+        "PLAINTEXT", validate_default=True)
+    """How every client talks to the brokers: ``PLAINTEXT`` (no TLS, no authentication), ``SASL_PLAINTEXT``
+    (SASL authentication, no TLS), ``SASL_SSL`` (both) or ``SSL`` (TLS, optionally with a client certificate).
+    The brokers must offer a listener of that protocol at ``bootstrap`` (docs/security.md)."""
+
+    @field_validator("security_protocol")
+    @classmethod
+    def _security_is_consistent(cls, protocol: str, info: ValidationInfo) -> str:
+        given = info.data  # the fields above that validated (a failed one has its own error)
+        if protocol in SASL_PROTOCOLS:
+            if "sasl_username" in given and given["sasl_username"] is None:
+                raise ValueError(f"kafka.sasl_username is required when kafka.security_protocol={protocol!r}")
+            password = given.get("sasl_password")
+            if "sasl_password" in given and (password is None or not password.get_secret_value()):
+                raise ValueError(f"kafka.sasl_password is required when kafka.security_protocol={protocol!r} "
+                                 "(set FLYWHEEL_KAFKA_SASL_PASSWORD)")
+        else:
+            for name in ("sasl_username", "sasl_password"):
+                if given.get(name) is not None:
+                    raise ValueError(f"kafka.{name} is set but kafka.security_protocol={protocol!r} does not use "
+                                     f"SASL (use SASL_PLAINTEXT or SASL_SSL, or unset kafka.{name})")
+        files: dict[str, Path | None] = {n: given.get(n) for n in ("ssl_cafile", "ssl_certfile", "ssl_keyfile")}
+        if protocol in SSL_PROTOCOLS:
+            for name, path in files.items():
+                if path is None:
+                    continue
+                if not path.is_file():
+                    raise ValueError(f"kafka.{name} does not exist or is not a file: {str(path)!r}")
+                if not os.access(path, os.R_OK):
+                    raise ValueError(f"kafka.{name} is not readable by this process: {str(path)!r}")
+            if files["ssl_keyfile"] is not None and files["ssl_certfile"] is None:
+                raise ValueError("kafka.ssl_keyfile is set without kafka.ssl_certfile (the certificate it belongs to)")
+        else:
+            for name, path in files.items():
+                if path is not None:
+                    raise ValueError(f"kafka.{name} is set but kafka.security_protocol={protocol!r} does not use "
+                                     f"TLS (use SSL or SASL_SSL, or unset kafka.{name})")
+        return protocol
 
 
 class StoreSettings(_Section):
