@@ -55,7 +55,7 @@ test: install
 	$(PY) -m pytest -m "not faults_full" $(PYTEST_ARGS)
 
 test-faults: install
-	FLYWHEEL_WRITE_RELIABILITY=1 $(PY) -m pytest tests/faults $(PYTEST_ARGS)
+	FAULT_REPORT=1 $(PY) -m pytest tests/faults $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -131,6 +131,7 @@ async def serve(svc: Service, settings: Settings, app: Any | None = None) -> Non
     http_task = asyncio.create_task(server.serve(sockets=[sock]))
     log.info("http_listening", host=settings.http.host, port=sock.getsockname()[1])
     try:
+        await check_kafka_credentials(settings)
         await svc.start()
         await svc.run(stop_event)
     finally:
@@ -141,6 +142,22 @@ async def serve(svc: Service, settings: Settings, app: Any | None = None) -> Non
             server.should_exit = True
             await http_task
     log.info("stopped")
+
+
+async def check_kafka_credentials(settings: Settings) -> None:
+    """With SASL or TLS configured, fail at start-up on refused credentials (a wrong password would
+    otherwise look like a broker outage and be retried for ever). An unreachable broker is not an
+    error here: the service starts degraded and retries like for any outage."""
+    if settings.kafka.security_protocol == "PLAINTEXT":
+        return
+    from aiokafka.errors import KafkaConnectionError
+
+    from shared.kafka import check_credentials
+
+    try:
+        await check_credentials(settings)
+    except (KafkaConnectionError, TimeoutError) as exc:
+        get_logger().warning("kafka_unreachable_at_start", error=f"{type(exc).__name__}: {exc}"[:300])
 
 
 class RateMeter:

@@ -369,7 +369,15 @@ def _format_validation(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration ({source}):"]
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "<root>"
-        lines.append(f"  {field}: {e['msg']} (got {e.get('input')!r})")
+        value = e.get("input")
+        # Never echo a secret, nor a whole section (it may hold one): the field name says enough.
+        if any(word in field for word in ("password", "token", "secret")):
+            shown = "<hidden>"
+        elif isinstance(value, (dict, list)):
+            shown = f"<{type(value).__name__}>"
+        else:
+            shown = repr(value)
+        lines.append(f"  {field}: {e['msg']} (got {shown})")
     return "\n".join(lines)
 
 

@@ -96,7 +96,7 @@ class Sampler:
         self._wanted_version: int | None = None
         self._rejected_version: int | None = None  # the last version whose weights were refused
         self._sync_requested = False
-        self._last_marker_poll = 0.0
+        self._wanted_trigger = "announce"
         self._last_beat = 0.0
         self._pending: set[asyncio.Future[Any]] = set()
         self._labels = {"sampler": self.id}
@@ -170,6 +170,7 @@ class Sampler:
         if self._tasks:
             return
         self._tasks.append(asyncio.create_task(self._read_inbox(), name=f"sampler-inbox-{self.id}"))
+        self._tasks.append(asyncio.create_task(self._poll_marker(), name=f"sampler-marker-{self.id}"))
         if self.lag_probe is not None:
             self._tasks.append(asyncio.create_task(self._watch_backlog(self.lag_probe),
                                                    name=f"sampler-backlog-{self.id}"))
@@ -309,19 +310,36 @@ class Sampler:
                     self._handle_inbox(rec.topic, rec.key, rec.value)
 
     async def _refresh_policy(self) -> None:
-        """Between fragments: adopt when something newer was announced, a sync command came, or
-        the marker poll is due."""
-        now = time.monotonic()
+        """Between fragments: adopt when something newer was announced (or found behind the marker by
+        :meth:`_poll_marker`), or a sync command came."""
         current = self.worker.policy_version
         if self._sync_requested:
             self._sync_requested = False
             await self._adopt_latest("control")
         elif self._wanted_version is not None and (current is None or self._wanted_version > current) \
                 and self._wanted_version != self._rejected_version:
-            await self._adopt_latest("announce")
-        elif now - self._last_marker_poll >= self.settings.sampler.sync_interval_s:
-            self._last_marker_poll = now
-            await self._adopt_latest("poll")
+            await self._adopt_latest(self._wanted_trigger)
+
+    async def _poll_marker(self) -> None:
+        """Background: read the marker every ``sync_interval_s`` (covers lost announcements). A store
+        that is down costs this task its retries, never the loop: the sampler keeps producing with the
+        policy it has, degraded, and catches up when the store answers again."""
+        while True:
+            await asyncio.sleep(self.settings.sampler.sync_interval_s)
+            try:
+                marker = await asyncio.to_thread(self.policies.read_marker)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                self.health_state.degraded("store", f"marker read failed: {describe(exc)}")
+                continue
+            self.health_state.recovered("store")
+            if marker is not None and (self._wanted_version is None or marker[0].version > self._wanted_version):
+                self._wanted_version = marker[0].version
+                self._wanted_trigger = "poll"
+                self._wake.set()
 
     def _handle_inbox(self, topic: str, key: bytes | None, value: bytes | None) -> None:
         try:
@@ -332,8 +350,9 @@ class Sampler:
                 self.log.info("control_received", command=cmd.command, request_id=cmd.request_id)
             elif topic == self.topics.policy and value is not None:
                 msg = PolicyMessage.model_validate_json(value)
-                if msg.type == "announce":
-                    self._wanted_version = max(self._wanted_version or -1, msg.version)
+                if msg.type == "announce" and msg.version > (self._wanted_version or -1):
+                    self._wanted_version = msg.version
+                    self._wanted_trigger = "announce"
                     self._wake.set()
         except ValueError as exc:
             self.log.warning("inbox_message_ignored", topic=topic, reason=str(exc)[:200])

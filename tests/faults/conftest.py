@@ -3,7 +3,7 @@
 
 Faults are injected from outside the processes: signals, stopping and restarting Kafka, closing the
 S3 endpoint, another member joining the trainer's consumer group, poison records on the topic. Random
-points come from one seed, logged at the start (``FLYWHEEL_FAULT_SEED=<n>`` replays a run).
+points come from one seed, logged at the start (``FAULT_SEED=<n>`` replays a run).
 
 ``make test`` runs the tests marked ``faults`` only; ``make test-faults`` runs the whole suite
 (``faults_full`` too) and writes ``docs/reliability.md`` from what it measured.
@@ -122,7 +122,7 @@ class FaultEnv:
 
 @pytest.fixture(scope="session")
 def fault_env(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[FaultEnv]:
-    seed = int(os.environ.get("FLYWHEEL_FAULT_SEED") or random.SystemRandom().randrange(1 << 31))
+    seed = int(os.environ.get("FAULT_SEED") or random.SystemRandom().randrange(1 << 31))
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
 
     def say(msg: str) -> None:
@@ -132,7 +132,7 @@ def fault_env(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
         else:
             print(line)  # noqa: T201
 
-    say(f"seed {seed} (replay with FLYWHEEL_FAULT_SEED={seed})")
+    say(f"seed {seed} (replay with FAULT_SEED={seed})")
     root = tmp_path_factory.mktemp("faults")
     infra_home = root / "infra"
     ep = devstack.ensure_up(infra_home, kafka_port=KAFKA_PORT, controller_port=CONTROLLER_PORT, s3_port=S3_PORT,
@@ -160,7 +160,7 @@ def fault_env(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
         finally:
             proxy.close()
             devstack.down(infra_home, progress=say)
-            if os.environ.get("FLYWHEEL_WRITE_RELIABILITY") == "1" and env.rows:
+            if os.environ.get("FAULT_REPORT") == "1" and env.rows:
                 from tests.faults.report import write_reliability
 
                 path = write_reliability(env.rows, seed)

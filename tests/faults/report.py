@@ -83,7 +83,7 @@ def write_reliability(rows: list[Row], seed: int, path: Path | None = None) -> P
         f"Last run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"commit `{_git('rev-parse', '--short', 'HEAD')}`"
         f"{' (with uncommitted changes)' if _git('status', '--porcelain') else ''}, seed {seed} "
-        f"(replay: `FLYWHEEL_FAULT_SEED={seed} make test-faults`), {platform.node()} "
+        f"(replay: `FAULT_SEED={seed} make test-faults`), {platform.node()} "
         f"({platform.machine()}, Python {platform.python_version()}).",
         "",
         "The stack: its own Kafka broker (KRaft, killed and restarted by the suite), moto S3 behind a TCP proxy",

@@ -81,3 +81,14 @@ def test_secret_is_redacted() -> None:
     s = load_settings(None, environ={"FLYWHEEL_ADMIN_TOKEN": "sekrit"})
     assert s.admin.token is not None and s.admin.token.get_secret_value() == "sekrit"
     assert "sekrit" not in str(s.redacted())
+
+
+def test_config_errors_never_echo_secrets() -> None:
+    env = {"FLYWHEEL_ADMIN_TOKEN": "s3cr3t-token-value-0123456789abcdef", "FLYWHEEL_TRAINER_MINIBATCHES": "100000",
+           "FLYWHEEL_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT", "FLYWHEEL_KAFKA_SASL_USERNAME": "u",
+           "FLYWHEEL_KAFKA_SASL_PASSWORD": "hunter2-password"}
+    with pytest.raises(ConfigError) as err:
+        load_settings(None, environ=env)
+    text = str(err.value)
+    assert "trainer.minibatches" in text or "minibatches" in text
+    assert "hunter2-password" not in text and "s3cr3t-token-value" not in text
