@@ -76,11 +76,11 @@ class RestartPolicy:
     Invariant: a process is restarted only after it was seen dead and not held, ``wait(attempt)``
     seconds after that (``attempt`` 1, 2, ... counts restarts since it last stayed up
     ``reset_after_s``); a held process is never restarted, and its release starts a new wait.
-    ``wait`` is a tenacity wait strategy (default ``wait_exponential_jitter(initial=1, max=30)``).
+    ``wait`` is a tenacity wait strategy (default ``wait_exponential_jitter(multiplier=1, max=30)``).
     """
 
     def __init__(self, wait: wait_base | None = None, reset_after_s: float = RESET_AFTER_S) -> None:
-        self.wait = wait or wait_exponential_jitter(initial=1, max=30)
+        self.wait = wait or wait_exponential_jitter(multiplier=1, max=30)
         self.reset_after_s = reset_after_s
         self._tracks: dict[str, _Track] = {}
 

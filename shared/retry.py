@@ -123,7 +123,7 @@ async def retry_transient(
 
     retrying = AsyncRetrying(
         retry=retry_if_exception(is_transient),
-        wait=wait_exponential_jitter(initial=BACKOFF_INITIAL_S, max=max_wait_s, jitter=BACKOFF_INITIAL_S),
+        wait=wait_exponential_jitter(multiplier=BACKOFF_INITIAL_S, max=max_wait_s, jitter=BACKOFF_INITIAL_S),
         stop=stopping,
         before_sleep=before_sleep,
         reraise=True,

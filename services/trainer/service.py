@@ -25,14 +25,14 @@ from typing import Any, TypeVar
 
 from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError, RebalanceInProgressError
-from aiokafka.structs import ConsumerRecord
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.trainer.intake import Batch, Intake, Pending, StallWatch
 from services.trainer.learner import Learner
 from services.trainer.ledger import OffsetLedger
+from shared.bus import Bus, Record, kafka_bus
 from shared.fragment import FragmentError, decode_fragment, header_dict
-from shared.kafka import CommitOnRevoke, Topics, ensure_topics, make_consumer, make_producer, trainer_group
+from shared.kafka import Topics, ensure_topics, trainer_group
 from shared.logging import fragment_fields, get_logger
 from shared.marker import BadPayload, VersionedStore, VersionRecord
 from shared.messages import KEY_CANDIDATE, PolicyMessage, SamplerBeat, TrainerBeat, parse_heartbeat
@@ -77,7 +77,7 @@ POLICY_REFRESH_S = 5.0
 class Trainer:
     name = "trainer"
 
-    def __init__(self, settings: Settings, trainer_id: str | None = None) -> None:
+    def __init__(self, settings: Settings, trainer_id: str | None = None, bus: Bus | None = None) -> None:
         self.settings = settings
         self.cfg = settings.trainer
         self.id = trainer_id or f"trainer-{socket.gethostname()}-{os.getpid()}"
@@ -89,10 +89,11 @@ class Trainer:
         store = open_store(settings)
         self.policies = VersionedStore(store, settings.run, "policy")
         self.checkpoints = VersionedStore(store, settings.run, "checkpoints")
-        self.producer = make_producer(settings)
-        self.consumer = make_consumer(settings, group_id=trainer_group(settings.run),
-                                      group_instance_id=self.cfg.group_instance_id)
-        self.announcements = make_consumer(settings, group_id=None)
+        self._on_kafka = bus is None  # else an in-memory bus (unit tests): no topics to create
+        bus = bus or kafka_bus(settings, trainer_group(settings.run), self.cfg.group_instance_id)
+        self.producer = bus.publisher
+        self.source = bus.source
+        self.announcements = bus.tail(self.topics.policy)
         self.sync = settings.mode == "sync"
         self.intake = Intake(max_staleness=self.cfg.max_staleness, batch_fragments=self.cfg.batch_fragments,
                              batch_timeout_s=self.cfg.batch_timeout_s, sync=self.sync)
@@ -117,7 +118,7 @@ class Trainer:
         self._candidate: tuple[PolicyMessage, float] | None = None  # the newest sent, and when
         self._stalled_logged = False
         # Synchronous baseline (mode: sync): one fragment of the current version from every live sampler.
-        self._beats = make_consumer(settings, group_id=None) if self.sync else None
+        self._beats = bus.tail(self.topics.heartbeats) if self.sync else None
         self._sampler_seen: dict[str, float] = {}
         self._after_update: asyncio.Task[None] | None = None  # the last update's commit + publish
         self._commit_lock = asyncio.Lock()
@@ -135,7 +136,8 @@ class Trainer:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        await self._retry(lambda: ensure_topics(self.settings), "create topics", "kafka")
+        if self._on_kafka:
+            await self._retry(lambda: ensure_topics(self.settings), "create topics", "kafka")
         await self._restore()
         await self._retry(self.producer.start, "start producer", "kafka")
         marker = await self._retry(lambda: asyncio.to_thread(self.policies.read_marker), "read policy marker", "store")
@@ -144,17 +146,11 @@ class Trainer:
             await self._publish(c.policy_version, self.learner.weights(), c.updates, required=True)  # version 0
         else:
             self.intake.saw_published(marker[0].version)
-        await self._retry(self.consumer.start, "start consumer", "kafka")
-        self.consumer.subscribe([self.topics.samples], listener=CommitOnRevoke(self._on_revoke, self._on_assign))
+        await self._retry(self.source.start, "start consumer", "kafka")
+        self.source.subscribe(self.topics.samples, self._on_revoke, self._on_assign)
         await self._retry(self.announcements.start, "start announcement reader", "kafka")
-        tp = TopicPartition(self.topics.policy, 0)
-        self.announcements.assign([tp])
-        await self.announcements.seek_to_end(tp)
         if self._beats is not None:
             await self._retry(self._beats.start, "start heartbeat reader", "kafka")
-            tp = TopicPartition(self.topics.heartbeats, 0)
-            self._beats.assign([tp])
-            await self._beats.seek_to_end(tp)
         self._started = True
 
     async def run(self, stop_event: asyncio.Event) -> None:
@@ -183,7 +179,7 @@ class Trainer:
     async def _poll_once(self) -> None:
         want = self.cfg.poll_max_records if self.sync else min(self.cfg.poll_max_records, self.intake.wants())
         try:
-            polled = await self.consumer.getmany(timeout_ms=20 if self.sync else 200, max_records=want)
+            polled = await self.source.poll(max_records=want, timeout_ms=20 if self.sync else 200)
         except KafkaError as exc:
             if not is_transient(exc):
                 raise
@@ -193,7 +189,7 @@ class Trainer:
             return
         for tp, records in polled.items():
             for rec in records:
-                if tp not in self.consumer.assignment():  # revoked while an earlier record was handled
+                if tp not in self.source.assignment():  # revoked while an earlier record was handled
                     self.log.info("revoked_records_skipped", partition=tp.partition, from_offset=rec.offset)
                     break
                 await self._intake(tp, rec)
@@ -205,14 +201,13 @@ class Trainer:
 
     async def _poll_live_samplers(self) -> None:
         assert self._beats is not None
-        for records in (await self._beats.getmany(timeout_ms=0)).values():
-            for rec in records:
-                try:
-                    beat = parse_heartbeat(rec.value or b"")
-                except ValueError:
-                    continue
-                if isinstance(beat, SamplerBeat):
-                    self._sampler_seen[beat.id] = time.monotonic()
+        for rec in await self._beats.poll(timeout_ms=0):
+            try:
+                beat = parse_heartbeat(rec.value or b"")
+            except ValueError:
+                continue
+            if isinstance(beat, SamplerBeat):
+                self._sampler_seen[beat.id] = time.monotonic()
         timeout = self.settings.paramsync.sampler_timeout_s
         now = time.monotonic()
         for sid in [s for s, seen in self._sampler_seen.items() if now - seen > 10 * timeout]:
@@ -237,7 +232,7 @@ class Trainer:
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            clients: list[Any] = [self.consumer, self.announcements, self.producer]
+            clients: list[Any] = [self.source, self.announcements, self.producer]
             if self._beats is not None:
                 clients.append(self._beats)
             for client in clients:  # bounded: a broker that is down must not hang SIGTERM
@@ -253,7 +248,7 @@ class Trainer:
                 **self.health_state.as_dict(), "stalled": None if stall is None else stall.reason}
 
     # ---- intake: every record gets exactly one outcome ------------------------------------
-    async def _intake(self, tp: TopicPartition, rec: ConsumerRecord[Any, Any]) -> None:
+    async def _intake(self, tp: TopicPartition, rec: Record) -> None:
         CONSUMED.inc()
         now = time.monotonic()
         self.stall.note("consumed", now)
@@ -282,7 +277,7 @@ class Trainer:
                           max_staleness=self.intake.max_staleness, reference_version=self.intake.reference,
                           **fragment_fields(f.sample_id, f.sampler_id, f.policy_version, p.tp.partition, p.offset))
 
-    async def _dead_letter(self, tp: TopicPartition, rec: ConsumerRecord[Any, Any], reason: str, error: str) -> None:
+    async def _dead_letter(self, tp: TopicPartition, rec: Record, reason: str, error: str) -> None:
         h = header_dict(rec.headers)
         headers = list(rec.headers or []) + [
             ("dlq-reason", reason.encode()),
@@ -294,7 +289,7 @@ class Trainer:
         await self._retry(lambda: self.producer.send_and_wait(self.topics.dlq, rec.value, key=rec.key,
                                                               headers=headers),
                           "dead-letter send", "kafka", timeout_s=self._kafka_timeout())
-        if tp not in self.consumer.assignment():  # revoked meanwhile: the new owner handles it (again)
+        if tp not in self.source.assignment():  # revoked meanwhile: the new owner handles it (again)
             return
         self.ledger.consumed(tp, rec.offset, pending=False)
         DEAD.labels(reason=reason).inc()
@@ -354,21 +349,29 @@ class Trainer:
             candidate = (c.policy_version + 1, self.learner.weights(), c.updates)  # as of this update
             c.policy_version += 1  # the model is at that version now
             self.intake.model_version = c.policy_version
+        # A fresh run checkpoints its first update before committing anything, so no record ever counts as
+        # consumed while its gradient is in no checkpoint; then every checkpoint_every updates.
+        first = self._last_checkpoint is None
+        if first:
+            await self._try_checkpoint()
         self._after_update = asyncio.create_task(self._commit_and_publish(candidate), name="trainer-commit-publish")
-        # A fresh run checkpoints after its first update, so a crash never leaves records committed
-        # whose gradients are in no checkpoint; then every checkpoint_every updates.
-        if self._checkpoint_due or c.updates % self.cfg.checkpoint_every == 0 or self._last_checkpoint is None:
+        if not first and (self._checkpoint_due or c.updates % self.cfg.checkpoint_every == 0):
             await self._settle()
-            try:
-                await self._checkpoint()
-                self._checkpoint_due = False
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                self._checkpoint_due = True  # try again after the next update; the previous one stays valid
-                DEFERRED.labels(what="checkpoint").inc()
-                self.health_state.degraded("store", f"checkpoint failed: {describe(exc)}")
-                self.log.warning("checkpoint_deferred", update=c.updates, error=describe(exc))
+            await self._try_checkpoint()
+
+    async def _try_checkpoint(self) -> None:
+        """A checkpoint now; a transient store fault defers it to the next update (the previous one stays
+        valid, and restarts resume from its offsets)."""
+        try:
+            await self._checkpoint()
+            self._checkpoint_due = False
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            self._checkpoint_due = True
+            DEFERRED.labels(what="checkpoint").inc()
+            self.health_state.degraded("store", f"checkpoint failed: {describe(exc)}")
+            self.log.warning("checkpoint_deferred", update=self.learner.counters.updates, error=describe(exc))
 
     async def _commit_and_publish(self, candidate: tuple[int, bytes, int] | None) -> None:
         await self._commit()
@@ -386,15 +389,17 @@ class Trainer:
         moved, timeout, connection) or a rebalance in progress is logged and left for the next commit,
         which carries the same offsets (commits are cumulative): not committing only means re-delivery
         after a crash, never loss. Restarts resume from the checkpoint's offsets anyway."""
+        if self._last_checkpoint is None and self.learner.counters.updates:
+            return  # a fresh run commits nothing until its first checkpoint holds what it trained
         async with self._commit_lock:  # in order: a later commit never lands before an earlier one
-            owned = self.consumer.assignment()
+            owned = self.source.assignment()
             offsets = {tp: off for tp, off in self.ledger.committable().items() if tp in owned}
             if not offsets:
                 return
             try:
                 # aiokafka retries retriable errors itself, without end: bound the wait, so an unreachable
                 # coordinator delays commits (logged, counted) instead of stalling updates and stop.
-                await asyncio.wait_for(self.consumer.commit(offsets), self._kafka_timeout())
+                await asyncio.wait_for(self.source.commit(offsets), self._kafka_timeout())
             except (KafkaError, TimeoutError) as exc:
                 retriable = isinstance(exc, (TimeoutError, CommitFailedError, RebalanceInProgressError)) or bool(
                     getattr(exc, "retriable", False))
@@ -435,7 +440,7 @@ class Trainer:
         for tp in assigned:
             off = self._resume.pop(f"{tp.topic}:{tp.partition}", None)
             if off is not None:
-                self.consumer.seek(tp, off)
+                self.source.seek(tp, off)
                 self.log.info("resumed_from_checkpoint_offset", partition=tp.partition, offset=off)
         if not self._resume:
             self._resume = None
@@ -445,21 +450,20 @@ class Trainer:
         """Background: the newest published version, from paramsync's announcements."""
         while True:
             try:
-                polled = await self.announcements.getmany(timeout_ms=1000)
+                records = await self.announcements.poll(timeout_ms=1000)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self.log.warning("announcement_read_failed", error=describe(exc))
                 await asyncio.sleep(1.0)
                 continue
-            for records in polled.values():
-                for rec in records:
-                    try:
-                        msg = PolicyMessage.model_validate_json(rec.value or b"")
-                    except ValueError:
-                        continue
-                    if msg.type == "announce":
-                        self.intake.saw_published(msg.version)
+            for rec in records:
+                try:
+                    msg = PolicyMessage.model_validate_json(rec.value or b"")
+                except ValueError:
+                    continue
+                if msg.type == "announce":
+                    self.intake.saw_published(msg.version)
 
     async def _liveness(self) -> None:
         """Re-read the marker now and then; re-send a candidate paramsync has not published; report a stall."""
@@ -568,11 +572,11 @@ class Trainer:
         """What the model reflects, per partition: the ledger's position where it consumed, else the
         consumer's position (nothing consumed there since the assignment)."""
         offsets = self.ledger.snapshot()
-        for tp in self.consumer.assignment():
+        for tp in self.source.assignment():
             key = f"{tp.topic}:{tp.partition}"
             if key not in offsets:
                 try:
-                    offsets[key] = await asyncio.wait_for(self.consumer.position(tp), 5)
+                    offsets[key] = await asyncio.wait_for(self.source.position(tp), 5)
                 except Exception as exc:
                     self.log.debug("position_unknown", partition=tp.partition, error=describe(exc))
         if self._resume:  # partitions not assigned yet since the restore keep the restored offsets

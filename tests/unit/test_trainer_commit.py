@@ -31,7 +31,7 @@ class CommitTwin:
 
 def _trainer(tmp_path: Path, twin: Any) -> Trainer:
     t = Trainer(Settings(run="r", store=StoreSettings(backend="local", local_root=tmp_path)))
-    t.consumer = twin
+    t.source = twin
     for offset in range(3):
         t.ledger.consumed(TP, offset, pending=True)
         t.ledger.finished(TP, offset)

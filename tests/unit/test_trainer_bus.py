@@ -1,0 +1,197 @@
+"""The trainer service on the in-memory bus: its reaction to rebalances mid-batch, re-deliveries,
+failing commits and stalls, without a broker. (Kafka's own semantics are proven in
+tests/integration and tests/faults against a real one.)"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.errors import CommitFailedError
+
+from services.trainer.service import Trainer
+from shared.bus import MemoryBus, Record
+from shared.fragment import Fragment, encode_fragment
+from shared.kafka import Topics
+from shared.marker import VersionRecord
+from shared.messages import KEY_ANNOUNCE, PolicyMessage
+from shared.settings import Settings, StoreSettings, TrainerSettings
+
+RUN = "r"
+T = Topics.for_run(RUN)
+TP0, TP1 = TopicPartition(T.samples, 0), TopicPartition(T.samples, 1)
+
+
+def fragment(version: int = 0, sample_id: str | None = None) -> tuple[list[tuple[str, bytes]], bytes]:
+    t, n = 4, 2
+    f = Fragment(obs=np.zeros((t, n, 4), np.float32), actions=np.zeros((t, n), np.int64),
+                 logp=np.full((t, n), -0.69, np.float32), rewards=np.ones((t, n), np.float32),
+                 terminated=np.zeros((t, n), np.uint8), truncated=np.zeros((t, n), np.uint8),
+                 trunc_obs=np.zeros((0, 4), np.float32), last_obs=np.zeros((n, 4), np.float32),
+                 episode_returns=np.zeros(0, np.float32), episode_lengths=np.zeros(0, np.int32),
+                 policy_version=version, sampler_id="s0", env_id="CartPole-v1",
+                 sample_id=sample_id or uuid.uuid4().hex)
+    return encode_fragment(f)
+
+
+def make(tmp_path: Path, **trainer: Any) -> tuple[Trainer, MemoryBus]:
+    mem = MemoryBus()
+    mem.create(T.samples, 2)
+    cfg = {"batch_fragments": 2, "minibatches": 2, "epochs": 1, "checkpoint_every": 1000, "batch_timeout_s": 0.2,
+           **trainer}
+    settings = Settings(run=RUN, store=StoreSettings(backend="local", local_root=tmp_path),
+                        trainer=TrainerSettings(**cfg))
+    return Trainer(settings, trainer_id="t", bus=mem.bus()), mem
+
+
+def put(mem: MemoryBus, tp: TopicPartition, n: int = 1, version: int = 0, value: bytes | None = None) -> None:
+    for _ in range(n):
+        headers, payload = fragment(version)
+        mem.append(tp.topic, payload if value is None else value, headers=headers, partition=tp.partition)
+
+
+async def run_until(t: Trainer, done: Callable[[], bool], timeout_s: float = 30) -> None:
+    stop = asyncio.Event()
+    await t.start()
+    task = asyncio.create_task(t.run(stop))
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not done():
+                if task.done():
+                    task.result()  # the trainer died: raise its error
+                await asyncio.sleep(0.01)
+    finally:
+        stop.set()
+        await task
+        await t.stop()
+
+
+def trained(t: Trainer) -> int:
+    return t.learner.counters.fragments_trained
+
+
+def dlq_reasons(mem: MemoryBus) -> list[str]:
+    return [dict(r.headers)["dlq-reason"].decode() for r in mem.records(T.dlq)]
+
+
+async def test_trains_then_commits_only_what_was_trained(tmp_path: Path) -> None:
+    t, mem = make(tmp_path)
+    put(mem, TP0, 3)
+    put(mem, TP1, 3)
+    await run_until(t, lambda: trained(t) == 6 and mem.committed.get(TP0) == 3 and mem.committed.get(TP1) == 3)
+    # A fresh run checkpoints before its first commit: nothing counts as consumed without being in a checkpoint.
+    marker = t.checkpoints.read_marker()
+    assert marker is not None and marker[0].version >= 1
+
+
+async def test_revoke_during_a_dead_letter_send_drops_the_rest_of_the_poll(tmp_path: Path) -> None:
+    t, mem = make(tmp_path, batch_fragments=8, batch_timeout_s=0.1)
+    put(mem, TP0, 1, value=b"not safetensors")  # poison first: its dead-letter send is where the revoke lands
+    put(mem, TP0, 2)
+    put(mem, TP1, 2)
+    source: Any = t.source
+
+    async def revoke_tp1(topic: str, rec: Record) -> None:
+        if topic == T.dlq and TP1 in source.owned:
+            await source.rebalance({TP0})
+
+    mem.send_hooks.append(revoke_tp1)
+    await run_until(t, lambda: trained(t) == 2 and mem.committed.get(TP0) == 3)
+    # The polled records of the revoked partition were neither trained nor committed by this member
+    # (committing a partition it does not own raises IllegalStateError, which would have stopped it).
+    assert TP1 not in mem.committed
+    assert trained(t) == 2 and dlq_reasons(mem) == ["undecodable"]
+
+
+async def test_revoke_while_an_update_runs_commits_that_update_first(tmp_path: Path) -> None:
+    t, mem = make(tmp_path)
+    put(mem, TP0, 2)
+    source: Any = t.source
+    in_update, release = threading.Event(), threading.Event()
+    real_update = t.learner.update
+
+    def slow_update(frags: list[Fragment]) -> Any:
+        in_update.set()
+        release.wait(10)
+        return real_update(frags)
+
+    t.learner.update = slow_update  # type: ignore[method-assign]
+    revoked: list[dict[TopicPartition, int]] = []
+
+    async def driver() -> None:
+        await asyncio.to_thread(in_update.wait, 10)
+        rebalance = asyncio.create_task(source.rebalance(set()))  # lose everything mid-update
+        await asyncio.sleep(0.1)
+        assert not rebalance.done(), "the revoke did not wait for the update in progress"
+        release.set()
+        await rebalance
+        revoked.append(dict(mem.committed))
+
+    drive = asyncio.create_task(driver())
+    await run_until(t, lambda: drive.done())
+    await drive
+    assert revoked == [{TP0: 2}]  # committed before the partition went: nobody trains them again
+    assert trained(t) == 2
+
+
+async def test_redelivered_records_are_not_trained_twice(tmp_path: Path) -> None:
+    t, mem = make(tmp_path)
+    put(mem, TP0, 2)
+    source: Any = t.source
+    # Every commit fails (e.g. a coordinator that keeps moving): after a revoke and a re-assignment the
+    # same records come again from the last committed offset.
+    mem.commit_errors.extend(CommitFailedError("rebalanced") for _ in range(1000))
+
+    async def driver() -> None:
+        while trained(t) < 2:
+            await asyncio.sleep(0.01)
+        await source.rebalance(set())
+        await source.rebalance({TP0, TP1})
+
+    drive = asyncio.create_task(driver())
+    await run_until(t, lambda: drive.done() and dlq_reasons(mem).count("duplicate") == 2)
+    assert trained(t) == 2
+
+
+async def test_a_stall_is_reported_and_the_candidate_resent(tmp_path: Path) -> None:
+    t, mem = make(tmp_path, stall_after_s=0.3, max_staleness=2)
+
+    async def feed_stale() -> None:
+        while True:
+            put(mem, TP0, 1, version=0)
+            await asyncio.sleep(0.05)
+
+    feeder: asyncio.Task[None] | None = None
+
+    def stalled_and_resent() -> bool:
+        nonlocal feeder
+        if feeder is None and t._started:
+            # Published and trained far beyond what the samplers still send.
+            t.learner.counters.policy_version = t.intake.model_version = 20
+            rec = VersionRecord(version=20, blob="b", sha256="0" * 64, size=1, trainer_step=20)
+            mem.append(T.policy, PolicyMessage.of("announce", rec).to_bytes(), key=KEY_ANNOUNCE)
+            feeder = asyncio.get_event_loop().create_task(feed_stale())
+        return t.health()["stalled"] is not None and t.candidates_resent >= 1
+
+    try:
+        await run_until(t, stalled_and_resent)
+    finally:
+        if feeder is not None:
+            feeder.cancel()
+    assert "dropped as stale" in t.health()["stalled"]
+    assert trained(t) == 0 and t.dropped > 0
+
+
+@pytest.mark.parametrize("error", [CommitFailedError("moved")])
+async def test_a_failing_commit_never_stops_training(tmp_path: Path, error: Exception) -> None:
+    t, mem = make(tmp_path)
+    mem.commit_errors.extend([error, error])
+    put(mem, TP0, 4)
+    await run_until(t, lambda: trained(t) == 4 and mem.committed.get(TP0) == 4)
