@@ -1,10 +1,19 @@
-"""``flywheel``: the operator's command line, speaking to the admin API.
+"""``flywheel``: the operator's command line, speaking to the admin API (docs/api.md).
 
-    flywheel status [--json]        what the run is doing, in words
-    flywheel sync [--wait 2]        ask every sampler to load the latest policy now
+    flywheel status [--watch [S]] [--json]     what the run is doing, in words
+    flywheel sync [--wait S]                   every sampler loads the latest policy now
+    flywheel pause [ID] / resume [ID]          stop / restart producing (all samplers, or one)
+    flywheel versions / rollback V             published policies; republish V's weights
+    flywheel config get|set K=V ...|history|revert R
+    flywheel audit [--limit N]                 operator and automatic actions
+    flywheel trace SAMPLE_ID [FILE|-] [--logs DIR]   one sample's way, from the JSON logs
 
 The API address comes from ``--url`` or ``$FLYWHEEL_ADMIN_URL`` (default http://127.0.0.1:8080);
-the token from ``--token``, ``$FLYWHEEL_ADMIN_TOKEN`` or the local stack's ``.flywheel/admin-token``.
+the token from ``--token``, ``$FLYWHEEL_ADMIN_TOKEN`` or the local stack's ``admin-token``
+(``$FLYWHEEL_HOME``, else ``./.flywheel`` or ``<repo>/.flywheel``). Exit status: 0 done; 1 the API
+refused (its reason is printed), ``sync`` did not get there in time, or ``trace`` found nothing;
+2 the API cannot be reached, or a usage error. Output is plain text when not on a terminal, and a
+closed pipe (``flywheel status | head -1``) ends it quietly.
 """
 
 from __future__ import annotations
@@ -14,12 +23,41 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from services.admin import trace
+from services.admin.cli_format import (
+    Style,
+    render_audit,
+    render_config,
+    render_config_change,
+    render_config_history,
+    render_pause,
+    render_rollback,
+    render_status,
+    render_sync,
+    render_trace,
+    render_versions,
+)
+
+__all__ = ["main", "render_status"]
+
 DEFAULT_URL = "http://127.0.0.1:8080"
+REPO = Path(__file__).resolve().parents[2]
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a process killed by SIGPIPE (128 + 13)
+
+
+# ---- where things are --------------------------------------------------------------------------
+def flywheel_home() -> Path:
+    """``$FLYWHEEL_HOME``, else ``./.flywheel`` when it exists, else ``<repo>/.flywheel``."""
+    if os.environ.get("FLYWHEEL_HOME"):
+        return Path(os.environ["FLYWHEEL_HOME"]).expanduser()
+    local = Path(".flywheel")
+    return local if local.is_dir() else REPO / ".flywheel"
 
 
 def _token(arg: str | None) -> str | None:
@@ -27,73 +65,298 @@ def _token(arg: str | None) -> str | None:
         return arg
     if os.environ.get("FLYWHEEL_ADMIN_TOKEN"):
         return os.environ["FLYWHEEL_ADMIN_TOKEN"]
-    path = Path(os.environ.get("FLYWHEEL_HOME", ".flywheel")) / "admin-token"
-    return path.read_text().strip() if path.is_file() else None
-
-
-def _ago(ts: float | None) -> str:
-    if ts is None:
-        return "never"
-    return f"{max(0.0, time.time() - ts):.1f}s ago"
-
-
-def render_status(s: dict[str, Any]) -> str:
-    p, t, b, sy, st, er = s["policy"], s["trainer"], s["backlog"], s["sync"], s["staleness"], s["episode_return"]
-
-    def fmt(x: Any, spec: str = ".3g") -> str:
-        return "-" if x is None else format(x, spec)
-
-    lines = [
-        f"run {s['run']}",
-        f"policy    version {fmt(p['version'], 'd')}  sha256 {(p['sha256'] or '-')[:12]}"
-        f"  published {_ago(p['published_at'])}",
-        f"trainer   {'alive' if t['alive'] else 'DOWN'}  updates {t['updates']}  samples trained {t['samples_trained']}"
-        f"  ({t['samples_per_s']:.0f}/s)  last update {_ago(t['last_update_at'])}",
-        f"backlog   {fmt(b['records'], 'd')} records  {b['per_partition']}",
-        f"sync      p50 {fmt(sy['latency_p50_s'])} s  p95 {fmt(sy['latency_p95_s'])} s",
-        f"staleness mean {fmt(st['mean'])}  max {fmt(st['max'], 'd')} versions",
-        f"return    mean {fmt(er['mean'], '.1f')} over {er['count']} episodes",
-        f"samplers  {sum(1 for x in s['samplers'] if x['alive'])} alive",
-    ]
-    for x in s["samplers"]:
-        lines.append(f"  {x['id']:<36} {'alive' if x['alive'] else 'gone '}  v{fmt(x['policy_version'], 'd')}"
-                     f"  {x['steps_per_s']:.0f} steps/s  seen {_ago(x['last_seen'])}")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flywheel", description="Operate a Flywheel run via its admin API.")
-    parser.add_argument("--url", default=os.environ.get("FLYWHEEL_ADMIN_URL", DEFAULT_URL))
-    parser.add_argument("--token", help="bearer token (default: $FLYWHEEL_ADMIN_TOKEN or .flywheel/admin-token)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    st = sub.add_parser("status", help="show the run's status")
-    st.add_argument("--json", action="store_true", help="print the raw /status JSON")
-    sy = sub.add_parser("sync", help="make every sampler load the latest published policy now")
-    sy.add_argument("--wait", type=float, default=2.0, help="seconds to wait for samplers (0: do not wait)")
-    args = parser.parse_args(argv)
+    path = flywheel_home() / "admin-token"
     try:
-        with httpx.Client(base_url=args.url, timeout=10 + getattr(args, "wait", 0)) as client:
-            if args.command == "status":
-                r = client.get("/status")
-                r.raise_for_status()
-                print(json.dumps(r.json(), indent=2) if args.json else render_status(r.json()))
-                return 0
-            token = _token(args.token)
-            headers = {"Authorization": f"Bearer {token}"} if token else {}
-            r = client.post("/policy/sync", params={"wait_s": args.wait}, headers=headers)
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+# ---- talking to the API ------------------------------------------------------------------------
+class ApiError(Exception):
+    """The API answered with an error status; ``str()`` is its reason, one line per problem."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+
+
+class Unreachable(Exception):
+    """No answer from the API (connection refused, timeout, bad address)."""
+
+
+def error_reason(r: httpx.Response) -> str:
+    """The server's reason: ``detail`` as text, or FastAPI's 422 list as ``field: msg`` lines."""
+    try:
+        detail = r.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    if isinstance(detail, str):
+        return detail
+    if isinstance(detail, list):
+        lines = []
+        for item in detail:
+            if not isinstance(item, dict):
+                lines.append(str(item))
+                continue
+            loc = [str(x) for x in item.get("loc") or []]
+            field = ".".join(loc[1:] if len(loc) > 1 and loc[0] in ("body", "query", "path", "header") else loc)
+            lines.append(f"{field}: {item.get('msg', '')}" if field else str(item.get("msg", "")))
+        return "\n".join(lines)
+    if detail is not None:
+        return json.dumps(detail)
+    return r.text.strip()[:300] or r.reason_phrase
+
+
+class Api:
+    """The admin API over one ``httpx.Client``; every call returns the decoded JSON body."""
+
+    def __init__(self, client: httpx.Client, url: str, token: str | None) -> None:
+        self.client, self.url, self.token = client, url, token
+
+    def call(self, method: str, path: str, *, params: dict[str, Any] | None = None, body: Any = None,
+             auth: bool = False) -> Any:
+        headers = {"Authorization": f"Bearer {self.token}"} if auth and self.token else {}
+        try:
+            r = self.client.request(method, path, params=params, json=body, headers=headers)
+        except httpx.TimeoutException as exc:
+            raise Unreachable(f"the admin API at {self.url} did not answer in time ({type(exc).__name__})") from None
+        except (httpx.TransportError, httpx.InvalidURL) as exc:
+            raise Unreachable(f"cannot reach the admin API at {self.url}: {exc or type(exc).__name__}") from None
+        if r.status_code >= 400:
+            reason = error_reason(r)
             if r.status_code == 401:
-                print("flywheel: unauthorized: pass --token or set FLYWHEEL_ADMIN_TOKEN", file=sys.stderr)
-                return 1
-            r.raise_for_status()
-            body = r.json()
-            state = {True: "all live samplers on it", False: "NOT all samplers reached it in time", None: "requested"}
-            print(f"sync to version {body['policy_version']}: {state[body['synced']]} ({body['waited_s']} s)")
-            for sid, v in sorted(body["samplers"].items()):
-                print(f"  {sid}: v{v}")
-            return 0 if body["synced"] is not False else 1
-    except httpx.HTTPError as exc:
-        print(f"flywheel: cannot reach the admin API at {args.url}: {exc}", file=sys.stderr)
+                reason += " (pass --token, set FLYWHEEL_ADMIN_TOKEN, or see <FLYWHEEL_HOME>/admin-token)"
+            raise ApiError(r.status_code, f"{method} {path}: {r.status_code} {reason}")
+        try:
+            return r.json()
+        except ValueError:
+            raise ApiError(r.status_code, f"{method} {path}: the answer is not JSON: {r.text[:200]!r}") from None
+
+
+# ---- the subcommands ---------------------------------------------------------------------------
+def out(text: str) -> None:
+    print(text, flush=True)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def cmd_status(api: Api, args: argparse.Namespace, sleep: Callable[[float], None]) -> int:
+    style = Style.for_stream(sys.stdout)
+    if args.watch is None:
+        s = api.call("GET", "/status")
+        out(json.dumps(s, indent=2) if args.json else render_status(s, style=style))
+        return 0
+    try:
+        while True:
+            try:
+                s = api.call("GET", "/status")
+                text = json.dumps(s) if args.json else render_status(s, style=style)
+            except (ApiError, Unreachable) as exc:
+                text = f"flywheel: {exc}" if args.json else style.bad(f"flywheel: {exc}")
+            if args.json:
+                out(text)  # one JSON document a line
+            elif _isatty(sys.stdout):  # a terminal: redraw in place
+                out(f"\x1b[H\x1b[2J{style.dim(time.strftime('%H:%M:%S'))}  every {args.watch:g}s, Ctrl-C to stop"
+                    f"\n{text}")
+            else:
+                out(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n{text}\n")
+            sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_sync(api: Api, args: argparse.Namespace) -> int:
+    body = api.call("POST", "/policy/sync", params={"wait_s": args.wait}, auth=True)
+    out(render_sync(body))
+    return 1 if body.get("synced") is False else 0
+
+
+def cmd_pause(api: Api, args: argparse.Namespace) -> int:
+    body = api.call("POST", f"/samplers/{args.command}", body={"sampler": args.sampler} if args.sampler else {},
+                    auth=True)
+    out(render_pause(body))
+    return 0
+
+
+def cmd_versions(api: Api, args: argparse.Namespace) -> int:
+    body = api.call("GET", "/policy/versions")
+    out(json.dumps(body, indent=2) if args.json else render_versions(body))
+    return 0
+
+
+def cmd_rollback(api: Api, args: argparse.Namespace) -> int:
+    out(render_rollback(api.call("POST", "/policy/rollback", body={"version": args.version}, auth=True)))
+    return 0
+
+
+def cmd_config(api: Api, args: argparse.Namespace) -> int:
+    if args.action == "get":
+        body = api.call("GET", "/config")
+        out(json.dumps(body, indent=2) if args.json else render_config(body))
+    elif args.action == "set":
+        out(render_config_change(api.call("PATCH", "/config", body=dict(args.assignments), auth=True)))
+    elif args.action == "history":
+        body = api.call("GET", "/config/history")
+        out(json.dumps(body, indent=2) if args.json else render_config_history(body))
+    else:
+        out(render_config_change(api.call("POST", "/config/revert", body={"revision": args.revision}, auth=True)))
+    return 0
+
+
+def cmd_audit(api: Api, args: argparse.Namespace) -> int:
+    body = api.call("GET", "/audit", params=None if args.limit is None else {"limit": args.limit})
+    out(json.dumps(body, indent=2) if args.json else render_audit(body))
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    """Reads logs only, no API call: a directory, one file, or ``-`` (stdin: ``docker compose logs``)."""
+    if args.file and args.logs:
+        print("flywheel: trace takes FILE or --logs DIR, not both", file=sys.stderr)
+        return 2
+    source = args.file or str(args.logs or flywheel_home() / "logs")
+    if source == "-":
+        steps = trace.timeline(trace.events_for(args.sample_id, sys.stdin))
+    elif Path(source).is_dir():
+        steps = trace.timeline(trace.events_for(args.sample_id, trace.log_lines(Path(source))))
+    elif Path(source).is_file():
+        with open(source, encoding="utf-8", errors="replace") as fh:
+            steps = trace.timeline(trace.events_for(args.sample_id, fh))
+    else:
+        print(f"flywheel: no logs at {source} (pass --logs DIR, a FILE, or - for stdin)", file=sys.stderr)
         return 1
+    if not steps:
+        print(f"flywheel: no log line mentions sample {args.sample_id} in {source}", file=sys.stderr)
+        return 1
+    if args.json:
+        out(json.dumps(trace.steps_json(args.sample_id, steps), indent=2))
+    else:
+        out(render_trace(args.sample_id, steps, trace.outcome(steps), Style.for_stream(sys.stdout)))
+    return 0
+
+
+# ---- the command line --------------------------------------------------------------------------
+def assignment(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE``, the value as JSON when it parses (numbers, true/false, null, ...), else a string."""
+    key, eq, raw = text.partition("=")
+    if not eq or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(name)  # NaN, Infinity: not JSON the server can take; keep them strings
+
+    try:
+        parsed: Any = json.loads(raw, parse_constant=no_constants)
+    except ValueError:
+        parsed = raw
+    return key.strip(), parsed
+
+
+def positive(text: str) -> float:
+    x = float(text)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return x
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flywheel", description="Operate a Flywheel run via its admin API.",
+                                     epilog="exit status: 0 done, 1 refused by the API or not found, "
+                                            "2 the API cannot be reached or bad usage")
+    parser.add_argument("--url", default=os.environ.get("FLYWHEEL_ADMIN_URL", DEFAULT_URL),
+                        help=f"admin API (default: $FLYWHEEL_ADMIN_URL or {DEFAULT_URL})")
+    parser.add_argument("--token", help="bearer token (default: $FLYWHEEL_ADMIN_TOKEN or $FLYWHEEL_HOME/admin-token)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    st = sub.add_parser("status", help="show the run's status")
+    st.add_argument("--watch", nargs="?", type=positive, const=2.0, metavar="SECONDS",
+                    help="redraw every SECONDS (default 2) until Ctrl-C")
+    st.add_argument("--json", action="store_true", help="print the raw /status JSON (with --watch: one a line)")
+    sy = sub.add_parser("sync", help="make every sampler load the latest published policy now")
+    sy.add_argument("--wait", type=float, default=2.0, metavar="S",
+                    help="seconds to wait for samplers (0: do not wait; default 2)")
+    for action, what in (("pause", "stop producing fragments"), ("resume", "produce fragments again")):
+        p = sub.add_parser(action, help=f"samplers {what} (all, or one)")
+        p.add_argument("sampler", nargs="?", metavar="ID", help="one sampler's id (default: every sampler)")
+    vs = sub.add_parser("versions", help="list the published policy versions")
+    vs.add_argument("--json", action="store_true")
+    rb = sub.add_parser("rollback", help="publish version V's weights again as the newest version")
+    rb.add_argument("version", type=int, metavar="V")
+
+    cfg = sub.add_parser("config", help="runtime settings: get, set, history, revert")
+    csub = cfg.add_subparsers(dest="action", required=True, metavar="ACTION")
+    cget = csub.add_parser("get", help="the current settings and their revision")
+    cget.add_argument("--json", action="store_true")
+    cset = csub.add_parser("set", help="change settings (values as JSON when they parse, else strings)")
+    cset.add_argument("assignments", nargs="+", type=assignment, metavar="KEY=VALUE")
+    chist = csub.add_parser("history", help="every revision with its changes")
+    chist.add_argument("--json", action="store_true")
+    crev = csub.add_parser("revert", help="make revision R's settings current again (a new revision)")
+    crev.add_argument("revision", type=int, metavar="R")
+
+    au = sub.add_parser("audit", help="operator and automatic actions, append-only")
+    au.add_argument("--limit", type=int, metavar="N", help="at most N entries")
+    au.add_argument("--json", action="store_true")
+
+    tr = sub.add_parser("trace", help="one sample's timeline from the services' JSON logs")
+    tr.add_argument("sample_id", metavar="SAMPLE_ID")
+    tr.add_argument("file", nargs="?", metavar="FILE|-", help="one log file, or - for stdin "
+                    "(e.g. docker compose logs --no-color | flywheel trace ID -)")
+    tr.add_argument("--logs", type=Path, metavar="DIR",
+                    help="directory of *.log and rotated *.log.N (default: $FLYWHEEL_HOME/logs)")
+    tr.add_argument("--json", action="store_true", help="the timeline as JSON (as GET /trace/{id})")
+    return parser
+
+
+def run(args: argparse.Namespace, transport: httpx.BaseTransport | None, sleep: Callable[[float], None]) -> int:
+    if args.command == "trace":
+        return cmd_trace(args)
+    timeout = 10.0 + (args.wait if args.command == "sync" else 0.0)
+    try:
+        with httpx.Client(base_url=args.url, timeout=timeout, transport=transport) as client:
+            api = Api(client, args.url, _token(args.token))
+            if args.command == "status":
+                return cmd_status(api, args, sleep)
+            commands: dict[str, Callable[[Api, argparse.Namespace], int]] = {
+                "sync": cmd_sync, "pause": cmd_pause, "resume": cmd_pause, "versions": cmd_versions,
+                "rollback": cmd_rollback, "config": cmd_config, "audit": cmd_audit}
+            return commands[args.command](api, args)
+    except ApiError as exc:
+        print(f"flywheel: {exc}", file=sys.stderr)
+        return 1
+    except Unreachable as exc:
+        print(f"flywheel: {exc}", file=sys.stderr)
+        return 2
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null so the interpreter's last flush cannot fail."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def main(argv: list[str] | None = None, *, transport: httpx.BaseTransport | None = None,
+         sleep: Callable[[float], None] = time.sleep) -> int:
+    """The ``flywheel`` entry point; ``transport`` and ``sleep`` are for tests."""
+    args = build_parser().parse_args(argv)
+    try:
+        code = run(args, transport, sleep)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # the reader went away (| head): as quiet as a SIGPIPE, without the signal
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

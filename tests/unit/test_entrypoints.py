@@ -44,4 +44,4 @@ def test_admin_refuses_to_start_without_a_token() -> None:
 
 def test_cli_reports_an_unreachable_api() -> None:
     proc, _ = _run(["-m", "services.admin.cli", "--url", "http://127.0.0.1:9", "status"])
-    assert proc.returncode == 1 and "cannot reach the admin API" in proc.stderr
+    assert proc.returncode == 2 and "cannot reach the admin API" in proc.stderr
