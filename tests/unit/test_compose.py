@@ -30,9 +30,13 @@ CONFIG = REPO / "configs" / "cartpole.yaml"
 MINIO_DIR = REPO / "deploy" / "minio"
 
 FLYWHEEL_SERVICES = ("trainer", "paramsync", "admin", "sampler")
-INFRA_SERVICES = ("kafka", "minio", "minio-init", "prometheus")
+INFRA_SERVICES = ("kafka", "minio", "minio-init", "prometheus", "grafana")
 ROOT_CREDENTIAL_SERVICES = ("minio", "minio-init")
-PUBLISHED = {"admin": ["127.0.0.1:8080:8080"], "prometheus": ["127.0.0.1:9090:9090"]}
+PUBLISHED = {
+    "admin": ["127.0.0.1:8080:8080"],
+    "prometheus": ["127.0.0.1:9090:9090"],
+    "grafana": ["127.0.0.1:3000:3000"],
+}
 BUCKET_ACTIONS = {"s3:ListBucket", "s3:GetBucketLocation"}
 OBJECT_ACTIONS = {"s3:GetObject", "s3:PutObject", "s3:DeleteObject"}
 HTTP_PORTS = {"trainer": 8000, "paramsync": 8000, "admin": 8080, "sampler": 8000}
@@ -247,6 +251,43 @@ def test_prometheus_scrapes_the_compose_services(services: dict) -> None:
     assert dns["names"] == ["sampler"] and dns["type"] == "A" and dns["port"] == HTTP_PORTS["sampler"]
 
 
+def test_grafana_is_provisioned_read_only_and_signs_in(compose: dict, services: dict) -> None:
+    """Pinned official image, the data source and dashboards mounted read-only from deploy/grafana, started
+    after Prometheus is healthy, no anonymous access, and an admin password from the environment with a
+    default for a laptop. tests/unit/test_grafana.py checks what the mounted files contain."""
+    grafana = services["grafana"]
+    repo, tag = _image_ref(grafana["image"])
+    assert repo in ("grafana/grafana", "grafana/grafana-oss"), f"expected the official image, got {repo!r}"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", tag), f"expected a pinned X.Y.Z tag, got {tag!r}"
+    assert grafana["ports"] == PUBLISHED["grafana"]
+    assert grafana["depends_on"] == {"prometheus": {"condition": "service_healthy"}}
+    assert grafana["restart"] == "unless-stopped"
+    assert "http://127.0.0.1:3000/api/health" in _healthcheck_cmd(grafana)
+
+    binds = {}
+    for volume in grafana["volumes"]:
+        source, target, *mode = volume.split(":")
+        if source.startswith("./"):
+            assert mode == ["ro"], f"grafana: mount {source} read-only"
+            assert (REPO / source).is_dir(), f"grafana mounts {source}, which does not exist"
+            binds[target] = source
+        else:
+            assert source in (compose.get("volumes") or {}), f"grafana: {volume} is not a named volume"
+    assert binds["/etc/grafana/provisioning/datasources"] == "./deploy/grafana/provisioning/datasources"
+    assert binds["/etc/grafana/provisioning/dashboards"] == "./deploy/grafana/provisioning/dashboards"
+    assert "./deploy/grafana/dashboards" in binds.values()
+
+    env = _env(grafana)
+    assert env.get("GF_AUTH_ANONYMOUS_ENABLED", "false").lower() == "false", "no anonymous access"
+    assert env.get("GF_USERS_ALLOW_SIGN_UP", "false").lower() == "false", "no self sign-up"
+    assert "GF_AUTH_DISABLE_LOGIN_FORM" not in env, "the login form is the only way in"
+    password_var, password_default = _default(env["GF_SECURITY_ADMIN_PASSWORD"])
+    assert not password_var.startswith("FLYWHEEL_"), "the services reject unknown FLYWHEEL_* variables"
+    assert password_default != "admin" and len(password_default) >= 12, (
+        "the compose default must not be Grafana's own (admin)"
+    )
+
+
 # ---- the four Flywheel services ---------------------------------------------------------------
 
 
@@ -350,7 +391,7 @@ def _port_binding(port: str | int | dict) -> tuple[str | None, str | None, str]:
 
 def test_published_ports_bind_loopback_only(services: dict) -> None:
     published = {name: svc["ports"] for name, svc in services.items() if svc.get("ports")}
-    assert published == PUBLISHED, "only admin and Prometheus are published, and only as listed"
+    assert published == PUBLISHED, "only admin, Prometheus and Grafana are published, and only as listed"
     for name, ports in published.items():
         for port in ports:
             host_ip, host_port, _ = _port_binding(port)

@@ -28,11 +28,11 @@ EXPOSE_EXAMPLE = REPO / "deploy" / "compose.expose.example.yml"
 TOOL = REPO / "tools" / "compose-validate"
 
 FLYWHEEL_SERVICES = ("trainer", "paramsync", "admin", "sampler")
-LONG_RUNNING = ("kafka", "minio", "prometheus", *FLYWHEEL_SERVICES)
+LONG_RUNNING = ("kafka", "minio", "prometheus", "grafana", *FLYWHEEL_SERVICES)
 ADMIN_TOKEN = "compose-spec-test-token-0123456789abcdef"  # >= 32 characters, as admin requires
 # Variables the file interpolates: dropped from the test's environment so that the shell's values
 # (or a developer's exports) cannot change what is checked.
-COMPOSE_VARIABLES = ("FLYWHEEL_", "MINIO_", "COMPOSE_", "DOCKER_")
+COMPOSE_VARIABLES = ("FLYWHEEL_", "MINIO_", "GRAFANA_", "COMPOSE_", "DOCKER_")
 BUILD_TIMEOUT_S = 270  # inside pytest-timeout's 300 s for the first test
 
 
@@ -124,8 +124,8 @@ def services(project: dict[str, Any]) -> dict[str, Any]:
 
 def test_loads_under_the_compose_specification(project: dict[str, Any]) -> None:
     assert project["name"] == "flywheel"
-    assert set(project["services"]) == {"kafka", "minio", "minio-init", "prometheus", *FLYWHEEL_SERVICES}
-    assert set(project["volumes"]) == {"kafka-data", "minio-data", "prometheus-data"}
+    assert set(project["services"]) == {"kafka", "minio", "minio-init", "prometheus", "grafana", *FLYWHEEL_SERVICES}
+    assert set(project["volumes"]) == {"kafka-data", "minio-data", "prometheus-data", "grafana-data"}
 
 
 def test_published_ports_are_loopback_only(services: dict[str, Any]) -> None:
@@ -137,6 +137,7 @@ def test_published_ports_are_loopback_only(services: dict[str, Any]) -> None:
     assert published == {
         "admin": [("127.0.0.1", "8080", 8080, "tcp")],
         "prometheus": [("127.0.0.1", "9090", 9090, "tcp")],
+        "grafana": [("127.0.0.1", "3000", 3000, "tcp")],
     }
 
 
@@ -175,6 +176,30 @@ def test_policy_mount(services: dict[str, Any]) -> None:
     assert Path(mount["source"]) == REPO / "deploy" / "minio"  # resolved against the project directory
     policy = Path(init["environment"]["POLICY_FILE"])
     assert policy.parent == Path(mount["target"]) and (Path(mount["source"]) / policy.name).is_file()
+
+
+def test_grafana(validator: Path, services: dict[str, Any]) -> None:
+    """Provisioning mounted read-only from the project directory, after a healthy Prometheus; no anonymous
+    access; the admin password is the operator's when given, a laptop default otherwise."""
+    grafana = services["grafana"]
+    binds = {m["target"]: m for m in grafana["volumes"] if m["type"] == "bind"}
+    assert set(binds) == {"/etc/grafana/provisioning/datasources", "/etc/grafana/provisioning/dashboards",
+                          "/etc/grafana/dashboards"}
+    for target, mount in binds.items():
+        assert mount.get("read_only") is True, f"{target} must be mounted read-only"
+        assert Path(mount["source"]).is_relative_to(REPO / "deploy" / "grafana") and Path(mount["source"]).is_dir()
+    (data,) = [m for m in grafana["volumes"] if m["type"] == "volume"]
+    assert (data["source"], data["target"]) == ("grafana-data", "/var/lib/grafana")
+    assert grafana["depends_on"] == {"prometheus": {"condition": "service_healthy", "required": True}}
+
+    env = grafana["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert env["GF_SECURITY_ADMIN_PASSWORD"] not in ("", "admin")
+    custom = _load(validator, env={"GRAFANA_ADMIN_PASSWORD": "ops-grafana-secret-1"})["services"]
+    assert custom["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "ops-grafana-secret-1"
+    for name, svc in custom.items():
+        if name != "grafana":
+            assert "ops-grafana-secret-1" not in json.dumps(svc), f"{name} sees Grafana's admin password"
 
 
 def test_every_service_rotates_its_logs(services: dict[str, Any]) -> None:
