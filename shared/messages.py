@@ -36,22 +36,39 @@ class PolicyMessage(_Msg):
     trainer_step: int
     created_at: float
     sent_at: float = Field(default_factory=time.time)
+    lineage: int = 0
+    """The newest rollback this policy descends from (0: none). paramsync refuses a candidate whose
+    lineage is older than the last rollback it published: it was trained from abandoned weights."""
+    rollback_of: int | None = None
+    """On an announcement made by a rollback: the version whose weights this one republishes."""
 
     @classmethod
     def of(cls, type_: Literal["candidate", "announce"], rec: VersionRecord) -> PolicyMessage:
         return cls(type=type_, version=rec.version, blob=rec.blob, sha256=rec.sha256, size=rec.size,
-                   trainer_step=rec.trainer_step, created_at=rec.created_at)
+                   trainer_step=rec.trainer_step, created_at=rec.created_at,
+                   lineage=int(rec.extra.get("lineage") or 0), rollback_of=rec.extra.get("rollback_of"))
 
     def record(self) -> VersionRecord:
+        extra: dict[str, Any] = {"lineage": self.lineage} if self.lineage else {}
+        if self.rollback_of is not None:
+            extra["rollback_of"] = self.rollback_of
         return VersionRecord(version=self.version, blob=self.blob, sha256=self.sha256, size=self.size,
-                             trainer_step=self.trainer_step, created_at=self.created_at)
+                             trainer_step=self.trainer_step, created_at=self.created_at, extra=extra)
 
 
 class ControlCommand(_Msg):
-    """An operator's command from the admin API. ``sync``: reload the latest policy now."""
+    """An operator's command from the admin API on ``<run>.control``.
 
-    command: Literal["sync"]
+    ``sync``: samplers reload the latest policy now, paramsync re-announces it. ``pause`` / ``resume``:
+    every sampler, or the one named by ``sampler``, stops or resumes producing (the durable state is
+    ``<run>/ops/paused.json``). ``rollback``: paramsync republishes ``version``'s weights as the newest
+    version. ``config``: services re-read the runtime settings now (revision ``version``).
+    """
+
+    command: Literal["sync", "pause", "resume", "rollback", "config"]
     request_id: str
+    sampler: str | None = None
+    version: int | None = None
     issued_at: float = Field(default_factory=time.time)
 
 
@@ -65,6 +82,11 @@ class SamplerBeat(_Msg):
     fragments: int = 0
     env_steps: int = 0
     recent_return_mean: float | None = None
+    paused_since: float | None = None
+    """Set while an operator has paused this sampler (it produces nothing)."""
+    max_backlog: int | None = None
+    config_revision: int = 0
+    """The runtime-settings revision this sampler applied (PATCH /config)."""
     health: dict[str, Any] | None = None
     """``{"state": "ok"|"degraded", "reasons": {component: reason}, "degraded_since"}``."""
     started_at: float | None = None
@@ -95,6 +117,8 @@ class TrainerBeat(_Msg):
     stalled_reason: str | None = None
     nonfinite_steps_skipped: int = 0
     candidates_resent: int = 0
+    learning_rate: float | None = None
+    config_revision: int = 0
     health: dict[str, Any] | None = None
     started_at: float | None = None
     ts: float = Field(default_factory=time.time)

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from typing import Annotated
 
 from aiokafka.errors import KafkaError
-from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import Depends, FastAPI, HTTPException, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
+from services.admin.deps import State, require_token
+from services.admin.ops import router as ops_router
+from services.admin.pages import mount_pages
 from services.admin.state import SAMPLER_FORGET_S, AdminState
 
 
@@ -49,6 +50,8 @@ class TrainerStatus(BaseModel):
                           "of this and policy_version")
     stalled: StallStatus | None = Field(
         None, description="Set while records arrive but no update happens (why, and since when)")
+    learning_rate: float | None = Field(None, description="For the next update (schedule and runtime settings)")
+    config_revision: int = Field(0, description="The runtime-settings revision the trainer applied")
 
 
 class SamplerStatus(BaseModel):
@@ -57,6 +60,10 @@ class SamplerStatus(BaseModel):
     policy_version: int | None
     steps_per_s: float
     last_seen: float
+    paused: bool = Field(False, description="An operator paused it: it produces nothing (POST /samplers/pause)")
+    paused_since: float | None = None
+    max_backlog: int | None = Field(None, description="Its flow-control limit (a runtime setting)")
+    config_revision: int = Field(0, description="The runtime-settings revision it applied")
 
 
 class BacklogStatus(BaseModel):
@@ -104,28 +111,8 @@ class SyncAccepted(BaseModel):
     samplers: dict[str, int | None] = Field(description="Live samplers and their versions at reply time")
 
 
-def get_state(request: Request) -> AdminState:
-    state: AdminState = request.app.state.admin
-    return state
-
-
-State = Annotated[AdminState, Depends(get_state)]
-bearer = HTTPBearer(auto_error=False)
-
-
-def require_token(
-    request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
-) -> None:
-    token = get_state(request).settings.admin.token
-    if token is None:  # only reachable with admin.insecure_dev=true (checked at start-up)
-        return
-    if creds is None or not hmac.compare_digest(creds.credentials.encode(), token.get_secret_value().encode()):
-        raise HTTPException(status_code=401, detail="missing or wrong bearer token",
-                            headers={"WWW-Authenticate": "Bearer"})
-
-
 def create_app(state: AdminState) -> FastAPI:
-    app = FastAPI(title="Flywheel admin", version="1",
+    app = FastAPI(title="Flywheel admin", version="1", docs_url=None,
                   description="Status of a Flywheel run and manual policy sync. See docs/api.md.")
     app.state.admin = state
 
@@ -148,7 +135,9 @@ def create_app(state: AdminState) -> FastAPI:
         pb = v.paramsync.beat if v.paramsync else None
         samplers = [
             SamplerStatus(id=sid, alive=s.alive(seen, now), policy_version=seen.beat.policy_version,
-                          steps_per_s=round(seen.beat.steps_per_s, 1), last_seen=seen.at)
+                          steps_per_s=round(seen.beat.steps_per_s, 1), last_seen=seen.at,
+                          paused=seen.beat.paused_since is not None, paused_since=seen.beat.paused_since,
+                          max_backlog=seen.beat.max_backlog, config_revision=seen.beat.config_revision)
             for sid, seen in sorted(v.samplers.items()) if now - seen.at <= SAMPLER_FORGET_S
         ]
         def health(role: str, seen: object) -> ServiceHealth:
@@ -172,6 +161,7 @@ def create_app(state: AdminState) -> FastAPI:
                 samples_per_s=round(tb.samples_per_s, 1) if tb else 0.0,
                 last_update_at=tb.last_update_at if tb else None, policy_version=tb.policy_version if tb else None,
                 published_version=tb.published_version if tb else None,
+                learning_rate=tb.learning_rate if tb else None, config_revision=tb.config_revision if tb else 0,
                 stalled=StallStatus(since=tb.stalled_since, reason=tb.stalled_reason)
                 if tb and tb.stalled_reason and s.alive(v.trainer, now) else None),
             samplers=samplers,
@@ -217,4 +207,6 @@ def create_app(state: AdminState) -> FastAPI:
         return SyncAccepted(request_id=cmd.request_id, policy_version=rec.version, synced=synced,
                             waited_s=round(time.monotonic() - t0, 3), samplers=s.live_sampler_versions(time.time()))
 
+    app.include_router(ops_router)
+    mount_pages(app)
     return app

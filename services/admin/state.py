@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from shared.logging import get_logger
 from shared.marker import VersionedStore, VersionRecord
 from shared.messages import ControlCommand, SamplerBeat, TrainerBeat, parse_heartbeat
 from shared.retry import Health, describe, is_transient, retry_transient
+from shared.runtime import AuditLog, RuntimeConfig
 from shared.service import run_until_first_error
 from shared.settings import Settings
 from shared.store import StoreError, open_store
@@ -24,6 +26,8 @@ from shared.store import StoreError, open_store
 BACKLOG = Gauge("flywheel_backlog_records", "Records on <run>.samples not yet committed by the trainer group")
 BACKLOG_PARTITION = Gauge("flywheel_backlog_partition_records", "Backlog per partition", ["partition"])
 HEARTBEAT_HISTORY = 5000
+HISTORY_POINTS = 1800
+"""Status samples kept for the curves (one per admin.refresh_interval_s: an hour at 2 s)."""
 
 
 @dataclass
@@ -55,7 +59,14 @@ class AdminState:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.topics = Topics.for_run(settings.run)
-        self.policies = VersionedStore(open_store(settings), settings.run, "policy")
+        store = open_store(settings)
+        self.store = store
+        self.policies = VersionedStore(store, settings.run, "policy")
+        self.runtime_config = RuntimeConfig(store, settings.run)
+        self.audit = AuditLog(store, settings.run)
+        self.version_returns: dict[int, float] = {}
+        """Mean return the trainer reported while each published version was current (last value)."""
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POINTS)
         self.producer = make_producer(settings)
         self.consumer = make_consumer(settings, group_id=None)
         self.view = ClusterView()
@@ -118,6 +129,10 @@ class AdminState:
         elif isinstance(beat, TrainerBeat):
             self.view.trainer = seen
             role = "trainer"
+            if beat.published_version is not None and beat.return_mean is not None:
+                self.version_returns[beat.published_version] = beat.return_mean
+                while len(self.version_returns) > 10_000:
+                    del self.version_returns[min(self.version_returns)]
         else:
             self.view.paramsync = seen
             role = "paramsync"
@@ -141,6 +156,7 @@ class AdminState:
             try:
                 lag = await consumer_lag(self.settings, trainer_group(self.settings.run), self.topics.samples)
                 self.view.lag, self.view.lag_at = lag, time.time()
+                self.history.append(self.point(time.time()))
                 BACKLOG.set(sum(lag.values()))
                 for p, n in lag.items():
                     BACKLOG_PARTITION.labels(partition=str(p)).set(n)
@@ -172,6 +188,34 @@ class AdminState:
         await self.producer.send_and_wait(self.topics.control, cmd.to_bytes(), key=b"sync")
         self.log.info("manual_sync_requested", request_id=cmd.request_id)
         return cmd
+
+    async def command(self, cmd: ControlCommand) -> None:
+        """Send an operator command on ``<run>.control`` (bounded: Kafka down raises, never hangs)."""
+        await asyncio.wait_for(self.producer.send_and_wait(self.topics.control, cmd.to_bytes(),
+                                                           key=cmd.command.encode()),
+                               self.settings.kafka.request_timeout_ms / 1000)
+        self.log.info("operator_command_sent", command=cmd.command, request_id=cmd.request_id,
+                      sampler=cmd.sampler, version=cmd.version)
+
+    def point(self, now: float) -> dict[str, Any]:
+        """One compact status sample for the curves (``/status/history``, the status page)."""
+        v = self.view
+        tb = v.trainer.beat if v.trainer and self.alive(v.trainer, now) else None
+        pb = v.paramsync.beat if v.paramsync else None
+        live = [s.beat for s in v.samplers.values() if self.alive(s, now)]
+        return {
+            "t": now,
+            "episode_return": tb.return_mean if tb else None,
+            "sampled_steps_per_s": round(sum(b.steps_per_s for b in live), 1),
+            "trained_steps_per_s": round(tb.samples_per_s, 1) if tb else None,
+            "backlog": sum(v.lag.values()) if v.lag is not None else None,
+            "staleness_mean": tb.staleness_mean if tb else None,
+            "staleness_p95": tb.staleness_p95 if tb else None,
+            "staleness_max": tb.staleness_max if tb else None,
+            "sync_p50_s": pb.sync_latency_p50_s if pb else None,
+            "sync_p95_s": pb.sync_latency_p95_s if pb else None,
+            "policy_version": pb.published_version if pb else None,
+        }
 
     def live_sampler_versions(self, now: float) -> dict[str, int | None]:
         return {sid: s.beat.policy_version for sid, s in self.view.samplers.items() if self.alive(s, now)}

@@ -60,6 +60,8 @@ class Paramsync:
         self.inbox = make_consumer(settings, group_id=None)
         self.published_version: int | None = None
         self.published_record: VersionRecord | None = None
+        self.lineage_required = 0  # the last rollback published: older lineages are abandoned weights
+        self._marker_lock = asyncio.Lock()  # candidates and rollbacks move the marker one at a time
         self.health_state = Health("paramsync")
         self.started_at = time.time()
         self._stop = asyncio.Event()
@@ -103,6 +105,7 @@ class Paramsync:
     def _set_published(self, record: VersionRecord) -> None:
         self.published_version = record.version
         self.published_record = record
+        self.lineage_required = max(self.lineage_required, int(record.extra.get("lineage") or 0))
         PUBLISHED.set(record.version)
 
     # ---- candidates ------------------------------------------------------------------------
@@ -126,7 +129,8 @@ class Paramsync:
                 if len(candidates) > 1:
                     CANDIDATES.labels(outcome="superseded").inc(len(candidates) - 1)
                 with PUBLISH_SECONDS.time():
-                    outcome = await self._publish(newest)
+                    async with self._marker_lock:
+                        outcome = await self._publish(newest)
                 CANDIDATES.labels(outcome=outcome).inc()
                 if outcome == "published":
                     self.tracker.published(newest.version, received)
@@ -157,6 +161,10 @@ class Paramsync:
 
     async def _publish(self, msg: PolicyMessage) -> str:
         record = msg.record()
+        if msg.lineage < self.lineage_required:
+            self.log.info("candidate_abandoned", policy_version=msg.version, lineage=msg.lineage,
+                          reason=f"trained from weights abandoned by the rollback to lineage {self.lineage_required}")
+            return "abandoned"
         try:
             data = await self._retry(lambda: asyncio.to_thread(self.policies.fetch, record), "fetch candidate", "store")
             load_weights(self.model, data)
@@ -231,6 +239,11 @@ class Paramsync:
         except ValueError as exc:
             self.log.warning("control_malformed", reason=str(exc)[:300])
             return
+        if cmd.command == "rollback" and cmd.version is not None:
+            await self._rollback(cmd.version, cmd.request_id)
+            return
+        if cmd.command != "sync":
+            return  # pause, resume, config: the samplers' and trainer's business
         try:
             current = await asyncio.wait_for(asyncio.to_thread(self.policies.read_marker), 30)
         except Exception as exc:  # the store is down: announce what we last published, if anything
@@ -244,6 +257,42 @@ class Paramsync:
         rec = current[0]
         await self._announce(rec)
         self.log.info("manual_sync_announced", request_id=cmd.request_id, policy_version=rec.version)
+
+    async def _rollback(self, version: int, request_id: str) -> None:
+        """Republish ``version``'s weights as the newest version (versions never go backwards). Its
+        record names what it rolls back to, and starts a new lineage: candidates trained from the
+        abandoned weights are refused from now on."""
+        try:
+            def republish() -> VersionRecord:
+                old = self.policies.store.get(f"{self.policies.prefix}/versions/{version}.json")
+                if old is None:
+                    raise LookupError(f"version {version} is not kept (pruned, or never published)")
+                target = VersionRecord.from_json(old.data)
+                load_weights(self.model, self.policies.fetch(target))  # present, intact, loadable
+                current = self.policies.read_marker()
+                new_version = (current[0].version if current else 0) + 1
+                record = VersionRecord(version=new_version, blob=target.blob, sha256=target.sha256, size=target.size,
+                                       trainer_step=target.trainer_step,
+                                       extra={"rollback_of": version, "lineage": new_version})
+                self.policies.publish(record, None if current is None else current[1])
+                return record
+
+            async with self._marker_lock:
+                for attempt in range(3):
+                    try:
+                        record = await self._retry(lambda: asyncio.to_thread(republish), "rollback", "store")
+                        break
+                    except MarkerConflict:  # another writer (a second paramsync?) moved it: read again
+                        if attempt == 2:
+                            raise
+        except (LookupError, BadPayload, WeightsError, MarkerConflict) as exc:
+            self.log.warning("rollback_refused", request_id=request_id, version=version, reason=str(exc)[:300])
+            return
+        self._set_published(record)
+        self.tracker.published(record.version, time.monotonic())
+        await self._announce(record)
+        self.log.warning("policy_rolled_back", request_id=request_id, rollback_of=version,
+                         policy_version=record.version, sha256=record.sha256[:12])
 
     async def _beat_loop(self, stop_event: asyncio.Event) -> None:
         """Heartbeats, and now and then a re-announcement of the published version: a sampler or a

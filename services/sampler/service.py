@@ -33,6 +33,7 @@ from shared.marker import VersionedStore
 from shared.messages import ControlCommand, PolicyMessage, SamplerBeat
 from shared.retry import Health, describe, is_transient, retry_transient
 from shared.rl.policy_np import WeightsError
+from shared.runtime import RuntimeConfig, RuntimeWatcher, apply_runtime, paused_since, read_paused, runtime_values
 from shared.service import RateMeter
 from shared.settings import Settings
 from shared.store import open_store
@@ -44,6 +45,7 @@ VERSION = Gauge("flywheel_sampler_policy_version", "Policy version the sampler a
 ADOPTIONS = Counter("flywheel_sampler_policy_adoptions_total", "Policy versions adopted", ["sampler", "trigger"])
 BACKPRESSURE = Counter("flywheel_sampler_backpressure_seconds_total", "Seconds paused because the backlog was full",
                        ["sampler"])
+PAUSED = Gauge("flywheel_sampler_paused", "1 while an operator has paused the sampler", ["sampler"])
 IN_FLIGHT = Gauge("flywheel_sampler_in_flight_fragments", "Fragments sent, not yet acknowledged", ["sampler"])
 LAG_PROBE = Histogram("flywheel_sampler_lag_probe_seconds", "Time of one trainer-backlog (consumer lag) query",
                       ["sampler"], buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
@@ -75,7 +77,13 @@ class Sampler:
         self.id = sampler_id or default_sampler_id()
         self.topics = Topics.for_run(settings.run)
         self.log = get_logger(sampler_id=self.id)
-        self.policies = VersionedStore(open_store(settings), settings.run, "policy")
+        store = open_store(settings)
+        self.store = store
+        self.policies = VersionedStore(store, settings.run, "policy")
+        self.base_settings = settings
+        self.runtime = RuntimeWatcher(RuntimeConfig(store, settings.run))
+        self._paused_since: float | None = None
+        self._poll_now = asyncio.Event()
         e = settings.env
         self.worker = RolloutWorker(e.id, e.num_envs, e.fragment_steps, self.id, settings.trainer.hidden,
                                     sampler_seed(settings.sampler.seed, self.id), e.latency_median_ms, e.latency_sigma,
@@ -83,7 +91,8 @@ class Sampler:
         self.producer = make_producer(settings)
         self.inbox = make_consumer(settings, group_id=None)
         self.in_flight = asyncio.Semaphore(settings.sampler.max_in_flight)
-        self.lag_probe = LagProbe(settings) if settings.sampler.max_backlog > 0 else None
+        # Always measured: max_backlog can be turned on at run time (PATCH /config).
+        self.lag_probe: LagProbe | None = LagProbe(settings)
         self._backlog: int | None = None  # last measured trainer backlog; None until the first measurement
         self._backlog_at = 0.0  # monotonic time of that measurement
         self._wake = asyncio.Event()  # backlog dropped to the limit, a policy was announced, or a command came
@@ -119,6 +128,8 @@ class Sampler:
         await self.inbox.seek_to_end(*tps)  # only what is announced from now on; the marker covers the past
         if self.lag_probe is not None:
             await self._retry(self.lag_probe.start, "start lag probe", "kafka")
+        # A restarted sampler comes back paused if it was, and with the latest runtime settings.
+        await self._retry(self._refresh_operator_state, "read operator state", "store")
 
     async def run(self, stop_event: asyncio.Event) -> None:
         self._stop = stop_event
@@ -130,8 +141,10 @@ class Sampler:
         while not stop_event.is_set():
             self._check_background()
             await self._refresh_policy()
+            await self._respect_pause(stop_event)
             await self._respect_backlog(stop_event)
             frag = await asyncio.to_thread(self.worker.collect)
+            await self._respect_pause(stop_event)  # paused while collecting: hold the fragment until resumed
             await self._send(frag)
             if self.settings.mode == "sync":
                 await self._wait_for_newer(frag.policy_version, stop_event)
@@ -195,10 +208,10 @@ class Sampler:
         """Background: measure the trainer's backlog every ``backlog_check_interval_s`` into
         ``_backlog``. A failed query is logged and the last value kept; it never stops the sampler."""
         interval = self.settings.sampler.backlog_check_interval_s
-        limit = self.settings.sampler.max_backlog
         group = trainer_group(self.settings.run)
         failures = 0
         while True:
+            limit = self.settings.sampler.max_backlog  # a runtime setting
             started = time.monotonic()
             try:
                 lag = await probe.lag(group, self.topics.samples)
@@ -234,9 +247,9 @@ class Sampler:
         The backlog comes from :meth:`_watch_backlog` (no Kafka request here); unknown (before the
         first measurement) counts as not full. While paused the loop keeps adopting policies and
         sending heartbeats, woken by ``_wake`` or every ``WAKE_TIMEOUT_S``."""
-        if self.lag_probe is None:
-            return
         limit = self.settings.sampler.max_backlog
+        if self.lag_probe is None or limit == 0:
+            return
         backlog = self._backlog
         if backlog is None or backlog <= limit:
             return
@@ -325,9 +338,14 @@ class Sampler:
         that is down costs this task its retries, never the loop: the sampler keeps producing with the
         policy it has, degraded, and catches up when the store answers again."""
         while True:
-            await asyncio.sleep(self.settings.sampler.sync_interval_s)
+            try:
+                await asyncio.wait_for(self._poll_now.wait(), self.settings.sampler.sync_interval_s)
+            except TimeoutError:
+                pass
+            self._poll_now.clear()
             try:
                 marker = await asyncio.to_thread(self.policies.read_marker)
+                await self._refresh_operator_state()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -341,11 +359,59 @@ class Sampler:
                 self._wanted_trigger = "poll"
                 self._wake.set()
 
+    # ---- operator state: pause, runtime settings --------------------------------------------
+    def _pause(self, since: float, why: str) -> None:
+        if self._paused_since is None:
+            self._paused_since = since
+            PAUSED.labels(**self._labels).set(1)
+            self.log.info("sampler_paused", request_id=why)
+
+    def _resume(self, why: str) -> None:
+        if self._paused_since is not None:
+            self._paused_since = None
+            PAUSED.labels(**self._labels).set(0)
+            self.log.info("sampler_resumed", request_id=why)
+
+    async def _respect_pause(self, stop_event: asyncio.Event) -> None:
+        """While an operator has paused this sampler: produce nothing, keep envs and policy, adopt new
+        versions, send heartbeats (they say paused since when)."""
+        while self._paused_since is not None and not stop_event.is_set():
+            await self._wait_wake(0.2)
+            await self._refresh_policy()
+            await self._maybe_heartbeat()
+
+    async def _refresh_operator_state(self) -> None:
+        """The durable pause state and the runtime settings, from the object store (the control topic is
+        the fast path; this covers lost commands and restarts)."""
+        state = await asyncio.to_thread(read_paused, self.store, self.settings.run)
+        since = paused_since(state, self.id)
+        if since is None:
+            self._resume("durable state")
+        else:
+            self._pause(since, "durable state")
+        rev = await asyncio.to_thread(self.runtime.poll)
+        if rev is not None:
+            old = runtime_values(self.settings)
+            self.settings = apply_runtime(self.base_settings, rev.settings)
+            new = runtime_values(self.settings)
+            changed = {k: {"old": old[k], "new": new[k]} for k in new if k.startswith("sampler.") and old[k] != new[k]}
+            self.log.info("runtime_config_applied", revision=rev.revision, changes=changed or None)
+            self._wake.set()
+
     def _handle_inbox(self, topic: str, key: bytes | None, value: bytes | None) -> None:
         try:
             if topic == self.topics.control and value is not None:
                 cmd = ControlCommand.model_validate_json(value)
-                self._sync_requested = True
+                if cmd.sampler not in (None, self.id):
+                    return
+                if cmd.command == "sync":
+                    self._sync_requested = True
+                elif cmd.command == "pause":
+                    self._pause(cmd.issued_at, cmd.request_id)
+                elif cmd.command == "resume":
+                    self._resume(cmd.request_id)
+                elif cmd.command == "config":
+                    self._poll_now.set()
                 self._wake.set()
                 self.log.info("control_received", command=cmd.command, request_id=cmd.request_id)
             elif topic == self.topics.policy and value is not None:
@@ -410,7 +476,8 @@ class Sampler:
         beat = SamplerBeat(
             id=self.id,
             policy_version=self.worker.policy_version,
-            adopted_at=self.adopted_at,
+            adopted_at=self.adopted_at, paused_since=self._paused_since,
+            max_backlog=self.settings.sampler.max_backlog, config_revision=self.runtime.revision,
             steps_per_s=self.steps_rate.rate(),
             fragments=self.fragments,
             env_steps=self.env_steps,

@@ -63,6 +63,7 @@ class Intake:
         self.buffer: list[Pending] = []
         self.model_version = 0  # the version of the trainer's current weights
         self.published: int | None = None  # newest version behind the marker, as last seen
+        self.abandoned: list[tuple[int, int]] = []  # version ranges a rollback abandoned: never trained
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._window = dedup_window
 
@@ -83,6 +84,14 @@ class Intake:
 
     def staleness(self, frag: Fragment) -> int:
         return max(0, self.reference - frag.policy_version)
+
+    def abandon(self, first: int, last: int) -> None:
+        """A rollback abandoned versions ``first``..``last``: fragments they made are dropped as stale."""
+        if first <= last:
+            self.abandoned.append((first, last))
+
+    def is_abandoned(self, version: int) -> bool:
+        return any(lo <= version <= hi for lo, hi in self.abandoned)
 
     # ---- admission --------------------------------------------------------------------------
     def admit(self, item: Pending) -> Rejected | None:
@@ -110,7 +119,7 @@ class Intake:
         keep = []
         for p in self.buffer:
             s = self.staleness(p.frag)
-            if s > self.max_staleness:
+            if s > self.max_staleness or self.is_abandoned(p.frag.policy_version):
                 out.stale.append((p, s))
             else:
                 keep.append(p)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections import deque
 from dataclasses import dataclass, field
@@ -85,6 +86,15 @@ class Learner:
 
     def load_policy_weights(self, data: bytes) -> None:
         load_weights(self.model, data)
+
+    def reset_optimizer(self) -> None:
+        """Fresh Adam moments (after a rollback: the old ones belong to the abandoned trajectory)."""
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.learning_rate(), eps=1e-5, fused=True)
+
+    def set_runtime(self, cfg: TrainerSettings) -> None:
+        """Apply runtime settings (learning rate, target_kl, ...) from a new ``cfg``."""
+        self.cfg = cfg
+        self.update_cfg = dataclasses.replace(self.update_cfg, target_kl=cfg.target_kl)
 
     def state_bytes(self, offsets: dict[str, int]) -> bytes:
         """A full checkpoint, loadable with ``torch.load(weights_only=True)``."""

@@ -38,8 +38,9 @@ from shared.marker import BadPayload, VersionedStore, VersionRecord
 from shared.messages import KEY_CANDIDATE, PolicyMessage, SamplerBeat, TrainerBeat, parse_heartbeat
 from shared.retry import Health, describe, is_transient, retry_transient
 from shared.rl.envs import fragment_spec
+from shared.runtime import AuditLog, RuntimeConfig, RuntimeWatcher, apply_runtime, runtime_values
 from shared.service import RateMeter, percentile
-from shared.settings import Settings
+from shared.settings import ConfigError, Settings
 from shared.store import open_store
 
 T = TypeVar("T")
@@ -72,6 +73,10 @@ DEFERRED = Counter("flywheel_trainer_deferred_total", "Publishes or checkpoints 
 CLIENT_STOP_TIMEOUT_S = 10.0
 POLICY_REFRESH_S = 5.0
 """Re-read the marker this often (announcements are the fast path; this covers lost ones)."""
+RUNTIME_POLL_S = 2.0
+"""Runtime settings (PATCH /config) are applied within this long."""
+LEARNING_RATE = Gauge("flywheel_trainer_learning_rate",
+                      "Learning rate of the last update (schedule and runtime settings)")
 
 
 class Trainer:
@@ -87,6 +92,13 @@ class Trainer:
                                         max_abs_value=self.cfg.max_abs_value)
         self.learner = Learner(self.spec, self.cfg)
         store = open_store(settings)
+        self.base_settings = settings
+        self.runtime = RuntimeWatcher(RuntimeConfig(store, settings.run))
+        self.audit = AuditLog(store, settings.run)
+        self.lineage = 0  # the newest rollback the model descends from
+        self._pending_rollback: PolicyMessage | None = None
+        self._last_runtime_poll = 0.0
+        self.config_revision = 0
         self.policies = VersionedStore(store, settings.run, "policy")
         self.checkpoints = VersionedStore(store, settings.run, "checkpoints")
         self._on_kafka = bus is None  # else an in-memory bus (unit tests): no topics to create
@@ -161,6 +173,8 @@ class Trainer:
                 if task.done():
                     raise RuntimeError(f"background task {task.get_name()} ended") from task.exception()
             await self._poll_once()
+            if self._pending_rollback is not None:
+                await self._follow_rollback(self._pending_rollback)
             if self.sync:
                 await self._poll_live_samplers()
             while not stop_event.is_set():
@@ -331,6 +345,7 @@ class Trainer:
             f = p.frag
             self.log.info("fragment_trained", outcome="trained", update=c.updates, staleness=staleness,
                           **fragment_fields(f.sample_id, f.sampler_id, f.policy_version, p.tp.partition, p.offset))
+        LEARNING_RATE.set(float(self.learner.optimizer.param_groups[0]["lr"]))
         if c.recent_returns:
             RETURN_MEAN.set(sum(c.recent_returns) / len(c.recent_returns))
         self.log.info("update_done", update=c.updates, fragments=len(items), env_steps=stats.env_steps,
@@ -464,10 +479,22 @@ class Trainer:
                     continue
                 if msg.type == "announce":
                     self.intake.saw_published(msg.version)
+                    if msg.rollback_of is not None and msg.lineage > self.lineage:
+                        self._pending_rollback = msg
 
     async def _liveness(self) -> None:
         """Re-read the marker now and then; re-send a candidate paramsync has not published; report a stall."""
         now = time.monotonic()
+        if now - self._last_runtime_poll > RUNTIME_POLL_S:
+            self._last_runtime_poll = now
+            try:
+                rev = await asyncio.wait_for(asyncio.to_thread(self.runtime.poll), 10)
+                if rev is not None:
+                    self._apply_runtime(apply_runtime(self.base_settings, rev.settings), rev.revision)
+            except Exception as exc:
+                if not is_transient(exc) and not isinstance(exc, ConfigError):
+                    raise
+                self.log.warning("runtime_config_unreadable", error=describe(exc))
         if now - self._last_marker_read > POLICY_REFRESH_S:
             self._last_marker_read = now
             try:
@@ -491,8 +518,55 @@ class Trainer:
             self._stalled_logged = True
             self.log.error("training_stalled", reason=stall.reason, published_version=self.intake.published,
                            policy_version=self.learner.counters.policy_version)
+            await self._audit("training_stalled", {"reason": stall.reason}, "detected; re-sending the candidate")
             if self._candidate is not None:
                 await self._resend_candidate(self._candidate[0], "training stalled")
+
+    async def _follow_rollback(self, msg: PolicyMessage) -> None:
+        """An operator rolled the policy back: continue from the republished weights with a fresh
+        optimizer; fragments of the abandoned versions are dropped as stale (never trained)."""
+        async with self._update_lock:
+            self._pending_rollback = None
+            await self._settle()
+            data = await self._retry(lambda: asyncio.to_thread(self.policies.fetch, msg.record()), "fetch rollback",
+                                     "store")
+            c = self.learner.counters
+            abandoned = (int(msg.rollback_of or 0) + 1, msg.version - 1)
+            self.learner.load_policy_weights(data)
+            self.learner.reset_optimizer()
+            c.policy_version = max(c.policy_version, msg.version)
+            self.intake.model_version = c.policy_version
+            self.intake.saw_published(msg.version)
+            self.intake.abandon(abandoned[0], max(abandoned[1], c.policy_version - 1))
+            self.lineage = msg.lineage
+            self._candidate = None
+            self._checkpoint_due = True
+            VERSION.set(c.policy_version)
+        RECOVERIES.labels(action="follow_rollback").inc()
+        self.log.warning("rollback_followed", rollback_of=msg.rollback_of, policy_version=msg.version,
+                         abandoned=list(abandoned), optimizer="reset")
+        await self._audit("trainer_followed_rollback", {"rollback_of": msg.rollback_of, "version": msg.version},
+                          "weights loaded, optimizer reset, abandoned versions dropped")
+
+    async def _audit(self, action: str, params: dict[str, Any], outcome: str) -> None:
+        """Record an automatic action in the run's audit trail (best effort: it never stops training)."""
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.audit.append, "trainer", action, params, outcome), 10)
+        except Exception as exc:
+            self.log.warning("audit_write_failed", action=action, error=describe(exc))
+
+    def _apply_runtime(self, settings: Settings, revision: int) -> None:
+        old = runtime_values(self.settings)
+        self.settings = settings
+        self.cfg = settings.trainer
+        self.learner.set_runtime(settings.trainer)
+        if not self.sync:
+            self.intake.max_staleness = settings.trainer.max_staleness
+        new = runtime_values(settings)
+        changes = {k: {"old": old[k], "new": new[k]} for k in new if k.startswith("trainer.") and old[k] != new[k]}
+        self.config_revision = revision
+        LEARNING_RATE.set(self.learner.learning_rate())
+        self.log.info("runtime_config_applied", revision=revision, changes=changes or None)
 
     async def _resend_candidate(self, msg: PolicyMessage, why: str) -> None:
         try:
@@ -505,6 +579,8 @@ class Trainer:
         else:
             self.candidates_resent += 1
             RECOVERIES.labels(action="resend_candidate").inc()
+            if why == "training stalled" or self.candidates_resent % 10 == 1:
+                await self._audit("candidate_resent", {"version": msg.version, "why": why}, "sent")
             self.log.warning("candidate_resent", policy_version=msg.version, reason=why,
                              published_version=self.intake.published, automatic_action=True)
         self._candidate = (msg, time.monotonic())
@@ -516,7 +592,8 @@ class Trainer:
         A transient failure defers it (the next update sends a newer candidate) unless ``required``."""
         async def write_and_send() -> PolicyMessage:
             key, sha = await asyncio.to_thread(self.policies.put_blob, data)
-            rec = VersionRecord(version=version, blob=key, sha256=sha, size=len(data), trainer_step=update)
+            rec = VersionRecord(version=version, blob=key, sha256=sha, size=len(data), trainer_step=update,
+                                extra={"lineage": self.lineage} if self.lineage else {})
             msg = PolicyMessage.of("candidate", rec)
             await asyncio.wait_for(self.producer.send_and_wait(self.topics.policy, msg.to_bytes(), key=KEY_CANDIDATE),
                                    self._kafka_timeout())
@@ -552,7 +629,8 @@ class Trainer:
             sha = hashlib.sha256(data).hexdigest()
             key, _ = self.checkpoints.put_blob(data, f"{self.checkpoints.prefix}/{step}/{sha}.pt")
             rec = VersionRecord(version=step, blob=key, sha256=sha, size=len(data), trainer_step=step,
-                                extra={"policy_version": c.policy_version, "offsets": offsets})
+                                extra={"policy_version": c.policy_version, "offsets": offsets,
+                                       "lineage": self.lineage})
             self.checkpoints.publish(rec, None if current is None else current[1])
             return key
 
@@ -606,10 +684,22 @@ class Trainer:
             offsets = {str(k): int(v) for k, v in dict(record.extra.get("offsets") or {}).items()}
             self._resume = offsets or None
             self._last_checkpoint = record.version
+            self.lineage = int(record.extra.get("lineage") or 0)
+            if refused:
+                await self._audit("checkpoint_fallback", {"restored": record.version, "refused": refused[:3]},
+                                  "restored an older checkpoint")
             self.log.info("checkpoint_restored", update=record.version, fell_back=bool(refused),
                           policy_version=self.learner.counters.policy_version, checkpoint_offsets=offsets)
         marker = await self._retry(lambda: asyncio.to_thread(self.policies.read_marker), "read policy marker", "store")
         c = self.learner.counters
+        marker_lineage = int(marker[0].extra.get("lineage") or 0) if marker is not None else 0
+        if marker is not None and marker_lineage > self.lineage:
+            # A rollback was published after this checkpoint: continue from the published weights.
+            data = await self._retry(lambda: asyncio.to_thread(self.policies.fetch, marker[0]), "fetch policy", "store")
+            self.learner.load_policy_weights(data)
+            self.learner.reset_optimizer()
+            self.lineage = marker_lineage
+            self.log.warning("rollback_followed_at_start", policy_version=marker[0].version, lineage=marker_lineage)
         if marker is not None and marker[0].version > c.policy_version:
             # Samplers act on a version newer than the checkpoint (a crash after publishing). The model
             # stays the checkpoint's (its weights reflect exactly the checkpoint's offsets); only the
@@ -639,6 +729,7 @@ class Trainer:
             stalled_since=None if stall is None else time.time() - (time.monotonic() - stall.since),
             stalled_reason=None if stall is None else stall.reason, nonfinite_steps_skipped=self.nonfinite_skipped,
             candidates_resent=self.candidates_resent, health=self.health_state.as_dict(), started_at=self.started_at,
+            learning_rate=self.learner.learning_rate(), config_revision=self.config_revision,
         )
         try:
             await self.producer.send(self.topics.heartbeats, beat.to_bytes(), key=self.id.encode())

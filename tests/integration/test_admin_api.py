@@ -6,40 +6,15 @@ import asyncio
 import time
 from typing import Any
 
-import httpx
 import pytest
 
-from services.admin.app import create_app
 from services.admin.cli import render_status
-from services.admin.state import AdminState
 from shared.marker import VersionedStore, VersionRecord
 from shared.messages import SamplerBeat, TrainerBeat
-from shared.settings import load_settings
 from shared.store import S3Store
+from tests.integration.conftest import TOKEN
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3]
-TOKEN = "t0ken-for-tests"
-
-
-@pytest.fixture
-async def api(kafka_bootstrap: str, s3_endpoint: Any, run_name: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    for k, v in s3_endpoint.env().items():
-        if k.startswith("AWS_"):
-            monkeypatch.setenv(k, v)
-    env = {"FLYWHEEL_RUN": run_name, "FLYWHEEL_KAFKA_BOOTSTRAP": kafka_bootstrap, "FLYWHEEL_ADMIN_TOKEN": TOKEN,
-           "FLYWHEEL_ADMIN_REFRESH_INTERVAL_S": "0.2", **{k: v for k, v in s3_endpoint.env().items()
-                                                         if k.startswith("FLYWHEEL_")}}
-    settings = load_settings(None, environ=env)
-    state = AdminState(settings)
-    await state.start()
-    stop = asyncio.Event()
-    task = asyncio.create_task(state.run(stop))
-    transport = httpx.ASGITransport(app=create_app(state))
-    async with httpx.AsyncClient(transport=transport, base_url="http://admin") as client:
-        yield client, state
-    stop.set()
-    await task
-    await state.stop()
 
 
 async def test_status_before_anything_runs(api: Any, run_name: str) -> None:
@@ -50,8 +25,9 @@ async def test_status_before_anything_runs(api: Any, run_name: str) -> None:
     assert s["run"] == run_name
     assert s["policy"] == {"version": None, "sha256": None, "published_at": None}
     assert s["trainer"]["alive"] is False and s["samplers"] == []
-    assert set(s) == {"run", "policy", "trainer", "samplers", "backlog", "sync", "staleness", "episode_return"}
-    assert "run " + run_name in render_status(s)
+    assert set(s) >= {"run", "policy", "trainer", "samplers", "backlog", "sync", "staleness", "episode_return"}
+    assert s["services"]["trainer"]["state"] == "down"  # no heartbeat yet
+    assert run_name in render_status(s).splitlines()[0]
 
 
 async def test_sync_needs_a_token_and_a_published_policy(api: Any, s3_endpoint: Any, run_name: str) -> None:
@@ -89,7 +65,8 @@ async def test_status_reflects_heartbeats_and_backlog(api: Any, run_name: str) -
         await asyncio.sleep(0.2)
     assert s["samplers"][0]["id"] == "s-a" and s["samplers"][0]["alive"] and s["samplers"][0]["policy_version"] == 2
     assert s["trainer"]["updates"] == 9 and s["trainer"]["samples_trained"] == 4608
-    assert s["staleness"] == {"mean": 1.5, "max": 3} and s["episode_return"] == {"mean": 42.0, "count": 7}
+    assert s["staleness"]["mean"] == 1.5 and s["staleness"]["max"] == 3
+    assert s["episode_return"] == {"mean": 42.0, "count": 7}
     assert s["backlog"]["records"] == 3
     metrics = (await client.get("/metrics")).text
     assert "flywheel_backlog_records 3.0" in metrics

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
@@ -106,9 +107,12 @@ def test_status_in_words(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _, stub = run(capsys, ["status"], {("GET", "/status"): (200, STATUS)})
     assert code == 0 and stub.last.method == "GET" and stub.last.url.path == "/status"
     assert "authorization" not in stub.last.headers  # reading needs no token
-    for text in ["run        cartpole", "policy     v412  sha256 abababababab  published 3.",
+    # Ages depend on when the test runs (NOW is taken at import): check their shape, not their value.
+    assert re.search(r"policy     v412  sha256 abababababab  published \d+\.\ds ago", out), out
+    assert re.search(r"STALLED since \d+\.", out) and re.search(r"paused \d+\.", out)
+    for text in ["run        cartpole",
                  "trainer    alive  updates 410  weights v412  3232 steps/s  209920 steps trained",
-                 "STALLED since 30.", "all 37 fragments since the last update were dropped as stale",
+                 "all 37 fragments since the last update were dropped as stale",
                  "samplers   2 alive, 1 paused",
                  "backlog    8 records  (p0 2, p1 3, p2 2, p10 1)", "sync       p50 0.18s  p95 0.69s",
                  "staleness  mean 4.3  p95 7  max 8 versions  dropped 1.2%",
@@ -118,7 +122,7 @@ def test_status_in_words(capsys: pytest.CaptureFixture[str]) -> None:
         assert text in out, text
     s0, s1 = (next(x for x in out.splitlines() if x.startswith(f"  sampler-{i} ")) for i in (0, 1))
     assert "alive" in s0 and "v411" in s0 and "1552 steps/s" in s0 and "paused" not in s0
-    assert "paused" in s1 and "v410" in s1 and "paused 45." in s1
+    assert "paused" in s1 and "v410" in s1
     assert "\x1b" not in out  # not a terminal: no colour
 
 
