@@ -80,6 +80,7 @@ def service_env(
         env["FLYWHEEL_SAMPLER_ID"] = proc_key(service, replica)
     if service == "admin":
         env[TOKEN_ENV] = admin_token
+        env["FLYWHEEL_ADMIN_LOG_DIR"] = str(home / "logs")  # GET /trace/{sample_id} reads them
     env["PYTHONUNBUFFERED"] = "1"
     # The service writes its JSON lines to logs/<name>.log itself and rotates it between lines, so no
     # line (the per-fragment trace) is lost to rotation; stdout/stderr go to logs/<name>.out.

@@ -269,6 +269,9 @@ class AdminSettings(_Section):
     """Allow starting without a token (mutations then unauthenticated). Development only."""
     refresh_interval_s: float = Field(2.0, gt=0)
     """How often backlog (consumer lag) is recomputed."""
+    log_dir: Path | None = None
+    """Where the services' JSON log files are, when the admin can read them (the local stack sets it):
+    serves ``GET /trace/{sample_id}``. None: trace with the CLI from piped logs instead."""
 
 
 class HttpSettings(_Section):

@@ -302,3 +302,24 @@ async def audit(s: State, limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -
 async def status_history(s: State) -> dict[str, Any]:
     """Compact status samples (one per ``admin.refresh_interval_s``, the last hour) for the curves."""
     return {"points": list(s.history)}
+
+
+@router.get("/trace/{sample_id}", responses={404: {"description": "Not found, or the logs are not reachable"}})
+async def trace(s: State, sample_id: str) -> dict[str, Any]:
+    """One sample's path: produced by which sampler on which version into which partition and offset,
+    consumed, trained in which update (or dropped as stale, or dead-lettered and why), from the
+    services' log files (``admin.log_dir``; the local stack sets it). Elsewhere use the CLI on piped
+    logs: ``docker compose logs --no-color | flywheel trace ID -``."""
+    from services.admin.trace import log_lines, trace_json
+
+    log_dir = s.settings.admin.log_dir
+    if log_dir is None or not log_dir.is_dir():
+        raise HTTPException(status_code=404, detail="the services' logs are not reachable from the admin "
+                            "(admin.log_dir unset); use: docker compose logs --no-color | flywheel trace ID -")
+    if not sample_id.isalnum() or len(sample_id) > 64:
+        raise HTTPException(status_code=422, detail="sample_id: expected the hex id from the logs")
+    result: dict[str, Any] = await asyncio.to_thread(lambda: trace_json(sample_id, log_lines(log_dir)))
+    if not result.get("found"):
+        raise HTTPException(status_code=404, detail=f"sample {sample_id} is not in the logs under {log_dir}")
+    return result
+

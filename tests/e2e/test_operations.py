@@ -117,3 +117,12 @@ def test_pause_config_and_rollback_on_the_real_stack(make_stack: Any, run_name: 
     print(f"samplers acted on the rollback {acted_s:.2f} s after it was published")  # noqa: T201
     actions = [e["action"] for e in httpx.get(f"{url}/audit", timeout=10).json()["entries"]]
     assert {"pause", "resume", "config_change", "rollback", "trainer_followed_rollback"} <= set(actions), actions
+
+    # ---- trace: one trained sample, from the sampler to its update, through the admin ----
+    trained = log_events(stack.log_path("trainer"), "fragment_trained")[-1]
+    r = httpx.get(f"{url}/trace/{trained['sample_id']}", timeout=30)
+    assert r.status_code == 200, r.text
+    kinds = [step["kind"] for step in r.json()["steps"]]
+    assert "produced" in kinds and "trained" in kinds, kinds
+    assert r.json()["outcome"] == "trained"
+    assert httpx.get(f"{url}/trace/{'0' * 32}", timeout=30).status_code == 404
