@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 from aiokafka.errors import KafkaError
 from fastapi import Depends, FastAPI, HTTPException, Query, Response
@@ -83,6 +83,9 @@ class StalenessStatus(BaseModel):
     p95: float | None = None
     dropped_fraction: float | None = Field(
         None, description="Fragments dropped as stale / (trained + dropped), since the trainer started")
+    per_sampler: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Per sampler: mean, p95, max staleness of its trained fragments, "
+                                          "dropped and dropped_fraction")
 
 
 class ReturnStatus(BaseModel):
@@ -173,7 +176,8 @@ def create_app(state: AdminState) -> FastAPI:
                 mean=tb.staleness_mean if tb else None, max=tb.staleness_max if tb else None,
                 p95=tb.staleness_p95 if tb else None,
                 dropped_fraction=round(tb.fragments_dropped_stale / trained_dropped, 4)
-                if tb and trained_dropped else None),
+                if tb and trained_dropped else None,
+                per_sampler=(tb.staleness_per_sampler or {}) if tb else {}),
             episode_return=ReturnStatus(mean=tb.return_mean if tb else None, count=tb.return_count if tb else 0),
         )
 

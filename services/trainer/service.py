@@ -79,6 +79,16 @@ LEARNING_RATE = Gauge("flywheel_trainer_learning_rate",
                       "Learning rate of the last update (schedule and runtime settings)")
 
 
+SAMPLER_LAG_FORGET_S = 600.0
+
+
+@dataclasses.dataclass
+class SamplerLag:
+    trained: deque[int] = dataclasses.field(default_factory=lambda: deque(maxlen=200))
+    dropped: int = 0
+    seen: float = 0.0
+
+
 class Trainer:
     name = "trainer"
 
@@ -113,6 +123,7 @@ class Trainer:
         self.health_state = Health("trainer")
         self.ledger = OffsetLedger()
         self.staleness: deque[int] = deque(maxlen=1000)
+        self.per_sampler: dict[str, SamplerLag] = {}  # staleness as trained and drops, per sampler (expires)
         self.rate = RateMeter()
         self.dropped = 0
         self.dead_lettered = 0
@@ -285,6 +296,7 @@ class Trainer:
             self.ledger.finished(p.tp, p.offset)
             DROPPED.inc()
             self.dropped += 1
+            self._lag_of(p.frag.sampler_id).dropped += 1
             self.stall.note("dropped_stale", time.monotonic())
             f = p.frag
             self.log.info("fragment_dropped_stale", outcome="dropped_stale", staleness=staleness,
@@ -341,6 +353,7 @@ class Trainer:
         for p, staleness in zip(items, batch.staleness, strict=True):
             self.ledger.finished(p.tp, p.offset)
             self.staleness.append(staleness)
+            self._lag_of(p.frag.sampler_id).trained.append(staleness)
             STALENESS.observe(staleness)
             f = p.frag
             self.log.info("fragment_trained", outcome="trained", update=c.updates, staleness=staleness,
@@ -548,6 +561,29 @@ class Trainer:
         await self._audit("trainer_followed_rollback", {"rollback_of": msg.rollback_of, "version": msg.version},
                           "weights loaded, optimizer reset, abandoned versions dropped")
 
+    def _lag_of(self, sampler_id: str) -> SamplerLag:
+        lag = self.per_sampler.get(sampler_id)
+        if lag is None:
+            lag = self.per_sampler[sampler_id] = SamplerLag()
+        lag.seen = time.monotonic()
+        return lag
+
+    def _lag_report(self) -> dict[str, dict[str, Any]]:
+        """Per sampler: staleness of its last trained fragments (mean, p95, max) and the fraction of its
+        fragments dropped as stale. Samplers silent for 10 minutes are forgotten (restarts add ids)."""
+        now = time.monotonic()
+        for sid in [sid for sid, lag in self.per_sampler.items() if now - lag.seen > SAMPLER_LAG_FORGET_S]:
+            del self.per_sampler[sid]
+        out = {}
+        for sid, lag in sorted(self.per_sampler.items()):
+            st = list(lag.trained)
+            total = lag.dropped + len(st)
+            out[sid] = {"mean": round(sum(st) / len(st), 3) if st else None,
+                        "p95": percentile(st, 0.95) if st else None, "max": max(st) if st else None,
+                        "dropped": lag.dropped,
+                        "dropped_fraction": round(lag.dropped / total, 4) if total else None}
+        return out
+
     async def _audit(self, action: str, params: dict[str, Any], outcome: str) -> None:
         """Record an automatic action in the run's audit trail (best effort: it never stops training)."""
         try:
@@ -729,6 +765,7 @@ class Trainer:
             stalled_since=None if stall is None else time.time() - (time.monotonic() - stall.since),
             stalled_reason=None if stall is None else stall.reason, nonfinite_steps_skipped=self.nonfinite_skipped,
             candidates_resent=self.candidates_resent, health=self.health_state.as_dict(), started_at=self.started_at,
+            staleness_per_sampler=self._lag_report(),
             learning_rate=self.learner.learning_rate(), config_revision=self.config_revision,
         )
         try:

@@ -195,3 +195,13 @@ async def test_a_failing_commit_never_stops_training(tmp_path: Path, error: Exce
     mem.commit_errors.extend([error, error])
     put(mem, TP0, 4)
     await run_until(t, lambda: trained(t) == 4 and mem.committed.get(TP0) == 4)
+
+
+async def test_staleness_is_reported_per_sampler(tmp_path: Path) -> None:
+    t, mem = make(tmp_path, max_staleness=1)
+    put(mem, TP0, 4)
+    await run_until(t, lambda: trained(t) == 4)
+    report = t._lag_report()
+    # Two updates of 2 fragments, all made by version 0: the second batch is one version old.
+    assert report["s0"]["max"] == 1 and report["s0"]["dropped"] == 0 and report["s0"]["dropped_fraction"] == 0
+    assert report["s0"]["mean"] == 0.5
