@@ -207,21 +207,26 @@ class MemorySource:
         self.topic, self._on_revoke, self._on_assign = topic, on_revoke, on_assign
 
     async def rebalance(self, owned: set[TopicPartition]) -> None:
-        """Revoke what is not in ``owned`` (callback first, as Kafka does), then assign the rest; a newly
-        assigned partition starts at the group's committed offset."""
-        assert self._on_revoke is not None and self._on_assign is not None
-        revoked = self.owned - owned
+        """:meth:`revoke` what is not in ``owned``, then :meth:`assign` ``owned``."""
+        await self.revoke(self.owned - owned)
+        await self.assign(owned)
+
+    async def revoke(self, revoked: set[TopicPartition]) -> None:
+        """The revoke callback, as aiokafka runs it when a rebalance starts: the assignment still lists
+        these partitions afterwards, until :meth:`assign` (the rejoin) completes."""
+        assert self._on_revoke is not None
         if revoked:
-            await self._on_revoke(revoked)
-            self.owned -= revoked
-            for tp in revoked:
-                self.positions.pop(tp, None)
-        added = owned - self.owned
-        self.owned |= added
-        for tp in added:
-            self.positions[tp] = self.bus.committed.get(tp, 0)
-        if added:
-            await self._on_assign(added)
+            await self._on_revoke(set(revoked))
+
+    async def assign(self, owned: set[TopicPartition]) -> None:
+        """The rejoin completes: the assignment becomes ``owned`` (every partition, revoked or not,
+        starts again at the group's committed offset, as after a real rebalance) and the assign
+        callback runs with all of them."""
+        assert self._on_assign is not None
+        self.owned = set(owned)
+        self.positions = {tp: self.bus.committed.get(tp, 0) for tp in owned}
+        if owned:
+            await self._on_assign(set(owned))  # eager rebalancing: the whole new assignment
 
     async def poll(self, max_records: int, timeout_ms: int) -> dict[TopicPartition, list[Record]]:
         if self.topic is not None and not self.owned:  # the first poll joins: everything is ours

@@ -75,7 +75,9 @@ def configure_logging(service: str, run: str, level: str = "INFO", stream: TextI
             structlog.processors.JSONRenderer(sort_keys=False),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(stream),
+        # WriteLogger writes a line and its newline in one write(): with RotatingFile and the stdlib
+        # handler sharing the stream, lines never interleave or split across files.
+        logger_factory=structlog.WriteLoggerFactory(stream),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()

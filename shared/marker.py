@@ -37,6 +37,10 @@ class BadPayload(StoreError):
     not a connectivity fault, so it is not retried."""
 
 
+class BadMarker(BadPayload):
+    """The marker (or a history record) is not a readable record."""
+
+
 @dataclass(frozen=True)
 class VersionRecord:
     version: int
@@ -92,7 +96,7 @@ class VersionedStore:
         try:
             return VersionRecord.from_json(obj.data), obj.etag
         except (ValueError, KeyError, TypeError) as exc:
-            raise StoreError(f"marker {self.marker_key} is unreadable: {exc}") from exc
+            raise BadMarker(f"marker {self.marker_key} is unreadable: {exc}") from exc
 
     def publish(self, record: VersionRecord, expected_etag: str | None) -> str:
         """Move the marker to ``record``; ``expected_etag`` is the etag read before (None: first).
@@ -156,13 +160,19 @@ class VersionedStore:
         Raises :class:`StoreError` when the store cannot be read (an outage is never taken for "no
         checkpoint"), and :class:`BadPayload` when versions exist but none is usable.
         """
-        current = self.read_marker()
+        refused: list[str] = []
+        try:
+            current = self.read_marker()
+        except BadMarker as exc:  # fall back to the history, which names the same versions
+            refused.append(str(exc))
+            current = None
         candidates = [] if current is None else [current[0]]
         seen = {c.version for c in candidates}
         candidates += [r for r in reversed(self.records()) if r.version not in seen]
         if not candidates:
+            if refused:
+                raise BadPayload(f"no usable version under {self.prefix}: " + "; ".join(refused)[:1000])
             return None
-        refused: list[str] = []
         for rec in candidates:
             try:
                 data = self.fetch(rec)
@@ -186,8 +196,12 @@ class VersionedStore:
         out = []
         for key in self.store.list(f"{self.prefix}/versions/"):
             obj = self.store.get(key)
-            if obj is not None:
+            if obj is None:
+                continue
+            try:
                 out.append(VersionRecord.from_json(obj.data))
+            except (ValueError, KeyError, TypeError) as exc:  # one damaged record must not hide the rest
+                self._log.warning("history_record_unreadable", key=key, reason=str(exc)[:200])
         return sorted(out, key=lambda r: r.version)
 
     def prune(self, keep: int) -> list[int]:

@@ -119,6 +119,8 @@ class TrainerBeat(_Msg):
     candidates_resent: int = 0
     learning_rate: float | None = None
     config_revision: int = 0
+    dropped_fraction: float | None = None
+    """Fragments dropped as stale / (trained + dropped) by this trainer process."""
     staleness_per_sampler: dict[str, dict[str, Any]] | None = None
     """Per sampler id: ``{"mean", "p95", "max", "dropped", "dropped_fraction"}`` (staleness as trained)."""
     health: dict[str, Any] | None = None

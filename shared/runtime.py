@@ -75,10 +75,11 @@ class RuntimeConfig:
         self.versions = VersionedStore(store, run, "config")
 
     def latest(self) -> Revision | None:
-        found = self.versions.load_newer(None)
-        if found is None:
+        """The newest revision; store errors propagate (an outage is never taken for "no revision")."""
+        current = self.versions.read_marker()
+        if current is None:
             return None
-        return Revision(**json.loads(found[1]))
+        return Revision(**json.loads(self.versions.fetch(current[0])))
 
     def history(self) -> list[Revision]:
         out = []
@@ -93,12 +94,12 @@ class RuntimeConfig:
         """Validate ``values`` against ``base`` (+ the latest revision) and store them as the next revision."""
         for _ in range(5):
             current = self.versions.read_marker()
-            latest = self.latest() if current is not None else None
+            latest = None if current is None else Revision(**json.loads(self.versions.fetch(current[0])))
             effective = apply_runtime(base, latest.settings if latest else {})
             before = runtime_values(effective)
             after = runtime_values(apply_runtime(effective, values))
             changes = {k: {"old": before[k], "new": after[k]} for k in after if after[k] != before[k]}
-            rev = Revision(revision=(latest.revision if latest else 0) + 1, settings=after, changes=changes,
+            rev = Revision(revision=(current[0].version if current else 0) + 1, settings=after, changes=changes,
                            actor=actor, at=time.time(), reverted_from=reverted_from)
             data = json.dumps(asdict(rev), sort_keys=True).encode()
             key, sha = self.versions.put_blob(data)
@@ -139,8 +140,12 @@ class AuditLog:
         out = []
         for key in keys:
             obj = self.store.get(key)
-            if obj is not None:
+            if obj is None:
+                continue
+            try:
                 out.append(AuditEntry(**json.loads(obj.data)))
+            except (ValueError, TypeError):  # not ours, or damaged: the rest stays readable
+                continue
         return out
 
 
@@ -153,14 +158,17 @@ class RuntimeWatcher:
         self.revision = 0
 
     def poll(self) -> Revision | None:
+        """A revision newer than the last one acknowledged, or None. Call :meth:`ack` once applied."""
         current = self.config.versions.read_marker()
         if current is None or current[0].version <= self.revision:
             return None
         rev = self.config.latest()
         if rev is None or rev.revision <= self.revision:
             return None
-        self.revision = rev.revision
         return rev
+
+    def ack(self, rev: Revision) -> None:
+        self.revision = max(self.revision, rev.revision)
 
 
 PAUSE_KEY = "ops/paused.json"
@@ -170,12 +178,14 @@ def read_paused(store: ObjectStore, run: str) -> dict[str, Any]:
     """``{"all": since | None, "samplers": {id: since}}``: who an operator paused (durable across restarts)."""
     obj = store.get(f"{run}/{PAUSE_KEY}")
     if obj is None:
-        return {"all": None, "samplers": {}}
+        return {"all": None, "samplers": {}, "updated_at": None}
     data = json.loads(obj.data)
-    return {"all": data.get("all"), "samplers": dict(data.get("samplers") or {})}
+    return {"all": data.get("all"), "samplers": dict(data.get("samplers") or {}),
+            "updated_at": data.get("updated_at")}
 
 
 def write_paused(store: ObjectStore, run: str, state: dict[str, Any]) -> None:
+    state = {**state, "updated_at": time.time()}
     store.put(f"{run}/{PAUSE_KEY}", json.dumps(state, sort_keys=True).encode())
 
 

@@ -82,7 +82,7 @@ class StalenessStatus(BaseModel):
     max: int | None
     p95: float | None = None
     dropped_fraction: float | None = Field(
-        None, description="Fragments dropped as stale / (trained + dropped), since the trainer started")
+        None, description="Fragments dropped as stale / (trained + dropped) by the running trainer process")
     per_sampler: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Per sampler: mean, p95, max staleness of its trained fragments, "
                                           "dropped and dropped_fraction")
@@ -152,7 +152,6 @@ def create_app(state: AdminState) -> FastAPI:
 
         services = {"trainer": health("trainer", v.trainer), "paramsync": health("paramsync", v.paramsync)}
         services.update({f"sampler:{sid}": health(f"sampler:{sid}", seen) for sid, seen in sorted(v.samplers.items())})
-        trained_dropped = (tb.fragments_trained + tb.fragments_dropped_stale) if tb else 0
         return Status(
             run=s.settings.run,
             services=services,
@@ -175,8 +174,7 @@ def create_app(state: AdminState) -> FastAPI:
             staleness=StalenessStatus(
                 mean=tb.staleness_mean if tb else None, max=tb.staleness_max if tb else None,
                 p95=tb.staleness_p95 if tb else None,
-                dropped_fraction=round(tb.fragments_dropped_stale / trained_dropped, 4)
-                if tb and trained_dropped else None,
+                dropped_fraction=tb.dropped_fraction if tb else None,
                 per_sampler=(tb.staleness_per_sampler or {}) if tb else {}),
             episode_return=ReturnStatus(mean=tb.return_mean if tb else None, count=tb.return_count if tb else 0),
         )

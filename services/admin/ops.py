@@ -39,6 +39,8 @@ class PauseAccepted(BaseModel):
     request_id: str
     action: str
     sampler: str | None
+    command_sent: bool = Field(True, description="False: Kafka was unreachable; the state is stored and samplers "
+                                                 "apply it at their next poll of the store (sampler.sync_interval_s)")
 
 
 class VersionInfo(BaseModel):
@@ -141,6 +143,11 @@ async def _pause_resume(s: State, request: Request, action: str, target: Sampler
     if sid is not None and sid not in s.view.samplers:
         raise HTTPException(status_code=404, detail=f"unknown sampler {sid!r}; known: {sorted(s.view.samplers)}")
     now = time.time()
+    if action == "resume" and sid is not None:
+        state = await _store(s, "pause state", read_paused, s.store, s.settings.run)
+        if state.get("all"):
+            raise HTTPException(status_code=409, detail="every sampler is paused: resume all (no sampler) first, "
+                                                        "then pause the ones to keep paused")
 
     def update() -> None:
         state = read_paused(s.store, s.settings.run)
@@ -158,9 +165,15 @@ async def _pause_resume(s: State, request: Request, action: str, target: Sampler
     await _store(s, f"{action} state", update)
     cmd = ControlCommand(command=action, request_id=uuid.uuid4().hex, sampler=sid,
                          issued_at=now)
-    await _send(s, cmd)
-    await _audit(s, request, action, {"sampler": sid}, "sent")
-    return PauseAccepted(request_id=cmd.request_id, action=action, sampler=sid)
+    try:
+        await s.command(cmd)
+        sent = True
+    except (KafkaError, TimeoutError) as exc:  # stored: samplers apply it from the store at their next poll
+        s.log.warning("operator_command_not_sent", command=action, error=f"{type(exc).__name__}: {exc}"[:200])
+        sent = False
+    await _audit(s, request, action, {"sampler": sid},
+                 "sent" if sent else "stored; command not sent (Kafka unreachable), applied at the next poll")
+    return PauseAccepted(request_id=cmd.request_id, action=action, sampler=sid, command_sent=sent)
 
 
 @router.post("/samplers/pause", response_model=PauseAccepted, status_code=202, dependencies=[Depends(require_token)],

@@ -179,6 +179,10 @@ class Paramsync:
                 self.log.info("candidate_stale", policy_version=msg.version, reason=str(exc))
                 return "stale"
             except MarkerConflict as exc:
+                # A retried conditional PUT that had in fact succeeded answers 412: then the marker is ours.
+                now = await self._retry(lambda: asyncio.to_thread(self.policies.read_marker), "read marker", "store")
+                if now is not None and now[0].version == record.version and now[0].sha256 == record.sha256:
+                    break
                 self.log.warning("marker_conflict", policy_version=msg.version, attempt=attempt, reason=str(exc))
         else:
             return "conflict"

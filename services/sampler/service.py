@@ -35,7 +35,7 @@ from shared.retry import Health, describe, is_transient, retry_transient
 from shared.rl.policy_np import WeightsError
 from shared.runtime import RuntimeConfig, RuntimeWatcher, apply_runtime, paused_since, read_paused, runtime_values
 from shared.service import RateMeter
-from shared.settings import Settings
+from shared.settings import ConfigError, Settings
 from shared.store import open_store
 
 ENV_STEPS = Counter("flywheel_sampler_env_steps_total", "Env steps taken", ["sampler"])
@@ -83,6 +83,7 @@ class Sampler:
         self.base_settings = settings
         self.runtime = RuntimeWatcher(RuntimeConfig(store, settings.run))
         self._paused_since: float | None = None
+        self._last_command_at = 0.0  # issued_at of the last pause/resume command applied
         self._poll_now = asyncio.Event()
         e = settings.env
         self.worker = RolloutWorker(e.id, e.num_envs, e.fragment_steps, self.id, settings.trainer.hidden,
@@ -384,15 +385,21 @@ class Sampler:
         """The durable pause state and the runtime settings, from the object store (the control topic is
         the fast path; this covers lost commands and restarts)."""
         state = await asyncio.to_thread(read_paused, self.store, self.settings.run)
-        since = paused_since(state, self.id)
-        if since is None:
-            self._resume("durable state")
-        else:
-            self._pause(since, "durable state")
+        # A command newer than this state wins (the read may have started before the command came).
+        if float(state.get("updated_at") or 0) >= self._last_command_at:
+            since = paused_since(state, self.id)
+            if since is None:
+                self._resume("durable state")
+            else:
+                self._pause(since, "durable state")
         rev = await asyncio.to_thread(self.runtime.poll)
         if rev is not None:
             old = runtime_values(self.settings)
-            self.settings = apply_runtime(self.base_settings, rev.settings)
+            try:
+                self.settings = apply_runtime(self.base_settings, rev.settings)
+            except ConfigError as exc:  # does not validate against this sampler's settings: skip it
+                self.log.error("runtime_config_refused", revision=rev.revision, error=str(exc)[:300])
+            self.runtime.ack(rev)
             new = runtime_values(self.settings)
             changed = {k: {"old": old[k], "new": new[k]} for k in new if k.startswith("sampler.") and old[k] != new[k]}
             self.log.info("runtime_config_applied", revision=rev.revision, changes=changed or None)
@@ -407,8 +414,10 @@ class Sampler:
                 if cmd.command == "sync":
                     self._sync_requested = True
                 elif cmd.command == "pause":
+                    self._last_command_at = max(self._last_command_at, cmd.issued_at)
                     self._pause(cmd.issued_at, cmd.request_id)
                 elif cmd.command == "resume":
+                    self._last_command_at = max(self._last_command_at, cmd.issued_at)
                     self._resume(cmd.request_id)
                 elif cmd.command == "config":
                     self._poll_now.set()

@@ -144,6 +144,11 @@ class Intake:
         return max(1, self.batch_fragments - len(self.buffer))
 
     # ---- rebalances -------------------------------------------------------------------------
+    def forget_ids(self, sample_ids: Iterable[str]) -> None:
+        """These fragments were not trained after all (their partition left): they may come again."""
+        for sid in sample_ids:
+            self._seen.pop(sid, None)
+
     def revoke(self, partitions: Iterable[TopicPartition]) -> list[Pending]:
         """Remove the buffered fragments of ``partitions``; they will be delivered again."""
         gone = set(partitions)
@@ -167,11 +172,14 @@ class StallWatch:
         self.after_s = after_s
         self._last_update = now
         self._first_arrival: float | None = None  # first record since the last update
+        self._last_arrival = now
         self._counts = {"consumed": 0, "dropped_stale": 0, "dead_lettered": 0}
 
     def note(self, what: Literal["consumed", "dropped_stale", "dead_lettered"], now: float, n: int = 1) -> None:
-        if what == "consumed" and self._first_arrival is None:
-            self._first_arrival = now
+        if what == "consumed":
+            if self._first_arrival is None:
+                self._first_arrival = now
+            self._last_arrival = now
         self._counts[what] += n
 
     def trained(self, now: float) -> None:
@@ -182,6 +190,8 @@ class StallWatch:
     def check(self, now: float, reference: int | None = None) -> Stall | None:
         if self._first_arrival is None or now - max(self._last_update, self._first_arrival) < self.after_s:
             return None
+        if now - self._last_arrival >= self.after_s:
+            return None  # nothing arrives any more (samplers paused, a stray poison record): idle, not stalled
         c = self._counts
         n = c["consumed"]
         if c["dropped_stale"] >= n:

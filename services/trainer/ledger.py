@@ -41,6 +41,13 @@ class OffsetLedger:
         for tp, off in offsets.items():
             self._committed[tp] = max(self._committed.get(tp, -1), off)
 
+    def seeked(self, tp: TopicPartition, offset: int) -> None:
+        """The consumer was moved to ``offset`` (a restore): nothing before it is pending, and the next
+        commit names ``offset`` even when the group's committed offset is further on."""
+        self._next[tp] = offset
+        self._pending.pop(tp, None)
+        self._committed.pop(tp, None)
+
     def forget(self, partitions: set[TopicPartition]) -> None:
         """Partitions were revoked: their unfinished records will go to the new owner."""
         for tp in partitions:

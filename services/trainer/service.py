@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from aiokafka import TopicPartition
-from aiokafka.errors import CommitFailedError, KafkaError, RebalanceInProgressError
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError, RebalanceInProgressError
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.trainer.intake import Batch, Intake, Pending, StallWatch
@@ -34,7 +34,7 @@ from shared.bus import Bus, Record, kafka_bus
 from shared.fragment import FragmentError, decode_fragment, header_dict
 from shared.kafka import Topics, ensure_topics, trainer_group
 from shared.logging import fragment_fields, get_logger
-from shared.marker import BadPayload, VersionedStore, VersionRecord
+from shared.marker import BadPayload, MarkerConflict, VersionedStore, VersionRecord
 from shared.messages import KEY_CANDIDATE, PolicyMessage, SamplerBeat, TrainerBeat, parse_heartbeat
 from shared.retry import Health, describe, is_transient, retry_transient
 from shared.rl.envs import fragment_spec
@@ -85,6 +85,7 @@ SAMPLER_LAG_FORGET_S = 600.0
 @dataclasses.dataclass
 class SamplerLag:
     trained: deque[int] = dataclasses.field(default_factory=lambda: deque(maxlen=200))
+    trained_count: int = 0
     dropped: int = 0
     seen: float = 0.0
 
@@ -126,6 +127,7 @@ class Trainer:
         self.per_sampler: dict[str, SamplerLag] = {}  # staleness as trained and drops, per sampler (expires)
         self.rate = RateMeter()
         self.dropped = 0
+        self.trained_run = 0  # fragments trained by this process (the dropped fraction's denominator)
         self.dead_lettered = 0
         self.nonfinite_skipped = 0
         self.candidates_resent = 0
@@ -146,6 +148,11 @@ class Trainer:
         self._after_update: asyncio.Task[None] | None = None  # the last update's commit + publish
         self._commit_lock = asyncio.Lock()
         self._update_lock = asyncio.Lock()  # a revoke waits for the update in progress
+        # Partitions being revoked: aiokafka's assignment() still lists them until the rejoin completes,
+        # so this set (filled first thing in the revoke callback) is what says "no longer ours".
+        self._revoking: set[TopicPartition] = set()
+        self._fatal: BaseException | None = None  # a fatal error met inside a rebalance callback
+        self._update_failed = False
         self._tasks: list[asyncio.Task[None]] = []
 
     # ---- retries -----------------------------------------------------------------------------
@@ -180,6 +187,8 @@ class Trainer:
         self._stop = stop_event
         self._tasks.append(asyncio.create_task(self._watch_announcements(), name="trainer-announcements"))
         while not stop_event.is_set():
+            if self._fatal is not None:
+                raise self._fatal
             for task in self._tasks:
                 if task.done():
                     raise RuntimeError(f"background task {task.get_name()} ended") from task.exception()
@@ -214,10 +223,13 @@ class Trainer:
             return
         for tp, records in polled.items():
             for rec in records:
-                if tp not in self.source.assignment():  # revoked while an earlier record was handled
+                if not self._owned(tp):  # revoked while an earlier record was handled
                     self.log.info("revoked_records_skipped", partition=tp.partition, from_offset=rec.offset)
                     break
                 await self._intake(tp, rec)
+
+    def _owned(self, tp: TopicPartition) -> bool:
+        return tp not in self._revoking and tp in self.source.assignment()
 
     def _live_samplers(self) -> set[str]:
         now = time.monotonic()
@@ -246,7 +258,10 @@ class Trainer:
                 except Exception as exc:  # already the reason run() ended, or it will be logged with it
                     self.log.error("background_commit_publish_failed", error=describe(exc))
                 await self._commit()
-                if self.learner.counters.updates and self._last_checkpoint == self.learner.counters.updates:
+                if self._update_failed:
+                    self.log.error("final_checkpoint_skipped", reason="an update failed part-way; the previous "
+                                   "checkpoint stays the resume point")
+                elif self.learner.counters.updates and self._last_checkpoint == self.learner.counters.updates:
                     self.log.info("checkpoint_up_to_date", update=self._last_checkpoint)
                 elif self.learner.counters.updates:
                     try:
@@ -283,6 +298,8 @@ class Trainer:
             await self._dead_letter(tp, rec, err.reason, str(err))
             return
         rejected = self.intake.admit(Pending(tp, rec.offset, frag, now))
+        if rejected is not None and rejected.reason == "future_version" and await self._refresh_published():
+            rejected = self.intake.admit(Pending(tp, rec.offset, frag, now))  # a version we had not heard of yet
         if rejected is not None:
             await self._dead_letter(tp, rec, rejected.reason, rejected.message)
             return
@@ -311,11 +328,16 @@ class Trainer:
             ("dlq-source", f"{tp.topic}:{tp.partition}:{rec.offset}".encode()),
             ("dlq-at", repr(time.time()).encode()),
         ]
+        value = rec.value
+        if value is not None and len(value) > self.settings.kafka.max_message_bytes:
+            # Too big to copy (the producer would refuse it and the record would come back after every
+            # restart): dead-letter its headers; the payload stays on the samples topic (dlq-source).
+            headers.append(("dlq-truncated", f"payload of {len(value)} bytes not copied".encode()))
+            value = None
         # Only once the dead-letter topic has it is the record done: until then it is not committed.
-        await self._retry(lambda: self.producer.send_and_wait(self.topics.dlq, rec.value, key=rec.key,
-                                                              headers=headers),
+        await self._retry(lambda: self.producer.send_and_wait(self.topics.dlq, value, key=rec.key, headers=headers),
                           "dead-letter send", "kafka", timeout_s=self._kafka_timeout())
-        if tp not in self.source.assignment():  # revoked meanwhile: the new owner handles it (again)
+        if not self._owned(tp):  # revoked meanwhile: the new owner handles it (again)
             return
         self.ledger.consumed(tp, rec.offset, pending=False)
         DEAD.labels(reason=reason).inc()
@@ -331,9 +353,21 @@ class Trainer:
             await self._train_locked(batch)
 
     async def _train_locked(self, batch: Batch) -> None:
+        gone = [p for p in batch.train if not self._owned(p.tp)]
+        if gone:  # formed before a revoke that ran while this waited for the lock: not ours to train
+            self.intake.forget_ids(p.frag.sample_id for p in gone)
+            keep = [(p, st) for p, st in zip(batch.train, batch.staleness, strict=True) if self._owned(p.tp)]
+            batch = Batch(train=[p for p, _ in keep], staleness=[st for _, st in keep])
+            self.log.info("revoked_batch_items_released", count=len(gone))
+            if not batch.train:
+                return
         items = batch.train
         t0 = time.perf_counter()
-        stats = await asyncio.to_thread(self.learner.update, [p.frag for p in items])
+        try:
+            stats = await asyncio.to_thread(self.learner.update, [p.frag for p in items])
+        except BaseException:
+            self._update_failed = True  # the weights may hold part of this update: no final checkpoint
+            raise
         elapsed = time.perf_counter() - t0
         c = self.learner.counters
         self.last_update_at = time.time()
@@ -342,6 +376,7 @@ class Trainer:
         BUSY.inc(elapsed)
         UPDATE_SECONDS.observe(elapsed)
         TRAINED.inc(len(items))
+        self.trained_run += len(items)
         STEPS_TRAINED.inc(stats.env_steps)
         SAMPLE_PASSES.inc(stats.sample_passes)
         if stats.skipped_steps:
@@ -353,7 +388,9 @@ class Trainer:
         for p, staleness in zip(items, batch.staleness, strict=True):
             self.ledger.finished(p.tp, p.offset)
             self.staleness.append(staleness)
-            self._lag_of(p.frag.sampler_id).trained.append(staleness)
+            lag = self._lag_of(p.frag.sampler_id)
+            lag.trained.append(staleness)
+            lag.trained_count += 1
             STALENESS.observe(staleness)
             f = p.frag
             self.log.info("fragment_trained", outcome="trained", update=c.updates, staleness=staleness,
@@ -412,7 +449,7 @@ class Trainer:
         if task is not None:
             await task
 
-    async def _commit(self) -> None:
+    async def _commit(self, include: set[TopicPartition] | None = None) -> None:
         """Commit what has an outcome, on partitions this member owns. A retriable failure (coordinator
         moved, timeout, connection) or a rebalance in progress is logged and left for the next commit,
         which carries the same offsets (commits are cumulative): not committing only means re-delivery
@@ -420,7 +457,8 @@ class Trainer:
         if self._last_checkpoint is None and self.learner.counters.updates:
             return  # a fresh run commits nothing until its first checkpoint holds what it trained
         async with self._commit_lock:  # in order: a later commit never lands before an earlier one
-            owned = self.source.assignment()
+            # Owned: assigned and not being revoked, except the partitions a revoke commits on their way out.
+            owned = {tp for tp in self.source.assignment() if tp not in self._revoking} | (include or set())
             offsets = {tp: off for tp, off in self.ledger.committable().items() if tp in owned}
             if not offsets:
                 return
@@ -429,8 +467,9 @@ class Trainer:
                 # coordinator delays commits (logged, counted) instead of stalling updates and stop.
                 await asyncio.wait_for(self.source.commit(offsets), self._kafka_timeout())
             except (KafkaError, TimeoutError) as exc:
-                retriable = isinstance(exc, (TimeoutError, CommitFailedError, RebalanceInProgressError)) or bool(
-                    getattr(exc, "retriable", False))
+                # IllegalStateError: the assignment changed between the snapshot above and the commit.
+                retriable = isinstance(exc, (TimeoutError, CommitFailedError, RebalanceInProgressError,
+                                             IllegalStateError)) or bool(getattr(exc, "retriable", False))
                 if not retriable:
                     raise
                 COMMIT_FAILURES.inc()
@@ -445,12 +484,17 @@ class Trainer:
     async def _on_revoke(self, revoked: set[TopicPartition]) -> None:
         """Before partitions leave: let the update in progress finish and commit it (its records are
         trained by this member and must not be re-delivered), commit, then drop the rest of theirs."""
+        self._revoking |= revoked
         try:
             async with self._update_lock:
                 try:
                     await self._settle()
+                except Exception as exc:
+                    if not is_transient(exc):
+                        self._fatal = exc  # raised by the loop: a rebalance callback must not hide it
+                    raise
                 finally:
-                    await self._commit()
+                    await self._commit(include=revoked)
         except Exception as exc:  # the rebalance goes on; the new owner gets the uncommitted tail
             self.log.warning("revoke_commit_failed", error=describe(exc))
         finally:
@@ -463,12 +507,16 @@ class Trainer:
     async def _on_assign(self, assigned: set[TopicPartition]) -> None:
         """On the first assignment after a restore, seek to the offsets the checkpoint reflects: the
         records after them are in no checkpointed model, so they are trained again (exactly once)."""
+        self._revoking -= assigned
         if self._resume is None:
             return
         for tp in assigned:
             off = self._resume.pop(f"{tp.topic}:{tp.partition}", None)
             if off is not None:
                 self.source.seek(tp, off)
+                # The next commit moves the group back here too: a rebalance before this partition's
+                # first record must not hand the new owner the (later) offsets the crashed run committed.
+                self.ledger.seeked(tp, off)
                 self.log.info("resumed_from_checkpoint_offset", partition=tp.partition, offset=off)
         if not self._resume:
             self._resume = None
@@ -503,9 +551,13 @@ class Trainer:
             try:
                 rev = await asyncio.wait_for(asyncio.to_thread(self.runtime.poll), 10)
                 if rev is not None:
-                    self._apply_runtime(apply_runtime(self.base_settings, rev.settings), rev.revision)
+                    try:
+                        self._apply_runtime(apply_runtime(self.base_settings, rev.settings), rev.revision)
+                    except ConfigError as exc:  # does not validate against this trainer's settings: skip it
+                        self.log.error("runtime_config_refused", revision=rev.revision, error=str(exc)[:300])
+                    self.runtime.ack(rev)
             except Exception as exc:
-                if not is_transient(exc) and not isinstance(exc, ConfigError):
+                if not is_transient(exc):
                     raise
                 self.log.warning("runtime_config_unreadable", error=describe(exc))
         if now - self._last_marker_read > POLICY_REFRESH_S:
@@ -540,6 +592,8 @@ class Trainer:
         optimizer; fragments of the abandoned versions are dropped as stale (never trained)."""
         async with self._update_lock:
             self._pending_rollback = None
+            if msg.lineage <= self.lineage:  # a re-announcement of a rollback already followed
+                return
             await self._settle()
             data = await self._retry(lambda: asyncio.to_thread(self.policies.fetch, msg.record()), "fetch rollback",
                                      "store")
@@ -550,11 +604,14 @@ class Trainer:
             c.policy_version = max(c.policy_version, msg.version)
             self.intake.model_version = c.policy_version
             self.intake.saw_published(msg.version)
-            self.intake.abandon(abandoned[0], max(abandoned[1], c.policy_version - 1))
+            self.intake.abandon(*abandoned)  # versions above N were never published: nothing made by them
             self.lineage = msg.lineage
             self._candidate = None
-            self._checkpoint_due = True
             VERSION.set(c.policy_version)
+            # Checkpoint now, before training on: a restart must not re-train the records already in these
+            # weights' history on top of them, nor forget which versions were abandoned.
+            self._checkpoint_due = True
+            await self._try_checkpoint()
         RECOVERIES.labels(action="follow_rollback").inc()
         self.log.warning("rollback_followed", rollback_of=msg.rollback_of, policy_version=msg.version,
                          abandoned=list(abandoned), optimizer="reset")
@@ -577,7 +634,7 @@ class Trainer:
         out = {}
         for sid, lag in sorted(self.per_sampler.items()):
             st = list(lag.trained)
-            total = lag.dropped + len(st)
+            total = lag.dropped + lag.trained_count
             out[sid] = {"mean": round(sum(st) / len(st), 3) if st else None,
                         "p95": percentile(st, 0.95) if st else None, "max": max(st) if st else None,
                         "dropped": lag.dropped,
@@ -603,6 +660,19 @@ class Trainer:
         self.config_revision = revision
         LEARNING_RATE.set(self.learner.learning_rate())
         self.log.info("runtime_config_applied", revision=revision, changes=changes or None)
+
+    async def _refresh_published(self) -> bool:
+        """Re-read the marker (an announcement may not have reached us yet); True if it moved."""
+        before = self.intake.published
+        try:
+            marker = await asyncio.wait_for(asyncio.to_thread(self.policies.read_marker), 10)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            return False
+        if marker is not None:
+            self.intake.saw_published(marker[0].version)
+        return self.intake.published != before
 
     async def _resend_candidate(self, msg: PolicyMessage, why: str) -> None:
         try:
@@ -666,8 +736,14 @@ class Trainer:
             key, _ = self.checkpoints.put_blob(data, f"{self.checkpoints.prefix}/{step}/{sha}.pt")
             rec = VersionRecord(version=step, blob=key, sha256=sha, size=len(data), trainer_step=step,
                                 extra={"policy_version": c.policy_version, "offsets": offsets,
-                                       "lineage": self.lineage})
-            self.checkpoints.publish(rec, None if current is None else current[1])
+                                       "lineage": self.lineage, "abandoned": self.intake.abandoned})
+            try:
+                self.checkpoints.publish(rec, None if current is None else current[1])
+            except MarkerConflict:
+                # A retried conditional PUT that had in fact succeeded answers 412: the marker is ours then.
+                now = self.checkpoints.read_marker()
+                if now is None or now[0].sha256 != sha:
+                    raise
             return key
 
         key = await asyncio.to_thread(write)
@@ -689,10 +765,9 @@ class Trainer:
         for tp in self.source.assignment():
             key = f"{tp.topic}:{tp.partition}"
             if key not in offsets:
-                try:
-                    offsets[key] = await asyncio.wait_for(self.source.position(tp), 5)
-                except Exception as exc:
-                    self.log.debug("position_unknown", partition=tp.partition, error=describe(exc))
+                # Unknown position: no checkpoint now (TimeoutError defers it) rather than one that
+                # forgets a partition.
+                offsets[key] = await asyncio.wait_for(self.source.position(tp), 5)
         if self._resume:  # partitions not assigned yet since the restore keep the restored offsets
             for key, off in self._resume.items():
                 offsets.setdefault(key, off)
@@ -710,6 +785,7 @@ class Trainer:
                 raise RuntimeError(f"no usable checkpoint ({exc}); refusing to start from scratch over an existing "
                                    "run: set trainer.fresh_start=true to do so deliberately") from None
             self.log.error("checkpoints_unusable_fresh_start", reason=str(exc)[:500])
+            self.learner = Learner(self.spec, self.cfg)  # the failed restores may have touched it
             found = None
         if found is not None and self.cfg.fresh_start:
             self.log.warning("fresh_start_ignoring_checkpoint", update=found[0].version)
@@ -721,6 +797,8 @@ class Trainer:
             self._resume = offsets or None
             self._last_checkpoint = record.version
             self.lineage = int(record.extra.get("lineage") or 0)
+            for lo, hi in record.extra.get("abandoned") or []:
+                self.intake.abandon(int(lo), int(hi))
             if refused:
                 await self._audit("checkpoint_fallback", {"restored": record.version, "refused": refused[:3]},
                                   "restored an older checkpoint")
@@ -766,6 +844,8 @@ class Trainer:
             stalled_reason=None if stall is None else stall.reason, nonfinite_steps_skipped=self.nonfinite_skipped,
             candidates_resent=self.candidates_resent, health=self.health_state.as_dict(), started_at=self.started_at,
             staleness_per_sampler=self._lag_report(),
+            dropped_fraction=round(self.dropped / (self.dropped + self.trained_run), 4)
+            if self.dropped + self.trained_run else None,
             learning_rate=self.learner.learning_rate(), config_revision=self.config_revision,
         )
         try:

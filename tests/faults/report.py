@@ -26,13 +26,17 @@ GUARANTEES = """\
   capped exponential backoff with jitter, restarts counted (`python -m devstack status`). Compose
   does the same with `restart: unless-stopped`. Admin's `/status` counts restarts it sees in the
   heartbeats (`services.<name>.restarts`).
-- **Every record has exactly one outcome per trainer run**: trained, dropped as stale (at batch
-  time, against the older of the trainer's version and the newest published one), or
-  dead-lettered to `<run>.samples.dlq` with a `dlq-reason` header (undecodable, bad dtype or
-  shape, non-finite, out of range, bad header, env mismatch, future version, duplicate sample id,
-  oversize). Offsets are committed only after the outcome, and only for partitions the trainer owns.
+- **Every record gets an outcome**: trained, dropped as stale (at batch time, against the older of
+  the trainer's version and the newest published one), or dead-lettered to `<run>.samples.dlq` with
+  a `dlq-reason` header (undecodable, bad dtype or shape, non-finite, out of range, bad header, env
+  mismatch, future version, duplicate sample id, oversize; a payload over the size limit is
+  dead-lettered as headers only, `dlq-truncated`). Offsets are committed only after the outcome,
+  and only for partitions the trainer owns. A record re-delivered within a run (its commit lost in
+  a rebalance) gets a second outcome: it is refused as a duplicate, never trained twice.
 - **No record is trained twice within a trainer run** (sample ids are de-duplicated over the last
-  200,000; a revoke waits for the update in progress and commits it before the partitions go).
+  200,000; a revoke marks its partitions at once, waits for the update in progress and commits it
+  before the partitions go; records of those partitions still in the poll or in a batch formed
+  meanwhile are released, not trained).
 - **Exactly-once model state across crashes**: a checkpoint stores the offsets its model reflects,
   and a restarted trainer seeks to them, so what was trained after the last checkpoint (and lost
   with the crash) is trained again, once. Checkpoint blobs are content-addressed; restore falls

@@ -118,11 +118,16 @@ def test_stall_watch_reasons() -> None:
     w.note("consumed", 100.0, 5)
     w.note("dropped_stale", 100.0, 5)
     assert w.check(120.0) is None
+    w.note("consumed", 125.0)  # records keep arriving...
+    w.note("dropped_stale", 125.0)
     stall = w.check(131.0, reference=7)
     assert stall is not None and "dropped as stale" in stall.reason and "reference version 7" in stall.reason
     w.trained(132.0)
     assert w.check(200.0) is None
     w.note("consumed", 200.0, 2)
     w.note("dead_lettered", 200.0, 2)
+    w.note("consumed", 235.0)
+    w.note("dead_lettered", 235.0)
     stall = w.check(240.0)
     assert stall is not None and "dead-lettered" in stall.reason
+    assert w.check(270.0) is None  # nothing arrived for 30 s: idle (e.g. samplers paused), not stalled

@@ -31,7 +31,10 @@ def test_revisions_and_the_watcher(tmp_path: Path) -> None:
     r1 = cfg.write(base, {"sampler.max_backlog": 9}, "op")
     assert r1.revision == 1 and r1.changes == {"sampler.max_backlog": {"old": base.sampler.max_backlog, "new": 9}}
     seen = watcher.poll()
-    assert seen is not None and seen.revision == 1 and watcher.poll() is None
+    assert seen is not None and seen.revision == 1
+    assert watcher.poll() is not None  # not acknowledged (not applied yet): offered again
+    watcher.ack(seen)
+    assert watcher.poll() is None
     r2 = cfg.write(base, {"trainer.max_staleness": 2}, "op")  # on top of revision 1
     assert r2.settings["sampler.max_backlog"] == 9 and r2.settings["trainer.max_staleness"] == 2
     assert runtime_values(apply_runtime(base, r2.settings))["trainer.max_staleness"] == 2

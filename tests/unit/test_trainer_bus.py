@@ -97,17 +97,32 @@ async def test_revoke_during_a_dead_letter_send_drops_the_rest_of_the_poll(tmp_p
     put(mem, TP0, 2)
     put(mem, TP1, 2)
     source: Any = t.source
+    revoked: list[bool] = []
 
-    async def revoke_tp1(topic: str, rec: Record) -> None:
-        if topic == T.dlq and TP1 in source.owned:
-            await source.rebalance({TP0})
+    async def revoke_all(topic: str, rec: Record) -> None:
+        if topic == T.dlq and not revoked:
+            revoked.append(True)
+            # As aiokafka (eager rebalancing): the revoke callback gets every partition, and assignment()
+            # still lists them until the rejoin completes.
+            await source.revoke({TP0, TP1})
+            assert {TP0, TP1} <= source.assignment()
 
-    mem.send_hooks.append(revoke_tp1)
-    await run_until(t, lambda: trained(t) == 2 and mem.committed.get(TP0) == 3)
-    # The polled records of the revoked partition were neither trained nor committed by this member
-    # (committing a partition it does not own raises IllegalStateError, which would have stopped it).
+    async def rejoin_later() -> None:
+        while not revoked:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # the trainer goes on meanwhile: it must take nothing more from them
+        assert trained(t) == 0 and not mem.committed
+        await source.assign({TP0})  # TP1 went to another member
+
+    mem.send_hooks.append(revoke_all)
+    rejoin = asyncio.create_task(rejoin_later())
+    await run_until(t, lambda: rejoin.done() and trained(t) == 2 and mem.committed.get(TP0) == 3)
+    await rejoin
+    # The rest of the poll was not trained by this member; TP1 was never committed by it (committing a
+    # partition it does not own raises IllegalStateError, which would have stopped it). The poison was
+    # dead-lettered while its partition was leaving, so it came back once more: two copies in the DLQ.
     assert TP1 not in mem.committed
-    assert trained(t) == 2 and dlq_reasons(mem) == ["undecodable"]
+    assert trained(t) == 2 and dlq_reasons(mem) == ["undecodable", "undecodable"]
 
 
 async def test_revoke_while_an_update_runs_commits_that_update_first(tmp_path: Path) -> None:
@@ -205,3 +220,23 @@ async def test_staleness_is_reported_per_sampler(tmp_path: Path) -> None:
     # Two updates of 2 fragments, all made by version 0: the second batch is one version old.
     assert report["s0"]["max"] == 1 and report["s0"]["dropped"] == 0 and report["s0"]["dropped_fraction"] == 0
     assert report["s0"]["mean"] == 0.5
+
+
+async def test_a_restore_rewinds_the_group_before_anything_is_consumed(tmp_path: Path) -> None:
+    # The crashed run committed up to 6, its last checkpoint reflects offset 2: a rebalance right after
+    # the restart (before a record of the partition was polled) must not hand over offset 6.
+    t, mem = make(tmp_path, batch_fragments=100, batch_timeout_s=30)
+    put(mem, TP0, 6)
+    mem.committed[TP0] = 6
+    t._resume = {f"{T.samples}:0": 2}
+    t._last_checkpoint = 0  # as after a restore
+    source: Any = t.source
+
+    async def driver() -> None:
+        while not mem.committed or mem.committed.get(TP0) != 2:
+            await asyncio.sleep(0.01)
+        await source.rebalance(set())  # the partition leaves before this member trained anything
+
+    drive = asyncio.create_task(driver())
+    await run_until(t, lambda: drive.done())
+    assert mem.committed[TP0] == 2 and trained(t) == 0
