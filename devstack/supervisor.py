@@ -178,6 +178,26 @@ class Supervisor:
         self.state.update(p.name, restarts=restarts, last_restart_at=time.time(), last_exit=exit_info)
         self.log("restarted", process=p.name, pid=pid, attempt=decision.attempt,
                  delay_s=round(decision.delay_s, 3), exit=exit_info, restarts=restarts)
+        self._audit(p, {"process": p.name, "attempt": decision.attempt, "exit": exit_info, "restarts": restarts},
+                    f"restarted as pid {pid}")
+
+    def _audit(self, p: Proc, params: dict[str, Any], outcome: str) -> None:
+        """An automatic action goes to the run's audit trail (``GET /audit``) too, when the process is one
+        of the run's services (its launch record has the settings to reach the run's object store).
+        Best effort: the restart happened either way, and supervisor.log has it."""
+        record = p.record()
+        env = (record.env or {}) if record is not None else {}
+        if not env.get("FLYWHEEL_CONFIG"):
+            return  # Kafka, S3, Prometheus: not a run's service
+        try:
+            from shared.runtime import AuditLog
+            from shared.settings import load_settings
+            from shared.store import open_store
+
+            settings = load_settings(env["FLYWHEEL_CONFIG"], environ=env)
+            AuditLog(open_store(settings), settings.run).append("supervisor", "restart", params, outcome)
+        except Exception as exc:  # the store may be what is down
+            self.log("audit_write_failed", process=p.name, error=f"{type(exc).__name__}: {exc}"[:300])
 
     def _reap(self) -> None:
         """Collect the exit status of the processes this supervisor started (it is their parent)."""

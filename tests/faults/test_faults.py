@@ -127,6 +127,13 @@ def _kill_trainer_at_random_points(env: FaultEnv, kills: int) -> None:
         env.stack.wait_healthy("trainer", timeout_s=90)
         env.wait_version_advances(version, timeout_s=90)
         worst = max(worst, time.monotonic() - t0)
+    # Each restart is an automatic action in the run's audit trail, by the supervisor.
+    import httpx
+
+    audit = httpx.get(f"{env.stack.admin_url}/audit", params={"limit": 10_000}, timeout=30).json()["entries"]
+    restarts = [e for e in audit if e["actor"] == "supervisor" and e["action"] == "restart"
+                and e["params"]["process"] == "trainer"]
+    assert len(restarts) >= kills, f"{len(restarts)} trainer restarts in the audit, {kills} kills"
     runs = _trainer_runs(env)
     for run in runs[-kills:]:
         events = [e.get("event") for e in run]
