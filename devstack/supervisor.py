@@ -192,10 +192,20 @@ class Supervisor:
         try:
             from shared.runtime import AuditLog
             from shared.settings import load_settings
-            from shared.store import open_store
+            from shared.store import LocalDirStore, ObjectStore, S3Store
 
             settings = load_settings(env["FLYWHEEL_CONFIG"], environ=env)
-            AuditLog(open_store(settings), settings.run).append("supervisor", "restart", params, outcome)
+            store: ObjectStore
+            if settings.store.backend == "local":
+                store = LocalDirStore(settings.store.local_root)
+            else:  # the service's credentials, from its launch record (not this process's environment)
+                import boto3
+
+                store = S3Store(boto3.client("s3", endpoint_url=settings.s3.endpoint, region_name=settings.s3.region,
+                                             aws_access_key_id=env.get("AWS_ACCESS_KEY_ID"),
+                                             aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY")),
+                                settings.s3.bucket)
+            AuditLog(store, settings.run).append("supervisor", "restart", params, outcome)
         except Exception as exc:  # the store may be what is down
             self.log("audit_write_failed", process=p.name, error=f"{type(exc).__name__}: {exc}"[:300])
 

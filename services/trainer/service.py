@@ -333,7 +333,7 @@ class Trainer:
             # Too big to copy (the producer would refuse it and the record would come back after every
             # restart): dead-letter its headers; the payload stays on the samples topic (dlq-source).
             headers.append(("dlq-truncated", f"payload of {len(value)} bytes not copied".encode()))
-            value = None
+            value = b""  # not None: a record needs a key or a value
         # Only once the dead-letter topic has it is the record done: until then it is not committed.
         await self._retry(lambda: self.producer.send_and_wait(self.topics.dlq, value, key=rec.key, headers=headers),
                           "dead-letter send", "kafka", timeout_s=self._kafka_timeout())

@@ -66,7 +66,8 @@ async def test_pause_and_resume_are_durable_commands(api: Any, kafka_bootstrap: 
     assert r.status_code == 202 and r.json()["sampler"] is None
     assert read_paused(state.store, state.settings.run)["all"] is not None
     assert (await client.post("/samplers/resume", json={}, headers=AUTH)).status_code == 202
-    assert read_paused(state.store, state.settings.run) == {"all": None, "samplers": {}}
+    paused = read_paused(state.store, state.settings.run)
+    assert paused["all"] is None and paused["samplers"] == {} and paused["updated_at"]
     cmds = await _control(kafka_bootstrap, state.topics.control, 3)
     assert [(c.command, c.sampler) for c in cmds] == [("pause", "s-a"), ("pause", None), ("resume", None)]
     audit = (await client.get("/audit")).json()["entries"]
@@ -133,3 +134,16 @@ async def test_status_history_has_points(api: Any) -> None:
             break
         await asyncio.sleep(0.2)
     assert len(points) >= 2 and {"t", "backlog", "policy_version", "episode_return"} <= set(points[-1])
+
+
+async def test_resuming_one_while_all_are_paused_is_refused(api: Any) -> None:
+    client, state = api
+    await state.producer.send_and_wait(state.topics.heartbeats, SamplerBeat(id="s-b", policy_version=1).to_bytes())
+    for _ in range(50):
+        if "s-b" in state.view.samplers:
+            break
+        await asyncio.sleep(0.1)
+    assert (await client.post("/samplers/pause", headers=AUTH)).status_code == 202
+    r = await client.post("/samplers/resume", json={"sampler": "s-b"}, headers=AUTH)
+    assert r.status_code == 409 and "resume all" in r.json()["detail"]
+    assert (await client.post("/samplers/resume", headers=AUTH)).status_code == 202

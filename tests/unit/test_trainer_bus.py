@@ -5,6 +5,7 @@ tests/integration and tests/faults against a real one.)"""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import uuid
 from collections.abc import Callable
@@ -240,3 +241,18 @@ async def test_a_restore_rewinds_the_group_before_anything_is_consumed(tmp_path:
     drive = asyncio.create_task(driver())
     await run_until(t, lambda: drive.done())
     assert mem.committed[TP0] == 2 and trained(t) == 0
+
+
+async def test_an_oversize_record_is_dead_lettered_as_headers(tmp_path: Path) -> None:
+    t, mem = make(tmp_path)
+    t.settings = t.settings.model_copy(update={"kafka": t.settings.kafka.model_copy(
+        update={"max_message_bytes": 65536})})
+    t.spec = dataclasses.replace(t.spec, max_bytes=65536)
+    headers, _ = fragment()
+    mem.append(T.samples, b"\x00" * 70_000, headers=headers, partition=0)
+    put(mem, TP0, 2)
+    await run_until(t, lambda: trained(t) == 2 and mem.committed.get(TP0) == 3)
+    (dead,) = mem.records(T.dlq)
+    h = dict(dead.headers)
+    assert h["dlq-reason"] == b"oversize" and b"70000 bytes not copied" in h["dlq-truncated"]
+    assert dead.value == b"" and h["dlq-source"] == f"{T.samples}:0:0".encode()
