@@ -62,7 +62,8 @@ class S3Store:
         self.bucket = bucket
 
     def _code(self, exc: Exception) -> str:
-        return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+        response = getattr(exc, "response", None) or {}  # some botocore errors carry response=None
+        return str((response.get("Error") or {}).get("Code", ""))
 
     def get(self, key: str) -> StoredObject | None:
         try:

@@ -70,3 +70,18 @@ def test_unreachable_store_raises_a_transient_error() -> None:
     with pytest.raises(StoreError) as err:
         vs.load_latest_good()
     assert is_transient(err.value)
+
+
+def test_an_error_without_a_response_is_a_store_error() -> None:
+    class NoResponse(Exception):
+        response = None
+
+    class Client:
+        class exceptions:  # noqa: N801 - mimics boto3's client.exceptions
+            NoSuchKey = KeyError
+
+        def get_object(self, **_: object) -> None:
+            raise NoResponse("connection reset")
+
+    with pytest.raises(StoreError, match="connection reset"):
+        S3Store(Client(), "b").get("k")
