@@ -248,7 +248,10 @@ async def get_config(s: State) -> ConfigView:
     latest = await _store(s, "config", s.runtime_config.latest)
     if latest is None:
         return ConfigView(revision=0, settings=runtime_values(s.settings), at=None, actor=None)
-    effective = runtime_values(apply_runtime(s.settings, latest.settings))
+    try:
+        effective = runtime_values(apply_runtime(s.settings, latest.settings))
+    except ConfigError as exc:  # stored, but invalid against this admin's settings: say so, never a 500
+        raise HTTPException(status_code=409, detail=f"revision {latest.revision} does not validate: {exc}") from None
     return ConfigView(revision=latest.revision, settings=effective, at=latest.at, actor=latest.actor)
 
 

@@ -271,7 +271,10 @@ class Paramsync:
                 old = self.policies.store.get(f"{self.policies.prefix}/versions/{version}.json")
                 if old is None:
                     raise LookupError(f"version {version} is not kept (pruned, or never published)")
-                target = VersionRecord.from_json(old.data)
+                try:
+                    target = VersionRecord.from_json(old.data)
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise LookupError(f"version {version}'s record is unreadable: {exc}") from exc
                 load_weights(self.model, self.policies.fetch(target))  # present, intact, loadable
                 current = self.policies.read_marker()
                 new_version = (current[0].version if current else 0) + 1
