@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -27,6 +27,8 @@ T = TypeVar("T")
 DEGRADED = Gauge("flywheel_service_degraded", "1 while the service retries a dependency (see /healthz for why)",
                  ["service"])
 
+CLIENT_STOP_TIMEOUT_S = 10.0
+"""Longest a service waits for one client to close at stop (a broker that is down must not hang SIGTERM)."""
 BACKOFF_INITIAL_S = 0.5
 BACKOFF_MAX_S = 10.0
 """Capped so a dependency that comes back is noticed within ~10 s (the goal is resuming within 30 s)."""
@@ -134,3 +136,31 @@ async def retry_transient(
         log.info("transient_fault_recovered", component=component, operation=what,
                  degraded_s=None if took is None else round(took, 2))
     return result
+
+
+async def stop_clients(clients: Iterable[Any], log: Any, timeout_s: float = CLIENT_STOP_TIMEOUT_S) -> None:
+    """Close each client (``await client.stop()``) within ``timeout_s``; a failure is logged, and the
+    remaining clients are still closed."""
+    for client in clients:
+        try:
+            await asyncio.wait_for(client.stop(), timeout_s)
+        except Exception as exc:
+            log.warning("client_stop_failed", client=type(client).__name__, error=describe(exc))
+
+
+async def poll_or_pause(poll: Callable[[], Awaitable[T]], *, what: str, health: Health | None = None,
+                        log: Any = None, pause_s: float = 1.0) -> T | None:
+    """One consumer poll; on a transient Kafka error, note it (``health`` degraded on ``kafka``, a log
+    line), wait ``pause_s`` and return None so the caller's loop polls again. Fatal errors propagate."""
+    try:
+        return await poll()
+    except KafkaError as exc:
+        if not is_transient(exc):
+            raise
+        if health is not None:
+            health.degraded("kafka", f"{what} failed: {describe(exc)}")
+        if log is not None:
+            log.warning(f"{what.replace(' ', '_')}_failed", error=describe(exc))
+        await asyncio.sleep(pause_s)
+        return None
+

@@ -10,14 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import TopicPartition
-from aiokafka.errors import KafkaError
 from prometheus_client import Gauge
 
 from shared.kafka import Topics, consumer_lag, ensure_topics, make_consumer, make_producer, trainer_group
 from shared.logging import get_logger
 from shared.marker import VersionedStore, VersionRecord
 from shared.messages import ControlCommand, SamplerBeat, TrainerBeat, parse_heartbeat
-from shared.retry import Health, describe, is_transient, retry_transient
+from shared.retry import Health, describe, poll_or_pause, retry_transient
 from shared.runtime import AuditLog, RuntimeConfig
 from shared.service import run_until_first_error
 from shared.settings import Settings
@@ -104,12 +103,8 @@ class AdminState:
     # ---- feeds -----------------------------------------------------------------------------
     async def _heartbeats(self, stop_event: asyncio.Event) -> None:
         while not stop_event.is_set():
-            try:
-                polled = await self.consumer.getmany(timeout_ms=200)
-            except KafkaError as exc:
-                if not is_transient(exc):
-                    raise
-                await asyncio.sleep(1.0)
+            polled = await poll_or_pause(lambda: self.consumer.getmany(timeout_ms=200), what="heartbeat poll")
+            if polled is None:
                 continue
             for records in polled.values():
                 for rec in records:

@@ -24,7 +24,7 @@ from shared.kafka import Topics, ensure_topics, make_consumer, make_producer
 from shared.logging import get_logger
 from shared.marker import BadPayload, MarkerConflict, StaleVersion, VersionedStore, VersionRecord
 from shared.messages import KEY_ANNOUNCE, ControlCommand, ParamsyncBeat, PolicyMessage, SamplerBeat, parse_heartbeat
-from shared.retry import Health, describe, is_transient, retry_transient
+from shared.retry import Health, describe, is_transient, poll_or_pause, retry_transient, stop_clients
 from shared.rl.envs import fragment_spec
 from shared.rl.model import ActorCritic, WeightsError, load_weights
 from shared.service import run_until_first_error
@@ -40,7 +40,6 @@ LIVE = Gauge("flywheel_paramsync_live_samplers", "Samplers with a recent heartbe
 PRUNE_EVERY = 10
 PUBLISH_SECONDS = Histogram("flywheel_paramsync_publish_seconds", "Verify + marker write + announce")
 REANNOUNCED = Counter("flywheel_paramsync_reannouncements_total", "Periodic re-announcements of the published version")
-CLIENT_STOP_TIMEOUT_S = 10.0
 
 
 class Paramsync:
@@ -93,11 +92,7 @@ class Paramsync:
         )
 
     async def stop(self) -> None:
-        for client in (self.candidates, self.inbox, self.producer):  # bounded: a dead broker must not hang SIGTERM
-            try:
-                await asyncio.wait_for(client.stop(), CLIENT_STOP_TIMEOUT_S)
-            except Exception as exc:
-                self.log.warning("client_stop_failed", client=type(client).__name__, error=describe(exc))
+        await stop_clients((self.candidates, self.inbox, self.producer), self.log)
 
     def health(self) -> dict[str, Any]:
         return {"ok": self._started, "published_version": self.published_version, **self.health_state.as_dict()}
@@ -111,13 +106,9 @@ class Paramsync:
     # ---- candidates ------------------------------------------------------------------------
     async def _candidate_loop(self, stop_event: asyncio.Event) -> None:
         while not stop_event.is_set():
-            try:
-                polled = await self.candidates.getmany(timeout_ms=200, max_records=50)
-            except KafkaError as exc:
-                if not is_transient(exc):
-                    raise
-                self.health_state.degraded("kafka", f"candidate poll failed: {describe(exc)}")
-                await asyncio.sleep(1.0)
+            polled = await poll_or_pause(lambda: self.candidates.getmany(timeout_ms=200, max_records=50),
+                                         what="candidate poll", health=self.health_state)
+            if polled is None:
                 continue
             received = time.monotonic()
             candidates = [msg for records in polled.values() for rec in records
@@ -209,12 +200,8 @@ class Paramsync:
     # ---- heartbeats and control ------------------------------------------------------------
     async def _inbox_loop(self, stop_event: asyncio.Event) -> None:
         while not stop_event.is_set():
-            try:
-                polled = await self.inbox.getmany(timeout_ms=200)
-            except KafkaError as exc:
-                if not is_transient(exc):
-                    raise
-                await asyncio.sleep(1.0)
+            polled = await poll_or_pause(lambda: self.inbox.getmany(timeout_ms=200), what="inbox poll")
+            if polled is None:
                 continue
             for records in polled.values():
                 for rec in records:

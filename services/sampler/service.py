@@ -31,7 +31,7 @@ from shared.kafka import LagProbe, Topics, ensure_topics, make_consumer, make_pr
 from shared.logging import fragment_fields, get_logger
 from shared.marker import VersionedStore
 from shared.messages import ControlCommand, PolicyMessage, SamplerBeat
-from shared.retry import Health, describe, is_transient, retry_transient
+from shared.retry import CLIENT_STOP_TIMEOUT_S, Health, describe, is_transient, retry_transient, stop_clients
 from shared.rl.policy_np import WeightsError
 from shared.runtime import RuntimeConfig, RuntimeWatcher, apply_runtime, paused_since, read_paused, runtime_values
 from shared.service import RateMeter
@@ -52,7 +52,6 @@ LAG_PROBE = Histogram("flywheel_sampler_lag_probe_seconds", "Time of one trainer
 
 BACKLOG_MAX_AGE_INTERVALS = 25
 """Flow control forgets a backlog reading this many check intervals old (the probe kept failing)."""
-CLIENT_STOP_TIMEOUT_S = 10.0
 WAKE_TIMEOUT_S = 0.05
 """Longest a paused (or, in sync mode, waiting) loop sleeps before re-checking on its own."""
 
@@ -169,11 +168,7 @@ class Sampler:
         clients: list[Any] = [self.producer, self.inbox]  # the producer flushes what is buffered
         if self.lag_probe is not None:
             clients.append(self.lag_probe)
-        for client in clients:  # bounded: a broker that is down must not hang SIGTERM
-            try:
-                await asyncio.wait_for(client.stop(), CLIENT_STOP_TIMEOUT_S)
-            except Exception as exc:
-                self.log.warning("client_stop_failed", client=type(client).__name__, error=describe(exc))
+        await stop_clients(clients, self.log)
         self.worker.close()
 
     def health(self) -> dict[str, Any]:

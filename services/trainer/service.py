@@ -36,7 +36,7 @@ from shared.kafka import Topics, ensure_topics, trainer_group
 from shared.logging import fragment_fields, get_logger
 from shared.marker import BadPayload, MarkerConflict, VersionedStore, VersionRecord
 from shared.messages import KEY_CANDIDATE, PolicyMessage, SamplerBeat, TrainerBeat, parse_heartbeat
-from shared.retry import Health, describe, is_transient, retry_transient
+from shared.retry import Health, describe, is_transient, poll_or_pause, retry_transient, stop_clients
 from shared.rl.envs import fragment_spec
 from shared.runtime import AuditLog, RuntimeConfig, RuntimeWatcher, apply_runtime, runtime_values
 from shared.service import RateMeter, percentile
@@ -70,7 +70,6 @@ RECOVERIES = Counter("flywheel_trainer_recovery_actions_total", "Automatic recov
 DEFERRED = Counter("flywheel_trainer_deferred_total", "Publishes or checkpoints deferred by a transient fault",
                    ["what"])
 
-CLIENT_STOP_TIMEOUT_S = 10.0
 POLICY_REFRESH_S = 5.0
 """Re-read the marker this often (announcements are the fast path; this covers lost ones)."""
 RUNTIME_POLL_S = 2.0
@@ -212,14 +211,9 @@ class Trainer:
 
     async def _poll_once(self) -> None:
         want = self.cfg.poll_max_records if self.sync else min(self.cfg.poll_max_records, self.intake.wants())
-        try:
-            polled = await self.source.poll(max_records=want, timeout_ms=20 if self.sync else 200)
-        except KafkaError as exc:
-            if not is_transient(exc):
-                raise
-            self.health_state.degraded("kafka", f"poll failed: {describe(exc)}")
-            self.log.warning("poll_failed", error=describe(exc))
-            await asyncio.sleep(1.0)
+        polled = await poll_or_pause(lambda: self.source.poll(max_records=want, timeout_ms=20 if self.sync else 200),
+                                     what="poll", health=self.health_state, log=self.log)
+        if polled is None:
             return
         for tp, records in polled.items():
             for rec in records:
@@ -275,11 +269,7 @@ class Trainer:
             clients: list[Any] = [self.source, self.announcements, self.producer]
             if self._beats is not None:
                 clients.append(self._beats)
-            for client in clients:  # bounded: a broker that is down must not hang SIGTERM
-                try:
-                    await asyncio.wait_for(client.stop(), CLIENT_STOP_TIMEOUT_S)
-                except Exception as exc:
-                    self.log.warning("client_stop_failed", client=type(client).__name__, error=describe(exc))
+            await stop_clients(clients, self.log)
 
     def health(self) -> dict[str, Any]:
         c = self.learner.counters
@@ -562,15 +552,7 @@ class Trainer:
                 self.log.warning("runtime_config_unreadable", error=describe(exc))
         if now - self._last_marker_read > POLICY_REFRESH_S:
             self._last_marker_read = now
-            try:
-                marker = await asyncio.wait_for(asyncio.to_thread(self.policies.read_marker), 10)
-                if marker is not None:
-                    self.intake.saw_published(marker[0].version)
-                self.health_state.recovered("store")
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                self.health_state.degraded("store", f"marker read failed: {describe(exc)}")
+            await self._refresh_published()
         if self._candidate is not None:
             msg, sent_at = self._candidate
             if (self.intake.published or -1) < msg.version and now - sent_at > self.cfg.candidate_resend_s:
@@ -662,14 +644,17 @@ class Trainer:
         self.log.info("runtime_config_applied", revision=revision, changes=changes or None)
 
     async def _refresh_published(self) -> bool:
-        """Re-read the marker (an announcement may not have reached us yet); True if it moved."""
+        """Re-read the marker (an announcement may not have reached us yet); True if it moved. A store
+        that cannot be read marks the trainer degraded and leaves the reference as it was."""
         before = self.intake.published
         try:
             marker = await asyncio.wait_for(asyncio.to_thread(self.policies.read_marker), 10)
         except Exception as exc:
             if not is_transient(exc):
                 raise
+            self.health_state.degraded("store", f"marker read failed: {describe(exc)}")
             return False
+        self.health_state.recovered("store")
         if marker is not None:
             self.intake.saw_published(marker[0].version)
         return self.intake.published != before
