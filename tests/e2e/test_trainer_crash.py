@@ -9,49 +9,14 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
 
 from shared.kafka import Topics, consumer_lag, trainer_group
 from shared.settings import KafkaSettings, Settings
 from tests.e2e.conftest import log_events, status
+from tests.faults.accounting import committed, read_topic
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kafka, pytest.mark.s3, pytest.mark.timeout(600)]
 OUTCOMES = ("fragment_trained", "fragment_dropped_stale", "fragment_dead_lettered")
-
-
-async def _committed(bootstrap: str, group: str) -> dict[int, int]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        offsets = await admin.list_consumer_group_offsets(group)
-        return {tp.partition: meta.offset for tp, meta in offsets.items() if meta.offset >= 0}
-    finally:
-        await admin.close()
-
-
-async def _all_samples(bootstrap: str, topic: str) -> dict[tuple[int, int], str]:
-    """(partition, offset) -> sample id of every record on the topic, read from the broker itself."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    await consumer.start()
-    out: dict[tuple[int, int], str] = {}
-    try:
-        parts = consumer.partitions_for_topic(topic) or set()
-        if not parts:
-            await consumer._client.force_metadata_update()  # noqa: SLF001
-            parts = consumer.partitions_for_topic(topic) or set()
-        tps = [TopicPartition(topic, p) for p in parts]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ends = await consumer.end_offsets(tps)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
-            for tp, recs in (await consumer.getmany(timeout_ms=500)).items():
-                for rec in recs:
-                    out[(tp.partition, rec.offset)] = dict(rec.headers).get("sample-id", b"").decode()
-    finally:
-        await consumer.stop()
-    return out
 
 
 def test_trainer_killed_and_restarted_loses_nothing(make_stack: Any, run_name: str, kafka_bootstrap: str) -> None:
@@ -66,7 +31,7 @@ def test_trainer_killed_and_restarted_loses_nothing(make_stack: Any, run_name: s
 
     stack.hold("trainer")  # the supervisor leaves it down until release: samplers produce meanwhile
     stack.kill("trainer")  # SIGKILL: no commit, no checkpoint, no goodbye
-    committed_at_kill = asyncio.run(_committed(kafka_bootstrap, trainer_group(run_name)))
+    committed_at_kill = asyncio.run(committed(kafka_bootstrap, trainer_group(run_name)))
     assert committed_at_kill, "the trainer committed nothing before the kill"
     run1 = log_events(log)
     run1_len = len(run1)
@@ -99,7 +64,7 @@ def test_trainer_killed_and_restarted_loses_nothing(make_stack: Any, run_name: s
     between = tail[tail.index("stopping"):tail.index("stopped")]
     assert {"checkpoint_written", "checkpoint_up_to_date"} & set(between), tail  # saved (or already) on the way out
 
-    produced = asyncio.run(_all_samples(kafka_bootstrap, topic))
+    produced = {k: h.get("sample-id", "") for k, h in asyncio.run(read_topic(kafka_bootstrap, topic)).items()}
     events = log_events(log)
     first = [e for e in events[:run1_len] if e["event"] in OUTCOMES]
     second = [e for e in events[run1_len:] if e["event"] in OUTCOMES]

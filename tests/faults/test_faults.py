@@ -10,7 +10,6 @@ import asyncio
 import json
 import struct
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -21,19 +20,13 @@ from shared.fragment import Fragment, encode_fragment
 from shared.kafka import Topics, trainer_group
 from tests.faults.accounting import read_events, read_topic
 from tests.faults.conftest import LOG_CAP, RECOVERY_GOAL_S, FaultEnv, Row
+from tests.fragments import blank_fragment
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
 def _fragment(version: int, env_id: str = "CartPole-v1", sample_id: str | None = None) -> Fragment:
-    t, n = 8, 2
-    return Fragment(obs=np.zeros((t, n, 4), np.float32), actions=np.zeros((t, n), np.int64),
-                    logp=np.full((t, n), -0.69, np.float32), rewards=np.ones((t, n), np.float32),
-                    terminated=np.zeros((t, n), np.uint8), truncated=np.zeros((t, n), np.uint8),
-                    trunc_obs=np.zeros((0, 4), np.float32), last_obs=np.zeros((n, 4), np.float32),
-                    episode_returns=np.zeros(0, np.float32), episode_lengths=np.zeros(0, np.int32),
-                    policy_version=version, sampler_id="poisoner", env_id=env_id,
-                    sample_id=sample_id or uuid.uuid4().hex)
+    return blank_fragment(version, steps=8, envs=2, sampler_id="poisoner", env_id=env_id, sample_id=sample_id)
 
 
 def _bf16_payload() -> bytes:

@@ -41,6 +41,15 @@ async def _control(bootstrap: str, topic: str, n: int) -> list[ControlCommand]:
         await consumer.stop()
 
 
+async def _announce_sampler(state: Any, sampler_id: str) -> None:
+    """A sampler heartbeat, and wait until admin has seen it (pause/resume of one sampler needs it)."""
+    await state.producer.send_and_wait(state.topics.heartbeats, SamplerBeat(id=sampler_id, policy_version=1).to_bytes())
+    for _ in range(50):
+        if sampler_id in state.view.samplers:
+            break
+        await asyncio.sleep(0.1)
+
+
 @pytest.mark.parametrize(("method", "path", "body"), MUTATING)
 async def test_every_mutation_needs_the_token(api: Any, method: str, path: str, body: Any) -> None:
     client, _ = api
@@ -50,11 +59,7 @@ async def test_every_mutation_needs_the_token(api: Any, method: str, path: str, 
 
 async def test_pause_and_resume_are_durable_commands(api: Any, kafka_bootstrap: str) -> None:
     client, state = api
-    await state.producer.send_and_wait(state.topics.heartbeats, SamplerBeat(id="s-a", policy_version=1).to_bytes())
-    for _ in range(50):
-        if "s-a" in state.view.samplers:
-            break
-        await asyncio.sleep(0.1)
+    await _announce_sampler(state, "s-a")
     r = await client.post("/samplers/pause", json={"sampler": "nope"}, headers=AUTH)
     assert r.status_code == 404 and "unknown sampler" in r.json()["detail"]
     assert (await client.post("/samplers/pause", json={"sampler": 3}, headers=AUTH)).status_code == 422
@@ -138,11 +143,7 @@ async def test_status_history_has_points(api: Any) -> None:
 
 async def test_resuming_one_while_all_are_paused_is_refused(api: Any) -> None:
     client, state = api
-    await state.producer.send_and_wait(state.topics.heartbeats, SamplerBeat(id="s-b", policy_version=1).to_bytes())
-    for _ in range(50):
-        if "s-b" in state.view.samplers:
-            break
-        await asyncio.sleep(0.1)
+    await _announce_sampler(state, "s-b")
     assert (await client.post("/samplers/pause", headers=AUTH)).status_code == 202
     r = await client.post("/samplers/resume", json={"sampler": "s-b"}, headers=AUTH)
     assert r.status_code == 409 and "resume all" in r.json()["detail"]

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import numpy as np
 from aiokafka import TopicPartition
 
 from services.trainer.intake import Intake, Pending, StallWatch
 from shared.fragment import Fragment
+from tests.fragments import blank_fragment
 
 TP0 = TopicPartition("run.samples", 0)
 TP1 = TopicPartition("run.samples", 1)
 
 
 def frag(version: int, sample_id: str, sampler: str = "s0") -> Fragment:
-    t, n = 2, 1
-    return Fragment(obs=np.zeros((t, n, 4), np.float32), actions=np.zeros((t, n), np.int64),
-                    logp=np.full((t, n), -0.69, np.float32), rewards=np.ones((t, n), np.float32),
-                    terminated=np.zeros((t, n), np.uint8), truncated=np.zeros((t, n), np.uint8),
-                    trunc_obs=np.zeros((0, 4), np.float32), last_obs=np.zeros((n, 4), np.float32),
-                    episode_returns=np.zeros(0, np.float32), episode_lengths=np.zeros(0, np.int32),
-                    policy_version=version, sampler_id=sampler, env_id="CartPole-v1", sample_id=sample_id)
+    return blank_fragment(version, steps=2, envs=1, sampler_id=sampler, sample_id=sample_id)
 
 
 def pending(version: int, sid: str, offset: int = 0, tp: TopicPartition = TP0, at: float = 0.0,

@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError
@@ -24,6 +22,7 @@ from shared.kafka import Topics
 from shared.marker import VersionRecord
 from shared.messages import KEY_ANNOUNCE, PolicyMessage
 from shared.settings import Settings, StoreSettings, TrainerSettings
+from tests.fragments import blank_fragment
 
 RUN = "r"
 T = Topics.for_run(RUN)
@@ -31,15 +30,7 @@ TP0, TP1 = TopicPartition(T.samples, 0), TopicPartition(T.samples, 1)
 
 
 def fragment(version: int = 0, sample_id: str | None = None) -> tuple[list[tuple[str, bytes]], bytes]:
-    t, n = 4, 2
-    f = Fragment(obs=np.zeros((t, n, 4), np.float32), actions=np.zeros((t, n), np.int64),
-                 logp=np.full((t, n), -0.69, np.float32), rewards=np.ones((t, n), np.float32),
-                 terminated=np.zeros((t, n), np.uint8), truncated=np.zeros((t, n), np.uint8),
-                 trunc_obs=np.zeros((0, 4), np.float32), last_obs=np.zeros((n, 4), np.float32),
-                 episode_returns=np.zeros(0, np.float32), episode_lengths=np.zeros(0, np.int32),
-                 policy_version=version, sampler_id="s0", env_id="CartPole-v1",
-                 sample_id=sample_id or uuid.uuid4().hex)
-    return encode_fragment(f)
+    return encode_fragment(blank_fragment(version, steps=4, envs=2, sample_id=sample_id))
 
 
 def make(tmp_path: Path, **trainer: Any) -> tuple[Trainer, MemoryBus]:
