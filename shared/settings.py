@@ -159,6 +159,12 @@ class EnvSettings(_Section):
     """Benchmarks only: median of a log-normal delay added to every env step (0 = none)."""
     latency_sigma: float = Field(1.0, ge=0.0, le=5.0)
     """Benchmarks only: sigma of that log-normal delay."""
+    fragment_latency_median_ms: float = Field(0.0, ge=0.0)
+    """Benchmarks only: median of a log-normal delay added once per fragment (0 = none), on top of the
+    steps: a fragment whose generation time is heavy-tailed as a whole (an LLM rollout, a remote
+    simulator), the workload asynchronous training is for."""
+    fragment_latency_sigma: float = Field(1.5, ge=0.0, le=5.0)
+    """Benchmarks only: sigma of that per-fragment delay (1.5: p99 about 33x the median)."""
     latency_overlap: bool = False
     """Benchmarks only: the envs of a sampler wait out their delays concurrently (as envs in separate
     processes or remote simulators would), so a vector step takes the slowest env's delay, not the sum."""
@@ -178,6 +184,11 @@ class SamplerSettings(_Section):
     """How often the backlog is measured when ``max_backlog`` is on."""
     heartbeat_interval_s: float = Field(1.0, gt=0)
     """Heartbeat period (also sent at once when the policy version changes)."""
+    credits: bool = True
+    """Credit-based flow control: a sampler keeps at most the window of fragments the trainer grants it
+    in flight (sent but not yet consumed by the trainer), so the lag at training time stays within
+    ``trainer.max_staleness`` and the learner is never starved (``trainer.flow_window``). Off: only
+    ``max_backlog`` (if set) limits production."""
     seed: int | None = None
     """Base seed of the envs and the action sampling, combined with the sampler id so every
     sampler differs (None = random)."""
@@ -247,6 +258,29 @@ class TrainerSettings(_Section):
     candidate_resend_s: float = Field(10.0, gt=0)
     """Re-send the newest candidate when it is still not published after this long (paramsync was
     down, or the message was lost with a broker)."""
+    flow_window: int | None = Field(None, ge=1)
+    """Fragments in flight (produced, not yet consumed by the trainer) that all live samplers together
+    may have, split evenly between them (at least one each). None: derived from the bound,
+    ``batch_fragments * publish_every * max(1, max_staleness // 2)`` and at least ``2 * batch_fragments``,
+    so the lag at training time stays near half of ``max_staleness`` and a batch is always waiting."""
+    normalize_observations: bool = False
+    """Normalise observations by running mean and variance that the trainer updates from every trained
+    batch and publishes inside the policy's weights blob: a sampler acting on version v normalises
+    exactly as version v was trained (samplers keep no statistics of their own)."""
+    normalize_rewards: bool = False
+    """Scale rewards by the running standard deviation of the discounted return (as Stable-Baselines3's
+    ``VecNormalize``); the statistics are the trainer's and are checkpointed."""
+    advantage_std_floor: float = Field(0.0, ge=0)
+    """Advantage normalisation divides by ``max(std, advantage_std_floor)``: once a task is solved the
+    advantages are noise (RMS ~1e-3) that plain normalisation scales up ~200x."""
+    separate_grad_clip: bool = False
+    """Clip the actor's and the critic's gradients to ``max_grad_norm`` separately (else one joint norm,
+    where a large value gradient shrinks the policy's step)."""
+    behaviour_weight_mode: Literal["truncate", "mask"] = "truncate"
+    """Samples whose importance weight pi_prox / pi_behaviour exceeds ``behaviour_weight_cap``: truncate
+    the weight to the cap, or leave them out of the policy loss (AReaL's masking)."""
+    log_std_init: float = 0.0
+    """Continuous actions: initial value of the Gaussian policy's state-independent log standard deviation."""
     fresh_start: bool = False
     """Start from scratch even though a checkpoint exists (the checkpoints are kept). Without it a
     trainer whose checkpoints are all unusable refuses to start rather than silently reset the run."""
