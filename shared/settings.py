@@ -279,6 +279,10 @@ class TrainerSettings(_Section):
     behaviour_weight_mode: Literal["truncate", "mask"] = "truncate"
     """Samples whose importance weight pi_prox / pi_behaviour exceeds ``behaviour_weight_cap``: truncate
     the weight to the cap, or leave them out of the policy loss (AReaL's masking)."""
+    objective: Literal["decoupled", "ppo"] = "decoupled"
+    """``decoupled``: clip around the proximal policy (the weights at the update's start) and correct for
+    the behaviour policy's lag with a truncated importance weight (AReaL). ``ppo``: plain PPO, clipping
+    the ratio to the behaviour policy itself; the benchmarks' baseline under forced staleness."""
     log_std_init: float = 0.0
     """Continuous actions: initial value of the Gaussian policy's state-independent log standard deviation."""
     fresh_start: bool = False
