@@ -26,13 +26,14 @@ log = get_logger(component="kafka")
 
 @dataclass(frozen=True)
 class Topics:
-    """The five topics of one run."""
+    """The six topics of one run."""
 
     samples: str
     dlq: str
     policy: str
     control: str
     heartbeats: str
+    credits: str
 
     @classmethod
     def for_run(cls, run: str) -> Topics:
@@ -42,6 +43,7 @@ class Topics:
             policy=f"{run}.policy",
             control=f"{run}.control",
             heartbeats=f"{run}.heartbeats",
+            credits=f"{run}.credits",
         )
 
 
@@ -113,6 +115,8 @@ def topic_specs(settings: Settings) -> list[NewTopic]:
         NewTopic(t.policy, 1, rf, topic_configs={"cleanup.policy": "compact", "min.compaction.lag.ms": "60000"}),
         NewTopic(t.control, 1, rf, topic_configs={"retention.ms": str(24 * 3600 * 1000)}),
         NewTopic(t.heartbeats, 1, rf, topic_configs={"retention.ms": str(k.heartbeats_retention_ms)}),
+        # Flow-control grants: only the newest matters, and readers start at the end.
+        NewTopic(t.credits, 1, rf, topic_configs={"retention.ms": str(k.heartbeats_retention_ms)}),
     ]
 
 

@@ -72,6 +72,20 @@ class ControlCommand(_Msg):
     issued_at: float = Field(default_factory=time.time)
 
 
+class CreditGrant(_Msg):
+    """The trainer's flow-control grant on ``<run>.credits`` (shared.credits): how far it has consumed
+    each sampler's fragments and how many each may have in flight beyond that."""
+
+    type: Literal["credits"] = "credits"
+    trainer: str
+    window: int
+    """Fragments each sampler may have sent but not yet consumed by the trainer."""
+    consumed: dict[str, int]
+    """``"<sampler id>/<incarnation>"`` -> the highest sequence number consumed of that sampler process."""
+    live_samplers: int = 0
+    sent_at: float = Field(default_factory=time.time)
+
+
 class SamplerBeat(_Msg):
     kind: Literal["sampler"] = "sampler"
     id: str
@@ -85,6 +99,12 @@ class SamplerBeat(_Msg):
     paused_since: float | None = None
     """Set while an operator has paused this sampler (it produces nothing)."""
     max_backlog: int | None = None
+    credits_window: int | None = None
+    """Credit flow control: fragments this sampler may have in flight (None: credits off)."""
+    credits_in_flight: int | None = None
+    """Fragments sent that the trainer has not consumed yet, as of the last grant."""
+    credit_wait_s: float = 0.0
+    """Seconds spent waiting for credits since the process started."""
     config_revision: int = 0
     """The runtime-settings revision this sampler applied (PATCH /config)."""
     health: dict[str, Any] | None = None

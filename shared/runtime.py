@@ -31,6 +31,7 @@ RUNTIME_KEYS = (
     "trainer.max_staleness",
     "trainer.target_kl",
     "trainer.publish_every",
+    "trainer.flow_window",
 )
 """What can change while the services run (everything else needs a restart)."""
 

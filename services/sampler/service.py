@@ -4,9 +4,13 @@ Between fragments it adopts newer policies (announcements on ``<run>.policy``, t
 every ``sync_interval_s`` as a fallback, ``sync`` commands on ``<run>.control``); it never changes
 policy mid-fragment. Sends are bounded by ``max_in_flight`` and optionally rate-capped.
 
+Flow control is credit-based (shared.credits): the sampler keeps at most the window the trainer grants
+of fragments in flight that the trainer has not consumed; ``max_backlog`` (the group's measured lag) is
+an optional second limit.
+
 Two background tasks keep slow or blocking reads out of the loop: one reads the inbox (policy
-announcements, control commands) as records arrive, one measures the trainer's backlog every
-``backlog_check_interval_s``. Both set ``_wake``, on which the loop waits while flow control pauses
+announcements, control commands, credit grants) as records arrive, one measures the trainer's backlog
+every ``backlog_check_interval_s``. Both set ``_wake``, on which the loop waits while flow control pauses
 it (or, in ``mode: sync``, while it waits for the next version), so a paused sampler adopts a new
 policy as soon as it is announced. Nothing here imports torch (inference is numpy).
 """
@@ -26,11 +30,12 @@ from aiokafka import TopicPartition
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.sampler.rollout import RolloutWorker
+from shared.credits import H_SAMPLER_SEQ, CreditGate, seq_value
 from shared.fragment import encode_fragment
 from shared.kafka import LagProbe, Topics, ensure_topics, make_consumer, make_producer, trainer_group
 from shared.logging import fragment_fields, get_logger
 from shared.marker import VersionedStore
-from shared.messages import ControlCommand, PolicyMessage, SamplerBeat
+from shared.messages import ControlCommand, CreditGrant, PolicyMessage, SamplerBeat
 from shared.retry import CLIENT_STOP_TIMEOUT_S, Health, describe, is_transient, retry_transient, stop_clients
 from shared.rl.policy_np import WeightsError
 from shared.runtime import RuntimeConfig, RuntimeWatcher, apply_runtime, paused_since, read_paused, runtime_values
@@ -45,6 +50,11 @@ VERSION = Gauge("flywheel_sampler_policy_version", "Policy version the sampler a
 ADOPTIONS = Counter("flywheel_sampler_policy_adoptions_total", "Policy versions adopted", ["sampler", "trigger"])
 BACKPRESSURE = Counter("flywheel_sampler_backpressure_seconds_total", "Seconds paused because the backlog was full",
                        ["sampler"])
+CREDIT_WAIT = Counter("flywheel_sampler_credit_wait_seconds_total",
+                      "Seconds waiting for flow-control credits (the trainer has not consumed enough yet)",
+                      ["sampler"])
+CREDITS_IN_FLIGHT = Gauge("flywheel_sampler_credits_in_flight",
+                          "Fragments sent that the trainer has not consumed yet (as of its last grant)", ["sampler"])
 PAUSED = Gauge("flywheel_sampler_paused", "1 while an operator has paused the sampler", ["sampler"])
 IN_FLIGHT = Gauge("flywheel_sampler_in_flight_fragments", "Fragments sent, not yet acknowledged", ["sampler"])
 LAG_PROBE = Histogram("flywheel_sampler_lag_probe_seconds", "Time of one trainer-backlog (consumer lag) query",
@@ -96,6 +106,8 @@ class Sampler:
         self._backlog: int | None = None  # last measured trainer backlog; None until the first measurement
         self._backlog_at = 0.0  # monotonic time of that measurement
         self._wake = asyncio.Event()  # backlog dropped to the limit, a policy was announced, or a command came
+        self.credits = CreditGate(self.id)
+        self.credit_wait_s = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         self.adopted_at: float | None = None
         self.fragments = 0
@@ -123,7 +135,8 @@ class Sampler:
         await self._retry(lambda: ensure_topics(self.settings), "create topics", "kafka")
         await self._retry(self.producer.start, "start producer", "kafka")
         await self._retry(self.inbox.start, "start inbox", "kafka")
-        tps = [TopicPartition(self.topics.policy, 0), TopicPartition(self.topics.control, 0)]
+        tps = [TopicPartition(self.topics.policy, 0), TopicPartition(self.topics.control, 0),
+               TopicPartition(self.topics.credits, 0)]
         self.inbox.assign(tps)
         await self.inbox.seek_to_end(*tps)  # only what is announced from now on; the marker covers the past
         if self.lag_probe is not None:
@@ -143,6 +156,7 @@ class Sampler:
             await self._refresh_policy()
             await self._respect_pause(stop_event)
             await self._respect_backlog(stop_event)
+            await self._respect_credits(stop_event)
             frag = await asyncio.to_thread(self.worker.collect)
             await self._respect_pause(stop_event)  # paused while collecting: hold the fragment until resumed
             await self._send(frag)
@@ -261,6 +275,26 @@ class Sampler:
                 await self._maybe_heartbeat()
         finally:
             BACKPRESSURE.labels(**self._labels).inc(time.monotonic() - paused_at)
+
+    def _credits_on(self) -> bool:
+        return self.settings.sampler.credits and self.settings.mode == "async"
+
+    async def _respect_credits(self, stop_event: asyncio.Event) -> None:
+        """Credit flow control (shared.credits): wait while this sampler has its window of fragments in
+        flight that the trainer has not consumed. The inbox task applies grants and sets ``_wake``."""
+        if not self._credits_on() or self.credits.open():
+            return
+        waited_from = time.monotonic()
+        self.log.debug("credit_wait", in_flight=self.credits.in_flight, window=self.credits.window)
+        try:
+            while not stop_event.is_set() and not self.credits.open() and self._credits_on():
+                await self._wait_wake(WAKE_TIMEOUT_S)
+                await self._refresh_policy()
+                await self._maybe_heartbeat()
+        finally:
+            waited = time.monotonic() - waited_from
+            self.credit_wait_s += waited
+            CREDIT_WAIT.labels(**self._labels).inc(waited)
 
     async def _wait_for_newer(self, version: int, stop_event: asyncio.Event) -> None:
         """Synchronous baseline: after sending, wait for the version trained on what was sent."""
@@ -418,6 +452,11 @@ class Sampler:
                     self._poll_now.set()
                 self._wake.set()
                 self.log.info("control_received", command=cmd.command, request_id=cmd.request_id)
+            elif topic == self.topics.credits and value is not None:
+                self.credits.grant(CreditGrant.model_validate_json(value), time.monotonic())
+                CREDITS_IN_FLIGHT.labels(**self._labels).set(self.credits.in_flight)
+                if self.credits.open():
+                    self._wake.set()
             elif topic == self.topics.policy and value is not None:
                 msg = PolicyMessage.model_validate_json(value)
                 if msg.type == "announce" and msg.version > (self._wanted_version or -1):
@@ -430,6 +469,8 @@ class Sampler:
     # ---- fragments -------------------------------------------------------------------------
     async def _send(self, frag: Any) -> None:
         headers, payload = encode_fragment(frag)
+        seq = self.credits.next_seq()
+        headers.append((H_SAMPLER_SEQ, seq_value(self.credits.incarnation, seq)))
         await self.in_flight.acquire()
         IN_FLIGHT.labels(**self._labels).inc()
         # No key: the partitioner spreads fragments over all partitions, so two samplers never share
@@ -439,6 +480,7 @@ class Sampler:
             fut = await self._retry(lambda: self.producer.send(self.topics.samples, payload, key=None,
                                                                headers=headers), "send fragment", "kafka")
         except BaseException:
+            self.credits.lost(seq)
             self.in_flight.release()
             IN_FLIGHT.labels(**self._labels).dec()
             raise
@@ -452,6 +494,7 @@ class Sampler:
             if f.cancelled() or f.exception() is not None:
                 # Never acknowledged, so never on the topic: this fragment is lost before it existed
                 # (counted and logged with its id); the loop goes on with the next.
+                self.credits.lost(seq)  # never consumed: it must not hold a credit for good
                 SEND_ERRORS.labels(**self._labels).inc()
                 error = "cancelled" if f.cancelled() else describe(f.exception())  # type: ignore[arg-type]
                 self.health_state.degraded("kafka", f"fragment send failed: {error}")
@@ -481,7 +524,10 @@ class Sampler:
             id=self.id,
             policy_version=self.worker.policy_version,
             adopted_at=self.adopted_at, paused_since=self._paused_since,
-            max_backlog=self.settings.sampler.max_backlog, config_revision=self.runtime.revision,
+            max_backlog=self.settings.sampler.max_backlog,
+            credits_window=self.credits.window if self._credits_on() else None,
+            credits_in_flight=self.credits.in_flight if self._credits_on() else None,
+            credit_wait_s=round(self.credit_wait_s, 3), config_revision=self.runtime.revision,
             steps_per_s=self.steps_rate.rate(),
             fragments=self.fragments,
             env_steps=self.env_steps,

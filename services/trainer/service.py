@@ -31,6 +31,7 @@ from services.trainer.intake import Batch, Intake, Pending, StallWatch
 from services.trainer.learner import Learner
 from services.trainer.ledger import OffsetLedger
 from shared.bus import Bus, Record, kafka_bus
+from shared.credits import H_SAMPLER_SEQ, Consumption, auto_window
 from shared.fragment import FragmentError, decode_fragment, header_dict
 from shared.kafka import Topics, ensure_topics, trainer_group
 from shared.logging import fragment_fields, get_logger
@@ -79,6 +80,10 @@ LEARNING_RATE = Gauge("flywheel_trainer_learning_rate",
 
 
 SAMPLER_LAG_FORGET_S = 600.0
+GRANT_REFRESH_S = 1.0
+"""Send a credit grant at least this often, even when nothing was consumed."""
+GRANTS = Counter("flywheel_trainer_credit_grants_total", "Flow-control grants sent to the samplers")
+CREDIT_WINDOW = Gauge("flywheel_trainer_credit_window", "Fragments each live sampler may have in flight")
 
 
 @dataclasses.dataclass
@@ -120,6 +125,8 @@ class Trainer:
         self.intake = Intake(max_staleness=self.cfg.max_staleness, batch_fragments=self.cfg.batch_fragments,
                              batch_timeout_s=self.cfg.batch_timeout_s, sync=self.sync)
         self.stall = StallWatch(self.cfg.stall_after_s, time.monotonic())
+        self.consumption = Consumption(auto_window(settings), live_after_s=settings.paramsync.sampler_timeout_s)
+        self._last_grant = 0.0
         self.health_state = Health("trainer")
         self.ledger = OffsetLedger()
         self.staleness: deque[int] = deque(maxlen=1000)
@@ -192,6 +199,7 @@ class Trainer:
                 if task.done():
                     raise RuntimeError(f"background task {task.get_name()} ended") from task.exception()
             await self._poll_once()
+            await self._maybe_grant()
             if self._pending_rollback is not None:
                 await self._follow_rollback(self._pending_rollback)
             if self.sync:
@@ -281,6 +289,8 @@ class Trainer:
     async def _intake(self, tp: TopicPartition, rec: Record) -> None:
         CONSUMED.inc()
         now = time.monotonic()
+        h = header_dict(rec.headers)
+        self.consumption.saw(h.get("sampler-id") or "?", h.get(H_SAMPLER_SEQ), now)
         self.stall.note("consumed", now)
         try:
             frag = decode_fragment(rec.headers, rec.value, self.spec)
@@ -637,6 +647,7 @@ class Trainer:
         self.learner.set_runtime(settings.trainer)
         if not self.sync:
             self.intake.max_staleness = settings.trainer.max_staleness
+        self.consumption.total_window = auto_window(settings)
         new = runtime_values(settings)
         changes = {k: {"old": old[k], "new": new[k]} for k in new if k.startswith("trainer.") and old[k] != new[k]}
         self.config_revision = revision
@@ -808,6 +819,25 @@ class Trainer:
             c.policy_version = marker[0].version
         self.intake.model_version = c.policy_version
         VERSION.set(c.policy_version)
+
+    # ---- flow control ----------------------------------------------------------------------
+    async def _maybe_grant(self) -> None:
+        """Tell the samplers how far their fragments are consumed (shared.credits): at once when that
+        moved, else every second (a lost grant heals). Never waits for the acknowledgement."""
+        now = time.monotonic()
+        if not self.consumption.changed and now - self._last_grant < GRANT_REFRESH_S:
+            return
+        grant = self.consumption.grant(self.id, now)
+        self._last_grant = now
+        try:
+            await self.producer.send(self.topics.credits, grant.to_bytes(), key=b"credits")
+        except Exception as exc:  # the next grant carries the same counts
+            if not is_transient(exc):
+                raise
+            self.log.debug("credit_grant_failed", error=describe(exc))
+            return
+        GRANTS.inc()
+        CREDIT_WINDOW.set(grant.window)
 
     # ---- heartbeats ------------------------------------------------------------------------
     async def _maybe_heartbeat(self) -> None:

@@ -1,0 +1,85 @@
+"""Credit flow control (shared.credits): the trainer's consumption record and the sampler's gate."""
+
+from __future__ import annotations
+
+from shared.credits import Consumption, CreditGate, auto_window, parse_seq, seq_value
+from shared.settings import load_settings
+
+
+def _settings(**trainer: object) -> object:
+    env = {f"FLYWHEEL_TRAINER_{k.upper()}": str(v) for k, v in trainer.items()}
+    return load_settings(None, env)
+
+
+def test_auto_window_follows_the_bound_and_keeps_a_batch_waiting() -> None:
+    assert auto_window(_settings(batch_fragments=2, max_staleness=8)) == 8  # 2 x 1 x 4
+    assert auto_window(_settings(batch_fragments=4, max_staleness=1)) == 8  # at least 2 batches
+    assert auto_window(_settings(batch_fragments=4, max_staleness=8, publish_every=2)) == 32
+    assert auto_window(_settings(flow_window=5)) == 5
+
+
+def test_seq_header_round_trip_and_garbage() -> None:
+    assert parse_seq(seq_value("ab12", 7).decode()) == ("ab12", 7)
+    for bad in (None, "", "7", "ab.", ".3", "ab.x", "ab.-1"):
+        assert parse_seq(bad) is None
+
+
+def test_gate_sends_a_window_then_waits_for_consumption() -> None:
+    gate = CreditGate("s0", initial_window=1, incarnation="i1")
+    assert gate.open()
+    gate.next_seq()
+    assert not gate.open()  # one in flight, window 1
+    trainer = Consumption(total_window=8)
+    trainer.saw("s0", "i1.1", now=0.0)
+    trainer.saw("s1", "j9.1", now=0.0)
+    g = trainer.grant("t", now=0.0)
+    assert g.window == 4 and g.live_samplers == 2  # 8 split over two live samplers
+    gate.grant(g, now=0.0)
+    assert gate.in_flight == 0 and gate.window == 4
+    for _ in range(4):
+        assert gate.open()
+        gate.next_seq()
+    assert not gate.open() and gate.in_flight == 4
+
+
+def test_consumption_is_monotonic_per_incarnation_and_a_restart_starts_over() -> None:
+    trainer = Consumption(total_window=4)
+    trainer.saw("s0", "old.10", now=0.0)
+    trainer.saw("s0", "old.3", now=0.1)  # re-delivered: does not move back
+    g = trainer.grant("t", now=0.2)
+    assert g.consumed == {"s0/old": 10}
+    gate = CreditGate("s0", incarnation="new")  # the sampler restarted with the same id
+    gate.grant(g, now=0.2)
+    assert gate.consumed == 0  # the old process's count is not this one's
+    gate.next_seq()
+    trainer.saw("s0", "new.1", now=0.3)
+    assert trainer.changed
+    gate.grant(trainer.grant("t", now=0.3), now=0.3)
+    assert gate.in_flight == 0
+    # An older grant (a restarted trainer still re-reading) never lowers what was consumed.
+    gate.next_seq()
+    gate.next_seq()
+    gate.grant(trainer.grant("t", now=0.4), now=0.4)  # still says new.1
+    assert gate.consumed == 1 and gate.in_flight == 2
+
+
+def test_a_lost_send_does_not_hold_a_credit_forever() -> None:
+    gate = CreditGate("s0", initial_window=2, incarnation="i")
+    gate.next_seq()
+    n = gate.next_seq()
+    gate.lost(n)  # Kafka never acknowledged it: the trainer will never consume it
+    assert gate.in_flight == 1 and gate.open()
+
+
+def test_samplers_that_went_quiet_stop_counting_and_are_forgotten() -> None:
+    trainer = Consumption(total_window=8, live_after_s=10, forget_after_s=60)
+    trainer.saw("s0", "a.1", now=0.0)
+    trainer.saw("s1", "b.1", now=0.0)
+    assert trainer.window(now=5.0) == 4
+    trainer.saw("s0", "a.2", now=15.0)
+    assert trainer.window(now=15.0) == 8  # s1 silent for 15 s: no longer live
+    g = trainer.grant("t", now=100.0)
+    assert g.consumed == {} and g.window == 8
+    assert not trainer.changed
+    trainer.saw("s2", None, now=101.0)  # no sequence header (an old sampler): live, nothing to count
+    assert trainer.live(now=101.0) == 1 and not trainer.changed
