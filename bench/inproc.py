@@ -2,11 +2,12 @@
 ``queue.Queue``: the yardstick the Kafka pipeline is divided by, and the bare loops of
 ``service_efficiency``.
 
-The in-memory pipeline mirrors the services' semantics: sampler threads adopt the newest policy
-between fragments, put fragments on a bounded queue (the flow control: ``sampler.max_backlog``
-fragments, at least 2), and the learner drops fragments older than ``trainer.max_staleness``
-versions, trains on ``trainer.batch_fragments`` at a time and publishes a new version every
-``trainer.publish_every`` updates (weights serialised to bytes, as the trainer does).
+The in-memory pipeline uses the trainer's own batcher (services/trainer/intake.py): the same admission
+(future versions, duplicate ids), the staleness bound checked when a batch is formed, and the batching
+strategy of ``settings.mode``. Sampler threads adopt the newest policy between fragments and put
+fragments on a bounded queue (the flow control: ``trainer.flow_window`` fragments, as the credits
+allow the Kafka pipeline); a new version is published every ``trainer.publish_every`` updates (weights
+serialised to bytes, as the trainer does), and in-memory publication is immediate.
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ import time
 from dataclasses import dataclass
 
 import torch
+from aiokafka import TopicPartition
 
 from services.sampler.rollout import RolloutWorker
+from services.trainer.intake import Intake, Pending, strategy_for
 from services.trainer.learner import Learner
+from shared.credits import auto_window
 from shared.fragment import Fragment
 from shared.rl.envs import fragment_spec
 from shared.settings import Settings
+
+_TP = TopicPartition("inproc.samples", 0)
 
 
 @dataclass
@@ -47,7 +53,12 @@ class InProcessPipeline:
         self.s = settings
         self.learner = Learner(fragment_spec(settings.env.id, settings.kafka.max_message_bytes), settings.trainer)
         self.box = _PolicyBox(0, self.learner.weights(), threading.Lock())
-        self.q: queue.Queue[Fragment] = queue.Queue(maxsize=max(2, settings.sampler.max_backlog))
+        self.q: queue.Queue[Fragment] = queue.Queue(maxsize=auto_window(settings))
+        t = settings.trainer
+        self.intake = Intake(max_staleness=t.max_staleness, batch_timeout_s=t.batch_timeout_s,
+                             strategy=strategy_for(settings.mode, t.batch_fragments, t.poll_max_records))
+        self.staleness: list[int] = []  # lag of every trained fragment, at batch time
+        self._offset = 0
         self.workers = [_worker(settings, i, seed + i) for i in range(samplers)]
         self.stop_event = threading.Event()
         self.trained = 0
@@ -76,31 +87,36 @@ class InProcessPipeline:
     def run_for(self, seconds: float) -> None:
         """Train for ``seconds`` (in the calling thread)."""
         cfg = self.s.trainer
-        batch: list[Fragment] = []
         end = time.monotonic() + seconds
         c = self.learner.counters
+        live = {w.sampler_id for w in self.workers}
         while time.monotonic() < end:
-            try:
-                frag = self.q.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            self.learner.record_returns(frag)
-            if c.policy_version - frag.policy_version > cfg.max_staleness:
-                self.dropped += 1
-                continue
-            batch.append(frag)
-            if len(batch) < cfg.batch_fragments:
+            for _ in range(self.intake.wants()):
+                try:
+                    frag = self.q.get(timeout=0.1)
+                except queue.Empty:
+                    break
+                self.learner.record_returns(frag)
+                self._offset += 1
+                rejected = self.intake.admit(Pending(_TP, self._offset, frag, time.monotonic()))
+                if rejected is not None:
+                    raise RuntimeError(f"in-memory pipeline: {rejected.message}")  # cannot happen here
+            batch = self.intake.form_batch(time.monotonic(), live)
+            self.dropped += len(batch.stale)
+            if not batch.train:
                 continue
             t0 = time.perf_counter()
-            stats = self.learner.update(batch)
+            stats = self.learner.update([p.frag for p in batch.train])
             self.busy_s += time.perf_counter() - t0
             self.trained += stats.env_steps
-            batch = []
+            self.staleness.extend(batch.staleness)
             if c.updates % cfg.publish_every == 0:
                 weights = self.learner.weights()
                 with self.box.lock:
                     self.box.version, self.box.weights = c.policy_version + 1, weights
                 c.policy_version += 1
+                self.intake.model_version = c.policy_version
+                self.intake.saw_published(c.policy_version)
 
     def close(self) -> None:
         self.stop_event.set()

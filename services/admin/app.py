@@ -62,7 +62,12 @@ class SamplerStatus(BaseModel):
     last_seen: float
     paused: bool = Field(False, description="An operator paused it: it produces nothing (POST /samplers/pause)")
     paused_since: float | None = None
-    max_backlog: int | None = Field(None, description="Its flow-control limit (a runtime setting)")
+    max_backlog: int | None = Field(None, description="Its backlog limit (a runtime setting; 0: off)")
+    credits_window: int | None = Field(
+        None, description="Credit flow control: fragments it may have in flight unconsumed (None: credits off)")
+    credits_in_flight: int | None = Field(None, description="Its fragments the trainer had not consumed, "
+                                                            "as of the last grant")
+    credit_wait_s: float = Field(0.0, description="Seconds it waited for credits since it started")
     config_revision: int = Field(0, description="The runtime-settings revision it applied")
 
 
@@ -140,7 +145,9 @@ def create_app(state: AdminState) -> FastAPI:
             SamplerStatus(id=sid, alive=s.alive(seen, now), policy_version=seen.beat.policy_version,
                           steps_per_s=round(seen.beat.steps_per_s, 1), last_seen=seen.at,
                           paused=seen.beat.paused_since is not None, paused_since=seen.beat.paused_since,
-                          max_backlog=seen.beat.max_backlog, config_revision=seen.beat.config_revision)
+                          max_backlog=seen.beat.max_backlog, config_revision=seen.beat.config_revision,
+                          credits_window=seen.beat.credits_window, credits_in_flight=seen.beat.credits_in_flight,
+                          credit_wait_s=seen.beat.credit_wait_s)
             for sid, seen in sorted(v.samplers.items()) if now - seen.at <= SAMPLER_FORGET_S
         ]
         def health(role: str, seen: object) -> ServiceHealth:

@@ -65,6 +65,7 @@ class Paramsync:
         self.started_at = time.time()
         self._stop = asyncio.Event()
         self._publishes = 0
+        self._prune_task: asyncio.Task[None] | None = None
         self._started = False
 
     async def _retry(self, op: Any, what: str, component: str, timeout_s: float | None = None) -> Any:
@@ -92,6 +93,11 @@ class Paramsync:
         )
 
     async def stop(self) -> None:
+        if self._prune_task is not None and not self._prune_task.done():
+            try:
+                await asyncio.wait_for(self._prune_task, 10)
+            except Exception as exc:  # housekeeping: the next start prunes again
+                self.log.warning("prune_unfinished_at_stop", error=describe(exc))
         await stop_clients((self.candidates, self.inbox, self.producer), self.log)
 
     def health(self) -> dict[str, Any]:
@@ -106,6 +112,8 @@ class Paramsync:
     # ---- candidates ------------------------------------------------------------------------
     async def _candidate_loop(self, stop_event: asyncio.Event) -> None:
         while not stop_event.is_set():
+            if self._prune_task is not None and self._prune_task.done() and self._prune_task.exception():
+                raise RuntimeError("pruning old versions failed") from self._prune_task.exception()
             polled = await poll_or_pause(lambda: self.candidates.getmany(timeout_ms=200, max_records=50),
                                          what="candidate poll", health=self.health_state)
             if polled is None:
@@ -180,17 +188,25 @@ class Paramsync:
         self._set_published(record)
         await self._announce(record)
         self._publishes += 1
-        removed: list[int] = []
-        if self._publishes % PRUNE_EVERY == 0:  # pruning lists and reads history: not on every publish
-            try:
-                removed = await asyncio.to_thread(self.policies.prune, self.settings.paramsync.keep_versions)
-            except Exception as exc:  # housekeeping: tried again at the next PRUNE_EVERY
-                if not is_transient(exc):
-                    raise
-                self.log.warning("prune_failed", error=describe(exc))
+        # Pruning lists, reads and deletes history (a second or more on a slow store): in the background,
+        # one at a time, so the next candidate is published meanwhile. A slow publish makes the trainer
+        # wait (it never runs more than max_staleness versions ahead of the published policy).
+        if self._publishes % PRUNE_EVERY == 0 and (self._prune_task is None or self._prune_task.done()):
+            self._prune_task = asyncio.create_task(self._prune(), name="paramsync-prune")
         self.log.info("policy_published", policy_version=msg.version, sha256=msg.sha256[:12],
-                      trainer_step=msg.trainer_step, pruned=removed or None)
+                      trainer_step=msg.trainer_step)
         return "published"
+
+    async def _prune(self) -> None:
+        try:
+            removed = await asyncio.to_thread(self.policies.prune, self.settings.paramsync.keep_versions)
+        except Exception as exc:  # housekeeping: tried again at the next PRUNE_EVERY
+            if not is_transient(exc):
+                raise  # surfaces in the candidate loop and stops paramsync
+            self.log.warning("prune_failed", error=describe(exc))
+            return
+        if removed:
+            self.log.info("versions_pruned", versions=removed)
 
     async def _announce(self, record: VersionRecord) -> None:
         ann = PolicyMessage.of("announce", record).to_bytes()

@@ -9,7 +9,13 @@
   *reference* version, the older of the trainer's own version and the newest *published* one
   (samplers can only act on published versions: measured against the trainer's counter alone, an
   unpublished run of updates would make every fragment stale and stall training for good).
-  In sync mode the reference is the trainer's own version and the bound is 0.
+- **batches** come from a *strategy*, chosen when the trainer (or the benchmark's in-memory pipeline)
+  is wired: :class:`AsyncBatches` (``batch_fragments`` at a time, the bound ``max_staleness``) or
+  :class:`SyncBatches` (the synchronous baseline: one fragment of the current version from every live
+  sampler, bound 0, reference the trainer's own version). Nothing else differs between the modes here.
+- **publication lead** (async): no batch while the trainer is ``max_staleness`` versions ahead of the
+  newest published version (a slow publish); else, when it lands, the reference jumps and everything
+  samplers made meanwhile is dropped at once.
 - **revoke**: fragments of revoked partitions leave the buffer and their sample ids are forgotten
   (the new owner, or this member after a re-assignment, gets them again).
 
@@ -51,15 +57,89 @@ class Batch:
     train: list[Pending] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)  # per trained fragment, at formation
     stale: list[tuple[Pending, int]] = field(default_factory=list)  # dropped at formation, with their staleness
+    waiting_publication: bool = False  # a batch could form, but the trainer is too far ahead of publication
+
+
+
+class AsyncBatches:
+    """Asynchronous: ``batch_fragments`` at a time (fewer once the oldest waited the timeout); the bound
+    is ``max_staleness`` against the older of the trainer's and the published version."""
+
+    name = "async"
+    needs_live_samplers = False
+    poll_timeout_ms = 200
+
+    def __init__(self, batch_fragments: int, poll_max_records: int) -> None:
+        self.batch_fragments = batch_fragments
+        self.poll_max_records = poll_max_records
+
+    def bound(self, max_staleness: int) -> int:
+        return max_staleness
+
+    def reference(self, model_version: int, published: int | None) -> int:
+        return model_version if published is None else min(model_version, published)
+
+    def may_train(self, model_version: int, published: int | None, bound: int) -> bool:
+        """Not while the trainer is ``max(1, bound)`` versions ahead of the published one: when a slow
+        publication catches up, the reference jumps by that much at most, so what samplers made on the
+        old published version is not dropped in bulk (it stays within the bound)."""
+        return published is None or model_version - published < max(1, bound)
+
+    def take(self, buffer: list[Pending], timed_out: bool, live_samplers: set[str] | None) -> int:
+        if len(buffer) < self.batch_fragments and not timed_out:
+            return 0
+        return min(len(buffer), self.batch_fragments)
+
+    def wants(self, buffered: int) -> int:
+        return min(self.poll_max_records, max(1, self.batch_fragments - buffered))
+
+
+class SyncBatches:
+    """The synchronous baseline: everything buffered once every live sampler contributed a fragment of
+    the current version (or on the timeout); bound 0 against the trainer's own version."""
+
+    name = "sync"
+    needs_live_samplers = True
+    poll_timeout_ms = 20
+
+    def __init__(self, poll_max_records: int) -> None:
+        self.poll_max_records = poll_max_records
+
+    def bound(self, max_staleness: int) -> int:
+        return 0
+
+    def reference(self, model_version: int, published: int | None) -> int:
+        return model_version
+
+    def may_train(self, model_version: int, published: int | None, bound: int) -> bool:
+        return True  # samplers wait for each new version themselves
+
+    def take(self, buffer: list[Pending], timed_out: bool, live_samplers: set[str] | None) -> int:
+        have = {p.frag.sampler_id for p in buffer}
+        if not timed_out and (not live_samplers or not live_samplers <= have):
+            return 0
+        return len(buffer)
+
+    def wants(self, buffered: int) -> int:
+        return self.poll_max_records
+
+
+BatchStrategy = AsyncBatches | SyncBatches
+
+
+def strategy_for(mode: str, batch_fragments: int, poll_max_records: int) -> BatchStrategy:
+    """The strategy of ``settings.mode``."""
+    if mode == "sync":
+        return SyncBatches(poll_max_records)
+    return AsyncBatches(batch_fragments, poll_max_records)
 
 
 class Intake:
-    def __init__(self, *, max_staleness: int, batch_fragments: int, batch_timeout_s: float, sync: bool = False,
+    def __init__(self, *, max_staleness: int, batch_timeout_s: float, strategy: BatchStrategy,
                  dedup_window: int = DEDUP_WINDOW) -> None:
-        self.max_staleness = 0 if sync else max_staleness
-        self.batch_fragments = batch_fragments
+        self.max_staleness = max_staleness  # as configured; the strategy says what bound applies
         self.batch_timeout_s = batch_timeout_s
-        self.sync = sync
+        self.strategy = strategy
         self.buffer: list[Pending] = []
         self.model_version = 0  # the version of the trainer's current weights
         self.published: int | None = None  # newest version behind the marker, as last seen
@@ -78,9 +158,11 @@ class Intake:
 
     @property
     def reference(self) -> int:
-        if self.sync or self.published is None:
-            return self.model_version
-        return min(self.model_version, self.published)
+        return self.strategy.reference(self.model_version, self.published)
+
+    @property
+    def bound(self) -> int:
+        return self.strategy.bound(self.max_staleness)
 
     def staleness(self, frag: Fragment) -> int:
         return max(0, self.reference - frag.policy_version)
@@ -110,38 +192,35 @@ class Intake:
 
     # ---- batches ----------------------------------------------------------------------------
     def form_batch(self, now: float, live_samplers: set[str] | None = None) -> Batch:
-        """Drop what is now too stale, then take a batch if one is due (``train`` empty otherwise).
-
-        Async: ``batch_fragments`` fragments, or fewer once the oldest waited ``batch_timeout_s``.
-        Sync: everything buffered once every live sampler contributed (or on the timeout).
-        """
+        """Drop what is now too stale, then take a batch if the strategy says one is due (``train``
+        empty otherwise). ``live_samplers``: for a strategy that waits for every live sampler."""
         out = Batch()
         keep = []
+        bound = self.bound
         for p in self.buffer:
             s = self.staleness(p.frag)
-            if s > self.max_staleness or self.is_abandoned(p.frag.policy_version):
+            if s > bound or self.is_abandoned(p.frag.policy_version):
                 out.stale.append((p, s))
             else:
                 keep.append(p)
         self.buffer = keep
         if not self.buffer:
             return out
+        if not self.strategy.may_train(self.model_version, self.published, bound):
+            out.waiting_publication = True
+            return out
         timed_out = now - self.buffer[0].at > self.batch_timeout_s
-        if self.sync:
-            have = {p.frag.sampler_id for p in self.buffer}
-            if not timed_out and (not live_samplers or not live_samplers <= have):
-                return out
-            out.train, self.buffer = self.buffer, []
-        else:
-            if len(self.buffer) < self.batch_fragments and not timed_out:
-                return out
-            out.train, self.buffer = self.buffer[: self.batch_fragments], self.buffer[self.batch_fragments :]
+        n = self.strategy.take(self.buffer, timed_out, live_samplers)
+        if n == 0:
+            return out
+        out.train, self.buffer = self.buffer[:n], self.buffer[n:]
         out.staleness = [self.staleness(p.frag) for p in out.train]
         return out
 
     def wants(self) -> int:
-        """How many more records the next batch needs (the trainer polls no more than this)."""
-        return max(1, self.batch_fragments - len(self.buffer))
+        """How many records to poll next: what the next batch still needs (async), so nothing waits in
+        the buffer growing stale while a batch trains."""
+        return self.strategy.wants(len(self.buffer))
 
     # ---- rebalances -------------------------------------------------------------------------
     def forget_ids(self, sample_ids: Iterable[str]) -> None:

@@ -27,7 +27,7 @@ from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError, RebalanceInProgressError
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.trainer.intake import Batch, Intake, Pending, StallWatch
+from services.trainer.intake import Batch, BatchStrategy, Intake, Pending, StallWatch, strategy_for
 from services.trainer.learner import Learner
 from services.trainer.ledger import OffsetLedger
 from shared.bus import Bus, Record, kafka_bus
@@ -80,6 +80,9 @@ LEARNING_RATE = Gauge("flywheel_trainer_learning_rate",
 
 
 SAMPLER_LAG_FORGET_S = 600.0
+PUBLICATION_WAITS = Counter("flywheel_trainer_publication_waits_total",
+                            "Loop passes that held a batch because the trainer was max_staleness versions ahead "
+                            "of the published policy")
 GRANT_REFRESH_S = 1.0
 """Send a credit grant at least this often, even when nothing was consumed."""
 GRANTS = Counter("flywheel_trainer_credit_grants_total", "Flow-control grants sent to the samplers")
@@ -97,7 +100,8 @@ class SamplerLag:
 class Trainer:
     name = "trainer"
 
-    def __init__(self, settings: Settings, trainer_id: str | None = None, bus: Bus | None = None) -> None:
+    def __init__(self, settings: Settings, trainer_id: str | None = None, bus: Bus | None = None,
+                 strategy: BatchStrategy | None = None) -> None:
         self.settings = settings
         self.cfg = settings.trainer
         self.id = trainer_id or f"trainer-{socket.gethostname()}-{os.getpid()}"
@@ -121,12 +125,14 @@ class Trainer:
         self.producer = bus.publisher
         self.source = bus.source
         self.announcements = bus.tail(self.topics.policy)
-        self.sync = settings.mode == "sync"
-        self.intake = Intake(max_staleness=self.cfg.max_staleness, batch_fragments=self.cfg.batch_fragments,
-                             batch_timeout_s=self.cfg.batch_timeout_s, sync=self.sync)
+        # How batches form (async, or the synchronous baseline) is the one thing settings.mode changes here.
+        strategy = strategy or strategy_for(settings.mode, self.cfg.batch_fragments, self.cfg.poll_max_records)
+        self.intake = Intake(max_staleness=self.cfg.max_staleness, batch_timeout_s=self.cfg.batch_timeout_s,
+                             strategy=strategy)
         self.stall = StallWatch(self.cfg.stall_after_s, time.monotonic())
         self.consumption = Consumption(auto_window(settings), live_after_s=settings.paramsync.sampler_timeout_s)
         self._last_grant = 0.0
+        self._publication_wait_since: float | None = None
         self.health_state = Health("trainer")
         self.ledger = OffsetLedger()
         self.staleness: deque[int] = deque(maxlen=1000)
@@ -148,8 +154,8 @@ class Trainer:
         self._last_checkpoint: int | None = None
         self._candidate: tuple[PolicyMessage, float] | None = None  # the newest sent, and when
         self._stalled_logged = False
-        # Synchronous baseline (mode: sync): one fragment of the current version from every live sampler.
-        self._beats = bus.tail(self.topics.heartbeats) if self.sync else None
+        # A strategy that waits for every live sampler (sync) learns who is live from their heartbeats.
+        self._beats = bus.tail(self.topics.heartbeats) if strategy.needs_live_samplers else None
         self._sampler_seen: dict[str, float] = {}
         self._after_update: asyncio.Task[None] | None = None  # the last update's commit + publish
         self._commit_lock = asyncio.Lock()
@@ -202,11 +208,14 @@ class Trainer:
             await self._maybe_grant()
             if self._pending_rollback is not None:
                 await self._follow_rollback(self._pending_rollback)
-            if self.sync:
+            if self._beats is not None:
                 await self._poll_live_samplers()
             while not stop_event.is_set():
-                batch = self.intake.form_batch(time.monotonic(), self._live_samplers() if self.sync else None)
+                batch = self.intake.form_batch(time.monotonic(),
+                                               self._live_samplers() if self._beats is not None else None)
                 self._drop_stale(batch)
+                if batch.waiting_publication:
+                    self._note_publication_wait()
                 if not batch.train:
                     break
                 await self._train(batch)
@@ -218,8 +227,8 @@ class Trainer:
             await self._maybe_heartbeat()
 
     async def _poll_once(self) -> None:
-        want = self.cfg.poll_max_records if self.sync else min(self.cfg.poll_max_records, self.intake.wants())
-        polled = await poll_or_pause(lambda: self.source.poll(max_records=want, timeout_ms=20 if self.sync else 200),
+        want, timeout_ms = self.intake.wants(), self.intake.strategy.poll_timeout_ms
+        polled = await poll_or_pause(lambda: self.source.poll(max_records=want, timeout_ms=timeout_ms),
                                      what="poll", health=self.health_state, log=self.log)
         if polled is None:
             return
@@ -308,6 +317,14 @@ class Trainer:
         self.log.info("fragment_consumed", **fragment_fields(frag.sample_id, frag.sampler_id, frag.policy_version,
                                                               tp.partition, rec.offset))
 
+    def _note_publication_wait(self) -> None:
+        now = time.monotonic()
+        if self._publication_wait_since is None or now - self._publication_wait_since > 5.0:
+            self.log.info("waiting_for_publication", policy_version=self.learner.counters.policy_version,
+                          published_version=self.intake.published, lead=max(1, self.intake.bound))
+            self._publication_wait_since = now
+        PUBLICATION_WAITS.inc()
+
     def _drop_stale(self, batch: Batch) -> None:
         for p, staleness in batch.stale:
             self.ledger.finished(p.tp, p.offset)
@@ -317,7 +334,7 @@ class Trainer:
             self.stall.note("dropped_stale", time.monotonic())
             f = p.frag
             self.log.info("fragment_dropped_stale", outcome="dropped_stale", staleness=staleness,
-                          max_staleness=self.intake.max_staleness, reference_version=self.intake.reference,
+                          max_staleness=self.intake.bound, reference_version=self.intake.reference,
                           **fragment_fields(f.sample_id, f.sampler_id, f.policy_version, p.tp.partition, p.offset))
 
     async def _dead_letter(self, tp: TopicPartition, rec: Record, reason: str, error: str) -> None:
@@ -645,8 +662,7 @@ class Trainer:
         self.settings = settings
         self.cfg = settings.trainer
         self.learner.set_runtime(settings.trainer)
-        if not self.sync:
-            self.intake.max_staleness = settings.trainer.max_staleness
+        self.intake.max_staleness = settings.trainer.max_staleness
         self.consumption.total_window = auto_window(settings)
         new = runtime_values(settings)
         changes = {k: {"old": old[k], "new": new[k]} for k in new if k.startswith("trainer.") and old[k] != new[k]}

@@ -58,6 +58,12 @@ def test_closed_loop_learns_and_can_be_operated(make_stack: Any, run_name: str, 
     for x in alive:  # both act on a recent version
         assert x["policy_version"] >= s["policy"]["version"] - 4, (x, s["policy"])
     assert s["trainer"]["alive"] and s["backlog"]["records"] is not None
+    # ---- flow control: credits keep the lag at training time within the bound, so (almost) nothing
+    # is dropped as stale; both samplers run under a window the trainer granted ---------------------
+    st = s["staleness"]
+    assert st["max"] is not None and st["max"] <= 8, st  # configs/cartpole.yaml: max_staleness 8
+    assert st["dropped_fraction"] is not None and st["dropped_fraction"] <= 0.05, st
+    assert all(x["credits_window"] is not None and x["credits_window"] >= 1 for x in alive), alive
 
     # ---- manual sync: 401 without the token; with it, every sampler on the latest within 1 s --
     url = f"{stack.admin_url}/policy/sync"

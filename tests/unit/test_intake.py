@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiokafka import TopicPartition
 
-from services.trainer.intake import Intake, Pending, StallWatch
+from services.trainer.intake import AsyncBatches, Intake, Pending, StallWatch, SyncBatches, strategy_for
 from shared.fragment import Fragment
 from tests.fragments import blank_fragment
 
@@ -21,10 +21,12 @@ def pending(version: int, sid: str, offset: int = 0, tp: TopicPartition = TP0, a
     return Pending(tp, offset, frag(version, sid, sampler), at)
 
 
-def make(**kw: object) -> Intake:
-    args: dict[str, object] = {"max_staleness": 2, "batch_fragments": 2, "batch_timeout_s": 5.0}
-    args.update(kw)
-    return Intake(**args)  # type: ignore[arg-type]
+def make(max_staleness: int = 2, batch_fragments: int = 2, batch_timeout_s: float = 5.0, sync: bool = False,
+         **kw: object) -> Intake:
+    """An Intake wired as the trainer wires it: the strategy of the mode (async or sync)."""
+    strategy = strategy_for("sync" if sync else "async", batch_fragments, poll_max_records=64)
+    return Intake(max_staleness=max_staleness, batch_timeout_s=batch_timeout_s, strategy=strategy,
+                  **kw)  # type: ignore[arg-type]
 
 
 def test_staleness_is_checked_when_the_batch_is_formed_not_on_arrival() -> None:
@@ -41,14 +43,15 @@ def test_staleness_is_checked_when_the_batch_is_formed_not_on_arrival() -> None:
 
 
 def test_reference_is_the_older_of_own_and_published_version() -> None:
-    intake = make()
-    intake.model_version = 20  # many updates that paramsync never published
+    intake = make(max_staleness=4)
+    intake.model_version = 13  # updates that paramsync has not published yet
     intake.saw_published(10)
     assert intake.reference == 10
     assert intake.admit(pending(10, "a")) is None
     assert intake.admit(pending(9, "b")) is None
     batch = intake.form_batch(now=0.0)
-    # Measured against the trainer's own counter both would be stale and training would stall for good.
+    # Against the trainer's own counter they would count 3 and 4 versions old: every unpublished update
+    # would age all data, and a long enough publication outage would stall training for good.
     assert [p.frag.sample_id for p in batch.train] == ["a", "b"] and batch.staleness == [0, 1]
 
 
@@ -125,3 +128,33 @@ def test_stall_watch_reasons() -> None:
     stall = w.check(240.0)
     assert stall is not None and "dead-lettered" in stall.reason
     assert w.check(270.0) is None  # nothing arrived for 30 s: idle (e.g. samplers paused), not stalled
+
+
+def test_the_strategy_is_chosen_at_wiring_and_decides_bound_reference_and_poll_size() -> None:
+    a = make(max_staleness=8, batch_fragments=4)
+    s = make(max_staleness=8, sync=True)
+    assert isinstance(a.strategy, AsyncBatches) and isinstance(s.strategy, SyncBatches)
+    for intake in (a, s):
+        intake.model_version, intake.published = 6, 4
+    assert (a.bound, a.reference) == (8, 4)  # async: the configured bound, against the published version
+    assert (s.bound, s.reference) == (0, 6)  # sync: zero staleness against the trainer's own version
+    assert a.wants() == 4 and s.wants() == 64  # async polls only what the next batch needs
+    a.admit(pending(4, "x"))
+    assert a.wants() == 3
+    a.max_staleness = 1  # a runtime change of the bound applies to the next batch
+    assert a.bound == 1 and s.bound == 0
+
+
+def test_async_trainer_waits_when_it_is_the_bound_ahead_of_publication() -> None:
+    intake = make(max_staleness=3, batch_fragments=1)
+    intake.model_version, intake.published = 13, 10  # a publication is slow: 3 versions unpublished
+    intake.admit(pending(10, "a"))
+    batch = intake.form_batch(now=0.0)
+    assert batch.train == [] and batch.waiting_publication and batch.stale == []
+    intake.saw_published(13)  # it lands: the fragment made on 10 is 3 behind, within the bound, trained
+    batch = intake.form_batch(now=0.0)
+    assert [p.frag.sample_id for p in batch.train] == ["a"] and batch.staleness == [3]
+    sync = make(max_staleness=3, sync=True)
+    sync.model_version, sync.published = 13, 10
+    sync.admit(pending(13, "b"))
+    assert not sync.form_batch(now=0.0, live_samplers={"s0"}).waiting_publication
