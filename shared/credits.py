@@ -11,8 +11,8 @@ many of its fragments the trainer has not consumed yet, and sends only while tha
 - The trainer (:class:`Consumption`) notes the highest ``n`` it has consumed per sampler process and
   sends a :class:`shared.messages.CreditGrant` on ``<run>.credits`` whenever that moves (and every
   second, so a lost grant heals): the consumed counts and the *window*, the fragments each live sampler
-  may have in flight: ``trainer.flow_window`` (default derived from the staleness bound) split evenly
-  over the samplers consumed from recently.
+  may have in flight: ``trainer.flow_window`` (default: two versions' worth of batches) split evenly
+  over the samplers consumed from recently (at least one each).
 - A sampler (:class:`CreditGate`) sends while ``sent - consumed - lost < window``; otherwise it waits
   for the next grant (still adopting policies and sending heartbeats).
 
@@ -33,12 +33,14 @@ H_SAMPLER_SEQ = "sampler-seq"
 
 
 def auto_window(settings: Settings) -> int:
-    """``trainer.flow_window``, or the default: ``batch_fragments * publish_every * max(1, max_staleness // 2)``
-    and at least ``2 * batch_fragments`` (one batch training, the next one waiting)."""
+    """``trainer.flow_window``, or the default: two versions' worth of batches,
+    ``batch_fragments * publish_every * min(2, max(1, max_staleness))``: one batch training, the next one
+    waiting, so the learner is fed while the lag stays near two versions (less data per version in
+    flight means fresher data; more would only add lag)."""
     t = settings.trainer
     if t.flow_window is not None:
         return t.flow_window
-    return max(2 * t.batch_fragments, t.batch_fragments * t.publish_every * max(1, t.max_staleness // 2))
+    return t.batch_fragments * t.publish_every * min(2, max(1, t.max_staleness))
 
 
 def new_incarnation() -> str:

@@ -260,9 +260,9 @@ class TrainerSettings(_Section):
     down, or the message was lost with a broker)."""
     flow_window: int | None = Field(None, ge=1)
     """Fragments in flight (produced, not yet consumed by the trainer) that all live samplers together
-    may have, split evenly between them (at least one each). None: derived from the bound,
-    ``batch_fragments * publish_every * max(1, max_staleness // 2)`` and at least ``2 * batch_fragments``,
-    so the lag at training time stays near half of ``max_staleness`` and a batch is always waiting."""
+    may have, split evenly between them (at least one each). None: two versions' worth of batches,
+    ``batch_fragments * publish_every * min(2, max(1, max_staleness))``: one batch trains while the next
+    waits, so the learner is fed and the lag at training time stays near two versions."""
     normalize_observations: bool = False
     """Normalise observations by running mean and variance that the trainer updates from every trained
     batch and publishes inside the policy's weights blob: a sampler acting on version v normalises

@@ -12,9 +12,10 @@ def _settings(**trainer: object) -> object:
 
 
 def test_auto_window_follows_the_bound_and_keeps_a_batch_waiting() -> None:
-    assert auto_window(_settings(batch_fragments=2, max_staleness=8)) == 8  # 2 x 1 x 4
-    assert auto_window(_settings(batch_fragments=4, max_staleness=1)) == 8  # at least 2 batches
-    assert auto_window(_settings(batch_fragments=4, max_staleness=8, publish_every=2)) == 32
+    assert auto_window(_settings(batch_fragments=2, max_staleness=8)) == 4  # two batches: one trains, one waits
+    assert auto_window(_settings(batch_fragments=4, max_staleness=1)) == 4  # a bound of 1: one batch
+    assert auto_window(_settings(batch_fragments=4, max_staleness=0)) == 4
+    assert auto_window(_settings(batch_fragments=4, max_staleness=8, publish_every=2)) == 16
     assert auto_window(_settings(flow_window=5)) == 5
 
 
