@@ -1,9 +1,11 @@
 """``python -m bench``: run the benchmark figures, write docs/benchmarks.{md,json} and the plots.
 
-    python -m bench                      # every figure (~25 min on 2 cores)
+    python -m bench                      # every figure (estimated ~2.5 h on 2 cores, stability ~55 min of it)
     python -m bench --only solve         # one figure (or a comma-separated list); the others are kept
     python -m bench --list               # the figures
     python -m bench --quick              # a smoke run with short windows, written to .flywheel/bench/quick/
+    FLYWHEEL_BENCH_STABILITY_SEEDS=2 FLYWHEEL_BENCH_STABILITY_MINUTES=3 python -m bench --only stability
+        # fewer seeds / minutes (FLYWHEEL_BENCH_<FIGURE>_SEEDS works for every figure with seeds)
     python -m bench --profile --only service_efficiency --out /tmp/prof
         # + py-spy profiles of the services in .flywheel/bench/profiles/ (python -m bench.profile FILE)
 """
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             # the figure shared the machine and its numbers are suspect.
             other = max(0.0, (machine_busy_seconds() - busy0) - (suite_cpu_seconds() - ours0)) / max(dur, 1e-9)
             data["figures"][name] = report.entry(
-                name, mod.TITLE, mod.TARGET, res, command=_command(["--only", name] if args.only else argv),
+                name, mod.TITLE, mod.TARGET, res,
+                command=_command((["--quick"] if args.quick else []) + ["--only", name] if args.only else argv),
                 machine=mach, date=now_iso(), duration_s=dur, load_before=before, load_after=loadavg(), error=err,
                 other_cores=other)
             data["suite"] = {"last_command": _command(argv), "last_run": now_iso(),

@@ -393,6 +393,18 @@ class BenchStack:
         return self.wait_for(f"{env_steps:.0f} env steps trained",
                              lambda: self.counters()["trained"] >= env_steps, timeout_s, 0.5)
 
+    def sample_until(self, env_steps: float, timeout_s: float = 300.0, poll_s: float = 1.0) -> list[dict[str, float]]:
+        """Poll the counters every ``poll_s`` until the samplers have made ``env_steps`` env steps (or the
+        timeout); returns every snapshot taken."""
+        series: list[dict[str, float]] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            series.append(self.counters())
+            if series[-1]["sampled"] >= env_steps:
+                break
+            time.sleep(poll_s)
+        return series
+
 
 @contextmanager
 def stack(ctx: Context, run: str, overrides: dict[str, Any] | None = None,
@@ -468,18 +480,19 @@ class FragmentInfo:
     fingerprint: str = ""  # hash of the observations: equal only for identical trajectories
 
 
-def read_samples(ctx: Context, run: str, timeout_s: float = 60.0) -> list[FragmentInfo]:
-    """Every fragment on ``<run>.samples``, decoded, sorted by creation time. Read after the run,
-    so the reading never competes with the measured processes for CPU."""
+def read_samples(ctx: Context, run: str, timeout_s: float = 60.0, env_id: str = "CartPole-v1") -> list[FragmentInfo]:
+    """Every fragment on ``<run>.samples`` (a run of ``env_id``), decoded, sorted by creation time. Read
+    after the run, so the reading never competes with the measured processes for CPU."""
     import asyncio
 
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from shared.fragment import FragmentSpec, decode_fragment
+    from shared.fragment import decode_fragment
     from shared.kafka import Topics
+    from shared.rl.envs import fragment_spec
 
     topic = Topics.for_run(run).samples
-    spec = FragmentSpec(obs_shape=(4,), num_actions=2, max_bytes=64 * 1024 * 1024)
+    spec = fragment_spec(env_id, max_bytes=64 * 1024 * 1024)
 
     async def go() -> list[FragmentInfo]:
         c = AIOKafkaConsumer(bootstrap_servers=ctx.infra.kafka_bootstrap, enable_auto_commit=False,
@@ -550,6 +563,65 @@ def return_at_steps(curve: list[tuple[float, int, float]], steps: int, n: int = 
     """Mean of the last ``n`` episodes finished within the first ``steps`` env steps."""
     rs = [r for _, s, r in curve if s <= steps][-n:]
     return sum(rs) / len(rs) if rs else float("nan")
+
+
+def seconds_to_steps(frags: list[FragmentInfo], steps: int) -> float:
+    """Seconds from the first fragment's creation to the one that brought the env steps to ``steps``
+    (NaN when they never got there)."""
+    total = 0
+    for f in frags:
+        total += f.steps
+        if total >= steps:
+            return f.created_at - frags[0].created_at
+    return float("nan")
+
+
+def first_reaching(means: list[tuple[float, int, float]], threshold: float) -> tuple[float, int] | None:
+    """(seconds, env steps) of the first point of a running-mean curve at or above ``threshold``."""
+    for t, steps, m in means:
+        if m >= threshold:
+            return t, steps
+    return None
+
+
+def bench_seeds(figure: str, full: int, quick: int, ctx: Context) -> tuple[int, ...]:
+    """Seeds 1..n: ``FLYWHEEL_BENCH_<FIGURE>_SEEDS`` if set, else ``quick`` under --quick, else ``full``."""
+    n = int(os.environ.get(f"FLYWHEEL_BENCH_{figure.upper()}_SEEDS", quick if ctx.quick else full))
+    return tuple(range(1, n + 1))
+
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (no scipy in the bench's dependencies).
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Mean of independent runs with a 95% t-interval (half-width ``half``; NaN with fewer than 2 runs)."""
+
+    mean: float
+    half: float
+    n: int
+    values: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Interval:
+        vs = [float(v) for v in values if v == v]
+        if not vs:
+            return cls(float("nan"), float("nan"), 0, ())
+        if len(vs) < 2:
+            return cls(vs[0], float("nan"), 1, tuple(vs))
+        df = len(vs) - 1
+        t = _T95[max(k for k in _T95 if k <= df)] if df <= 30 else 1.96  # the next lower df: conservative
+        return cls(statistics.fmean(vs), t * statistics.stdev(vs) / len(vs) ** 0.5, len(vs), tuple(vs))
+
+    def fmt(self, digits: int = 0) -> str:
+        if self.n == 0:
+            return "n/a"
+        return f"{self.mean:,.{digits}f}" + ("" if self.half != self.half else f" ± {self.half:,.{digits}f}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mean": self.mean, "ci95_half_width": self.half, "n": self.n, "values": list(self.values)}
 
 
 def delete_topics(ctx: Context, prefix: str) -> int:

@@ -33,7 +33,8 @@ class FigureResult:
     plots: list[str] = field(default_factory=list)
 
 
-ORDER = ["pipeline", "async_vs_sync", "scaling", "sync_latency", "solve", "recovery", "service_efficiency"]
+ORDER = ["pipeline", "async_vs_sync", "scaling", "sync_latency", "solve", "stability", "async_sync_return",
+         "forced_staleness", "pendulum", "recovery", "service_efficiency"]
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -184,8 +185,8 @@ def _section(e: dict[str, Any]) -> str:
     if e.get("method"):
         lines.append(f"*How:* {e['method']}\n")
     if e.get("settings"):
-        s = ", ".join(f"`{k}={v}`" for k, v in e["settings"].items())
-        lines.append(f"*Settings* (on top of `configs/cartpole.yaml`): {s}\n")
+        s = ", ".join(f"`{k}={v}`" for k, v in e["settings"].items() if k != "config")
+        lines.append(f"*Settings* (on top of `{e['settings'].get('config', 'configs/cartpole.yaml')}`): {s}\n")
     la = e.get("loadavg_1m", {})
     before, after = la.get("before") or float("nan"), la.get("after") or float("nan")
     lines.append(f"*Ran:* `{e['command']}` on {e['date']}, {e['duration_s']:.0f} s; {m.get('cores')} cores "

@@ -5,15 +5,20 @@ from __future__ import annotations
 from types import ModuleType
 
 from bench.figures import (
+    async_sync_return,
     async_vs_sync,
+    forced_staleness,
+    pendulum,
     pipeline,
     recovery,
     scaling,
     service_efficiency,
     solve,
+    stability,
     sync_latency,
 )
 
 FIGURES: dict[str, ModuleType] = {
-    m.NAME: m for m in (pipeline, async_vs_sync, scaling, sync_latency, solve, recovery, service_efficiency)
+    m.NAME: m for m in (pipeline, async_vs_sync, scaling, sync_latency, solve, stability, async_sync_return,
+                        forced_staleness, pendulum, recovery, service_efficiency)
 }

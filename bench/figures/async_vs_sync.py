@@ -1,4 +1,5 @@
-"""Figure 2: asynchronous vs synchronous training with heavy-tailed env latency, 8 samplers.
+"""Figure 2: asynchronous vs synchronous training with heavy-tailed latency, 8 samplers: per env step
+(the envs of a sampler one after another, or overlapped) and per fragment.
 
 Both modes run the same stack and settings; only ``mode`` differs. Throughput is env steps
 sampled per second (equal to trained in sync mode), the trainer's busy fraction is the rate of
@@ -23,6 +24,7 @@ from bench.common import (
     return_at_steps,
     rolling_mean,
     say,
+    seconds_to_steps,
     stack,
 )
 from bench.plots import panels
@@ -31,12 +33,14 @@ from shared.rl.envs import LogNormalLatency
 
 NAME = "async_vs_sync"
 TITLE = ("8 samplers, env steps with log-normal latency (median 2 ms, sigma 1.0), the envs of a sampler stepping "
-         "one after another or overlapping their delays: mode async vs mode sync - env-steps/s, trainer busy "
-         "fraction, return after the same number of env steps.")
+         "one after another or overlapping their delays, or one log-normal delay per fragment (median 100 ms, "
+         "sigma 1.5): mode async vs mode sync - env-steps/s, trainer busy fraction, return after the same number "
+         "of env steps.")
 TARGET = "async >= 2.5x sync env-steps/s at equal return"
 SAMPLERS = 8
 REPEATS = 2
 MEDIAN_MS, SIGMA = 2.0, 1.0
+FRAGMENT_MEDIAN_MS, FRAGMENT_SIGMA = 100.0, 1.5
 OVERRIDES = {
     "FLYWHEEL_ENV_NUM_ENVS": 4,
     "FLYWHEEL_ENV_LATENCY_MEDIAN_MS": MEDIAN_MS,
@@ -51,6 +55,12 @@ WORKLOADS: dict[str, tuple[dict[str, Any], str]] = {
     "overlapped": ({"FLYWHEEL_ENV_LATENCY_OVERLAP": "true"},
                    "the envs wait out their delays concurrently (as envs in separate processes or remote "
                    "simulators do), so a vector step waits for the *slowest* of its 4 envs"),
+    "fragment": ({"FLYWHEEL_ENV_LATENCY_MEDIAN_MS": 0, "FLYWHEEL_ENV_FRAGMENT_LATENCY_MEDIAN_MS": FRAGMENT_MEDIAN_MS,
+                  "FLYWHEEL_ENV_FRAGMENT_LATENCY_SIGMA": FRAGMENT_SIGMA},
+                 f"env steps are not delayed; each fragment gets one log-normal delay (median "
+                 f"{FRAGMENT_MEDIAN_MS:g} ms, sigma {FRAGMENT_SIGMA:g}: p99 ~{FRAGMENT_MEDIAN_MS * 32.8 / 1000:.1f} s) "
+                 "on top, so a fragment's generation time is heavy-tailed as a whole (an LLM rollout, a remote "
+                 "simulator); a sync round waits for the slowest of 8 such fragments"),
 }
 
 
@@ -71,7 +81,6 @@ def latency_probe(seconds: float, out: list[float]) -> None:
 def run_mode(ctx: Context, workload: str, mode: str, rep: int, steps: int, probe_s: float) -> dict[str, Any]:
     run = ctx.run_name(NAME, f"{workload[:3]}-{mode}{rep}")
     latencies: list[float] = []
-    series: list[dict[str, float]] = []
     say(f"{NAME}: {workload} env latency, mode={mode} (run {rep + 1}), {SAMPLERS} samplers, until {steps} env steps")
     with stack(ctx, run, {"FLYWHEEL_MODE": mode, **OVERRIDES, **WORKLOADS[workload][0]}) as st:
         up_s = st.up(SAMPLERS)
@@ -79,13 +88,7 @@ def run_mode(ctx: Context, workload: str, mode: str, rep: int, steps: int, probe
         st.wait_trained(1, timeout_s=90)
         if probe_s > 0:
             probe.start()
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            c = st.counters()
-            series.append(c)
-            if c["sampled"] >= steps:
-                break
-            time.sleep(1.0)
+        series = st.sample_until(steps, timeout_s=300)
         status = st.status()
         if probe_s > 0:
             probe.join()
@@ -103,7 +106,11 @@ def run_mode(ctx: Context, workload: str, mode: str, rep: int, steps: int, probe
         dt = max(b["t"] - a["t"], 1e-9)
         chunks.append({"sampled": (b["sampled"] - a["sampled"]) / dt, "trained": (b["trained"] - a["trained"]) / dt,
                        "busy": (b["busy"] - a["busy"]) / dt})
-    wall_to_steps = next((f.created_at for f in _cumulative(frags, steps)), float("nan")) - frags[0].created_at
+    wall_to_steps = seconds_to_steps(frags, steps)
+    by_sampler: dict[str, list[float]] = {}
+    for f in frags:
+        by_sampler.setdefault(f.sampler_id, []).append(f.created_at)
+    gaps = [(b - a) * 1000.0 for ts in by_sampler.values() for a, b in zip(ts, ts[1:], strict=False)]
     return {
         "run": run,
         "up_s": up_s,
@@ -114,17 +121,10 @@ def run_mode(ctx: Context, workload: str, mode: str, rep: int, steps: int, probe
         "staleness": status["staleness"],
         "dropped_stale": series[-1]["dropped"],
         "latency_ms": latencies,
+        "fragment_interval_ms": {"p50": percentile(gaps, 0.5), "p90": percentile(gaps, 0.9),
+                                 "p99": percentile(gaps, 0.99), "n": len(gaps)},
         "curve100": rolling_mean(curve, 100),
     }
-
-
-def _cumulative(frags: list[Any], steps: int) -> list[Any]:
-    total = 0
-    for f in frags:
-        total += f.steps
-        if total >= steps:
-            return [f]
-    return []
 
 
 def _compare(runs: dict[str, list[dict[str, Any]]], steps: int) -> dict[str, Any]:
@@ -151,6 +151,7 @@ def _compare(runs: dict[str, list[dict[str, Any]]], steps: int) -> dict[str, Any
 def _details(workload: str, runs: dict[str, list[dict[str, Any]]], cmp: dict[str, Any], steps: int) -> list[str]:
     agg, wall, to_level, steps_to_level = cmp["agg"], cmp["wall"], cmp["to_level"], cmp["steps_to_level"]
     rows = []
+    gaps = runs["async"][0]["fragment_interval_ms"]
     for m, rs in runs.items():
         for i, r in enumerate(rs):
             c = r["chunks"]
@@ -169,7 +170,7 @@ def _details(workload: str, runs: dict[str, list[dict[str, Any]]], cmp: dict[str
         "|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
-        f"Over both runs: async {agg['async']['sampled'].fmt()} vs sync {agg['sync']['sampled'].fmt()} env-steps/s "
+        f"Over all runs: async {agg['async']['sampled'].fmt()} vs sync {agg['sync']['sampled'].fmt()} env-steps/s "
         f"(**{cmp['speedup']:.2f}x**); wall time to {steps:,} env steps async {wall['async'].fmt(1, ' s')} vs sync "
         f"{wall['sync'].fmt(1, ' s')}.",
         "",
@@ -178,16 +179,21 @@ def _details(workload: str, runs: dict[str, list[dict[str, Any]]], cmp: dict[str
         f"{to_level['sync'].fmt(1, ' s')} ({steps_to_level['sync'].fmt()} env steps): **{cmp['speedup_equal']:.2f}x** "
         "in wall time.",
         "",
+        f"Time between one sampler's consecutive fragments (first async run, from the fragments' creation times; "
+        f"includes sending and flow-control waits): p50 {gaps['p50']:.0f} ms, p90 {gaps['p90']:.0f} ms, p99 "
+        f"{gaps['p99']:.0f} ms over {gaps['n']:,} intervals.",
+        "",
     ]
 
 
 def run(ctx: Context) -> FigureResult:
     steps = 10_000 if ctx.quick else 50_000
+    repeats = 1 if ctx.quick else REPEATS
     probe_s = ctx.scale(15)
     by_workload: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for workload in WORKLOADS:
         runs: dict[str, list[dict[str, Any]]] = {"async": [], "sync": []}
-        for rep in range(REPEATS):  # interleaved, so drift in the machine's load hits both modes alike
+        for rep in range(repeats):  # interleaved, so drift in the machine's load hits both modes alike
             first = workload == "sequential" and rep == 0
             runs["async"].append(run_mode(ctx, workload, "async", rep, steps, probe_s if first else 0.0))
             runs["sync"].append(run_mode(ctx, workload, "sync", rep, steps, 0.0))
@@ -225,7 +231,7 @@ def run(ctx: Context) -> FigureResult:
         "overlapped envs a fragment is 32 waits for the slowest of 4 envs: shorter, with a heavier tail, so the "
         "same overhead weighs more. See bench/PERF-NOTES.md.",
     ])
-    seq, ovl = cmps["sequential"], cmps["overlapped"]
+    seq, ovl, frg = cmps["sequential"], cmps["overlapped"], cmps["fragment"]
     return FigureResult(
         headline=[
             Row("async / sync env-steps/s (sequential envs)", f"{seq['speedup']:.2f}x", ">= 2.5x",
@@ -236,6 +242,10 @@ def run(ctx: Context) -> FigureResult:
                 ovl["speedup"] >= 2.5),
             Row(f"async / sync wall time to the same return, overlapped envs (last-100 {ovl['level']:.0f})",
                 f"{ovl['speedup_equal']:.2f}x", ">= 2.5x", ovl["speedup_equal"] >= 2.5),
+            Row("async / sync env-steps/s (heavy-tailed per-fragment delay)", f"{frg['speedup']:.2f}x", ">= 2.5x",
+                frg["speedup"] >= 2.5),
+            Row(f"async / sync wall time to the same return, per-fragment delay (last-100 {frg['level']:.0f})",
+                f"{frg['speedup_equal']:.2f}x", ">= 2.5x", frg["speedup_equal"] >= 2.5),
             Row(f"return (last 100) at {steps:,} env steps, async vs sync (per run, sequential envs)",
                 " / ".join(f"{r['return_at_steps']:.0f}" for r in by_workload["sequential"]["async"]) + " vs "
                 + " / ".join(f"{r['return_at_steps']:.0f}" for r in by_workload["sequential"]["sync"]),
@@ -259,17 +269,20 @@ def run(ctx: Context) -> FigureResult:
                for w, c in cmps.items()},
         },
         settings={"samplers": SAMPLERS, **{k.removeprefix("FLYWHEEL_").lower(): v for k, v in OVERRIDES.items()},
-                  "mode": "async | sync", "env_latency": "sequential | overlapped (env.latency_overlap)",
-                  "env_steps": steps, "runs_per_mode": REPEATS},
+                  "mode": "async | sync", "env_latency": "sequential | overlapped (env.latency_overlap) | fragment "
+                  f"(env.fragment_latency_median_ms {FRAGMENT_MEDIAN_MS:g}, sigma {FRAGMENT_SIGMA:g}, no per-step "
+                  "delay)", "env_steps": steps, "runs_per_mode": repeats},
         method=(f"Each run: a fresh stack with {SAMPLERS} samplers; from the first update, counters polled every "
                 f"second until {steps:,} env steps were sampled. Rates over 3 equal chunks of that span (the first "
-                f"10% skipped); per workload {REPEATS} runs per mode, interleaved (async, sync, async, sync), "
+                f"10% skipped); per workload {repeats} runs per mode, interleaved (async, sync, async, sync), "
                 "median (min-max) over all chunks. Returns from the fragments on `<run>.samples` in creation "
                 "order. `num_envs` lowered to 4 (8 samplers x 4 envs on 2 cores); `trainer.batch_fragments` 8 in "
                 "both modes so an update sees the same 1,024 env steps (sync trains one fragment of every sampler), "
                 "and `sampler.max_backlog` 16 so flow control does not stop samplers while the trainer fills a "
                 "batch of 8. Two latency workloads with the same per-env delay distribution: sequential (the "
-                "default `LogNormalLatency` wrapper) and overlapped (`env.latency_overlap: true`)."),
+                "default `LogNormalLatency` wrapper) and overlapped (`env.latency_overlap: true`); a third with no "
+                "per-step delay and one heavy-tailed delay per fragment (`env.fragment_latency_median_ms`, "
+                "`env.fragment_latency_sigma`, applied by the sampler's RolloutWorker)."),
         details_md=details,
         plots=[plot],
     )

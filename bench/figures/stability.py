@@ -1,0 +1,117 @@
+"""Does a solved CartPole stay solved? Each seed's stack keeps running for minutes after its last-100 mean
+first reaches 475; the lowest last-100 mean after that is the figure."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from bench.common import (
+    Context,
+    Spread,
+    bench_seeds,
+    episode_curve,
+    first_reaching,
+    read_samples,
+    rolling_mean,
+    say,
+    stack,
+)
+from bench.plots import panels
+from bench.report import FigureResult, Row
+
+NAME = "stability"
+TITLE = ("CartPole-v1 on the full local stack (2 samplers, configs/cartpole.yaml): the lowest mean of the last 100 "
+         "episode returns in the minutes after it first reached 475, per seed.")
+TARGET = "never below 450 after solving"
+SAMPLERS = 2
+SOLVE_TIMEOUT_S = 180.0  # a seed that has not solved by then is reported as such and stopped
+
+
+def _minutes(ctx: Context) -> float:
+    return float(os.environ.get("FLYWHEEL_BENCH_STABILITY_MINUTES", 0.5 if ctx.quick else 10.0))
+
+
+def run_seed(ctx: Context, seed: int, hold_s: float) -> dict[str, Any]:
+    run = ctx.run_name(NAME, f"seed{seed}")
+    say(f"{NAME}: seed {seed}: until the trainer's last-100 mean reaches 475, then {hold_s:.0f} s more")
+    with stack(ctx, run, {"FLYWHEEL_TRAINER_SEED": seed, "FLYWHEEL_SAMPLER_SEED": seed}) as st:
+        st.up(SAMPLERS)
+        st.wait_for("the first fragment", lambda: st.status_samplers_producing() >= 1, 60, poll_s=0.2)
+        # The trainer's /status mean (its last 100 consumed episodes) says roughly when; the exact point
+        # comes from the fragments afterwards.
+        try:
+            st.wait_for("last-100 >= 475", lambda: (st.status()["episode_return"]["mean"] or 0.0) >= 475.0,
+                        SOLVE_TIMEOUT_S, poll_s=1.0)
+            solved_live = True
+        except TimeoutError:
+            solved_live = False
+        if solved_live:
+            time.sleep(hold_s)
+        status = st.status()
+    frags = read_samples(ctx, run, timeout_s=300.0)
+    curve = episode_curve(frags)
+    m100 = rolling_mean(curve, 100)
+    solved = first_reaching(m100, 475.0)
+    after = [(t, m) for t, _, m in m100 if solved is not None and t >= solved[0]]
+    low = min(after, key=lambda x: x[1]) if after else None
+    return {
+        "seed": seed,
+        "solved": solved,
+        "held_s": (after[-1][0] - solved[0]) if after and solved else 0.0,
+        "min_after": low[1] if low else None,
+        "min_after_at_s": low[0] if low else None,
+        "points_below_450": sum(1 for _, m in after if m < 450.0),
+        "episodes_after": len(after),
+        "env_steps": curve[-1][1] if curve else 0,
+        "staleness": status["staleness"],
+        "m100": m100,
+    }
+
+
+def run(ctx: Context) -> FigureResult:
+    seeds = bench_seeds(NAME, 5, 1, ctx)
+    hold_s = _minutes(ctx) * 60.0
+    res = [run_seed(ctx, s, hold_s) for s in seeds]
+    lows = [r["min_after"] for r in res]
+    ok = all(x is not None and x >= 450.0 for x in lows)
+    rows = [f"| {r['seed']} | "
+            + ("not reached" if r["solved"] is None else f"{r['solved'][0]:.1f} s / {r['solved'][1]:,}")
+            + f" | {r['held_s'] / 60:.1f} | {r['episodes_after']:,} | "
+            + ("n/a" if r["min_after"] is None else f"{r['min_after']:.1f} (at {r['min_after_at_s']:.0f} s)")
+            + f" | {r['env_steps']:,} | {r['staleness']['mean'] or 0:.1f} / {r['staleness']['max']} |" for r in res]
+    plot = panels(
+        ctx.out_dir / "benchmarks-stability.png", f"CartPole-v1, local stack, {len(seeds)} seeds",
+        [("seconds since the first fragment", "mean return of the last 100 episodes",
+          [(f"seed {r['seed']}", [t for t, _, _ in r["m100"]], [m for _, _, m in r["m100"]]) for r in res])],
+        hline=(450.0, "450"),
+    )
+    details = "\n".join([
+        "| seed | last-100 >= 475 first (wall s from the first fragment / env steps) | minutes held after | episodes "
+        "after | lowest last-100 after solving | env steps in all | staleness mean / max (last 1,000 trained) |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+    ])
+    return FigureResult(
+        headline=[
+            Row(f"lowest last-100 mean after solving, per seed ({len(seeds)} seeds, {hold_s / 60:g} min each)",
+                " / ".join("not solved" if x is None else f"{x:.1f}" for x in lows), ">= 450", ok),
+            Row("time to last-100 >= 475 (wall s from the first fragment)",
+                Spread.of(r["solved"][0] if r["solved"] else float("inf") for r in res).fmt(1, " s")),
+        ],
+        numbers={"hold_s": hold_s, "seeds": [{k: v for k, v in r.items() if k != "m100"} for r in res],
+                 "all_held": ok},
+        settings={"samplers": SAMPLERS, "seeds": f"FLYWHEEL_TRAINER_SEED = FLYWHEEL_SAMPLER_SEED = "
+                  f"{', '.join(map(str, seeds))}", "minutes_after_solving": hold_s / 60,
+                  "solve_timeout_s": SOLVE_TIMEOUT_S},
+        method=("Per seed a fresh stack with 2 samplers. The bench polls the admin /status every second until the "
+                "trainer's mean return (its last 100 consumed episodes) reaches 475, then lets the stack run "
+                f"{hold_s / 60:g} more minutes (a seed that has not solved within {SOLVE_TIMEOUT_S:.0f} s is "
+                "stopped). Afterwards every fragment on `<run>.samples` is read back in creation order; the "
+                "running last-100 mean of the episodes' returns gives the first point >= 475 and the lowest value "
+                "from there to the end. Seeds and minutes: `FLYWHEEL_BENCH_STABILITY_SEEDS`, "
+                "`FLYWHEEL_BENCH_STABILITY_MINUTES`."),
+        details_md=details,
+        plots=[plot],
+    )
