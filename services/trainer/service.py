@@ -14,6 +14,7 @@ trainer resumes from them, re-training whatever came after (docs/reliability.md)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -83,6 +84,10 @@ SAMPLER_LAG_FORGET_S = 600.0
 PUBLICATION_WAITS = Counter("flywheel_trainer_publication_waits_total",
                             "Loop passes that held a batch because the trainer was max_staleness versions ahead "
                             "of the published policy")
+SAMPLER_LAG = Gauge("flywheel_trainer_sampler_staleness_versions",
+                    "Per sampler: lag at training time of its last 200 trained fragments", ["sampler", "stat"])
+SAMPLER_DROPPED = Gauge("flywheel_trainer_sampler_dropped_fraction",
+                        "Per sampler: its fragments dropped as stale / (trained + dropped)", ["sampler"])
 GRANT_REFRESH_S = 1.0
 """Send a credit grant at least this often, even when nothing was consumed."""
 GRANTS = Counter("flywheel_trainer_credit_grants_total", "Flow-control grants sent to the samplers")
@@ -640,6 +645,11 @@ class Trainer:
         now = time.monotonic()
         for sid in [sid for sid, lag in self.per_sampler.items() if now - lag.seen > SAMPLER_LAG_FORGET_S]:
             del self.per_sampler[sid]
+            for labels in [(sid, stat) for stat in ("mean", "p95", "max")]:
+                with contextlib.suppress(KeyError):
+                    SAMPLER_LAG.remove(*labels)
+            with contextlib.suppress(KeyError):
+                SAMPLER_DROPPED.remove(sid)
         out = {}
         for sid, lag in sorted(self.per_sampler.items()):
             st = list(lag.trained)
@@ -648,6 +658,12 @@ class Trainer:
                         "p95": percentile(st, 0.95) if st else None, "max": max(st) if st else None,
                         "dropped": lag.dropped,
                         "dropped_fraction": round(lag.dropped / total, 4) if total else None}
+            if st:
+                SAMPLER_LAG.labels(sid, "mean").set(sum(st) / len(st))
+                SAMPLER_LAG.labels(sid, "p95").set(percentile(st, 0.95) or 0.0)
+                SAMPLER_LAG.labels(sid, "max").set(max(st))
+            if total:
+                SAMPLER_DROPPED.labels(sid).set(lag.dropped / total)
         return out
 
     async def _audit(self, action: str, params: dict[str, Any], outcome: str) -> None:

@@ -247,3 +247,27 @@ async def test_an_oversize_record_is_dead_lettered_as_headers(tmp_path: Path) ->
     h = dict(dead.headers)
     assert h["dlq-reason"] == b"oversize" and b"70000 bytes not copied" in h["dlq-truncated"]
     assert dead.value == b"" and h["dlq-source"] == f"{T.samples}:0:0".encode()
+
+
+async def test_grants_credits_for_what_it_consumed_and_reports_lag_per_sampler(tmp_path: Path) -> None:
+    from prometheus_client import REGISTRY
+
+    from shared.messages import CreditGrant
+
+    t, mem = make(tmp_path, flow_window=6)
+    for n in range(1, 5):
+        headers, payload = fragment(0)
+        headers.append(("sampler-seq", f"inc1.{n}".encode()))
+        mem.append(T.samples, payload, headers=headers, partition=n % 2)
+
+    def grants() -> list[CreditGrant]:
+        return [CreditGrant.model_validate_json(r.value or b"") for r in mem.records(T.credits)]
+
+    await run_until(t, lambda: trained(t) == 4 and any(g.consumed.get("s0/inc1") == 4 for g in grants()))
+    g = grants()[-1]
+    assert g.consumed == {"s0/inc1": 4} and g.window == 6 and g.live_samplers == 1  # one live sampler: all of it
+    report = t._lag_report()["s0"]
+    assert report["max"] in (0, 1) and report["dropped"] == 0  # the second batch trains on version 0 from 1
+    assert REGISTRY.get_sample_value("flywheel_trainer_sampler_staleness_versions",
+                                     {"sampler": "s0", "stat": "max"}) == report["max"]
+    assert REGISTRY.get_sample_value("flywheel_trainer_sampler_dropped_fraction", {"sampler": "s0"}) == 0
