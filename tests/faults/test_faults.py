@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from shared.fragment import Fragment, encode_fragment
 from shared.kafka import Topics, trainer_group
@@ -230,6 +230,46 @@ def _broker_outage(env: FaultEnv, down_s: float) -> None:
     env.check_accounting(f"broker kill -9, back after {down_s:.0f} s", round(recover, 1),
                          f"no service exited; resumed unaided ({time.monotonic() - restarted:.0f} s after the "
                          f"broker process was started, which itself took {back - restarted:.0f} s to answer)")
+
+
+async def _end_offsets(bootstrap: str, topic: str) -> int:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or set()]
+        if not tps:
+            await consumer.force_metadata_update()  # type: ignore[no-untyped-call]
+            tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or set()]
+        return sum((await consumer.end_offsets(tps)).values())
+    finally:
+        await consumer.stop()
+
+
+@pytest.mark.faults
+def test_trainer_down_samplers_stop_after_one_credit_window(fault_env: FaultEnv) -> None:
+    """Credit flow control: with no trainer consuming, the samplers send at most their window and wait,
+    instead of filling Kafka with fragments that would be dropped as stale; training resumes after."""
+    env = fault_env
+    topic = Topics.for_run(env.run).samples
+    window = 4  # configs/cartpole.yaml: trainer.flow_window unset -> 2 batches of 2 fragments
+    env.stack.stop("trainer")  # not wanted any more: the supervisor leaves it down
+    time.sleep(3.0)  # the last grants and sends land
+    before = asyncio.run(_end_offsets(env.endpoints.kafka_bootstrap, topic))
+    time.sleep(12.0)
+    grew = asyncio.run(_end_offsets(env.endpoints.kafka_bootstrap, topic)) - before
+    samplers = [x for x in env.status()["samplers"] if x["alive"]]
+    env.say(f"trainer down 15 s: the samples topic grew by {grew} records; samplers {samplers}")
+    # Without credits a sampler makes ~50 fragments/s here. With them, at most the window in all (the
+    # trainer's last grant may arrive after ``before``), and the samplers say they are waiting.
+    assert grew <= window, f"samplers kept producing with no trainer: {grew} records in 12 s"
+    assert samplers and all(x["credits_window"] and x["credit_wait_s"] > 5 for x in samplers), samplers
+    version = env.published()
+    t0 = time.monotonic()
+    env.stack.start("trainer")
+    env.stack.wait_healthy("trainer", timeout_s=90)
+    env.wait_version_advances(version + 2, timeout_s=90)
+    env.check_accounting("trainer down 15 s (credits)", round(time.monotonic() - t0, 1),
+                         f"samplers sent {grew} records meanwhile (window {window}), then resumed")
 
 
 @pytest.mark.faults
