@@ -15,6 +15,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -193,39 +195,54 @@ def bare_learner_rate(settings: Settings, seconds: float, warmup_s: float = 2.0)
     return steps / dt, passes / dt
 
 
-def sequential_solve(settings: Settings, seed: int, samplers: int = 2, max_s: float = 60.0,
-                     threshold: float = 475.0) -> dict[str, float | None]:
-    """The same RolloutWorkers + Learner in one loop with zero staleness: collect ``batch_fragments``
-    fragments (round robin over ``samplers`` workers), update, hand the new weights to every worker.
-    Returns wall seconds and env steps until the last-20 / last-100 mean return reaches ``threshold``."""
+def lockstep(settings: Settings, seed: int, samplers: int = 2, lag: int = 0,
+             policy_seed: int | None = None) -> Iterator[tuple[float, int, list[float]]]:
+    """The same RolloutWorkers + Learner in one loop, no queue: collect ``batch_fragments`` fragments
+    (round robin over ``samplers`` workers) acting with the policy of ``lag`` updates ago (0: the
+    current one, zero staleness), yield (seconds so far, env steps so far, the returns of the episodes
+    that ended in them), update, repeat. The caller stops iterating when it has what it wants."""
     torch.set_num_threads(settings.trainer.torch_threads)
     learner = Learner(fragment_spec(settings.env.id, settings.kafka.max_message_bytes), settings.trainer)
     workers = [_worker(settings, i, seed * 1000 + i) for i in range(samplers)]
+    blobs = deque([learner.weights()], maxlen=lag + 1)  # blobs[0]: the version ``lag`` updates ago (or 0)
     version, steps, k = 0, 0, 0
-    returns: list[float] = []
-    out: dict[str, float | None] = {"last20_s": None, "last20_steps": None, "last100_s": None, "last100_steps": None}
-    for w in workers:
-        w.set_policy(0, learner.weights())
     t0 = time.monotonic()
     try:
-        while time.monotonic() - t0 < max_s and out["last100_s"] is None:
+        while True:
+            behaviour = max(0, version - lag)
+            for w in workers:
+                if w.policy_version != behaviour:
+                    w.set_policy(behaviour, blobs[0])
             frags = []
             for _ in range(settings.trainer.batch_fragments):
                 frags.append(workers[k % samplers].collect())
                 k += 1
-            for f in frags:
-                steps += f.steps
-                for r in f.episode_returns:
-                    returns.append(float(r))
-                    for n in (20, 100):
-                        if out[f"last{n}_s"] is None and len(returns) >= n and sum(returns[-n:]) / n >= threshold:
-                            out[f"last{n}_s"], out[f"last{n}_steps"] = time.monotonic() - t0, steps
+            steps += sum(f.steps for f in frags)
+            yield time.monotonic() - t0, steps, [float(r) for f in frags for r in f.episode_returns]
             learner.update(frags)
             version += 1
-            weights = learner.weights()
-            for w in workers:
-                w.set_policy(version, weights)
+            blobs.append(learner.weights())
     finally:
         for w in workers:
             w.close()
+
+
+def sequential_solve(settings: Settings, seed: int, samplers: int = 2, max_s: float = 60.0,
+                     threshold: float = 475.0) -> dict[str, float | None]:
+    """:func:`lockstep` at zero staleness until the last-20 / last-100 mean return reaches ``threshold``:
+    wall seconds and env steps of each (None when not within ``max_s``)."""
+    returns: list[float] = []
+    out: dict[str, float | None] = {"last20_s": None, "last20_steps": None, "last100_s": None, "last100_steps": None}
+    loop = lockstep(settings, seed, samplers)
+    try:
+        for seconds, steps, batch_returns in loop:
+            for r in batch_returns:
+                returns.append(r)
+                for n in (20, 100):
+                    if out[f"last{n}_s"] is None and len(returns) >= n and sum(returns[-n:]) / n >= threshold:
+                        out[f"last{n}_s"], out[f"last{n}_steps"] = seconds, steps
+            if out["last100_s"] is not None or seconds >= max_s:
+                break
+    finally:
+        loop.close()
     return out

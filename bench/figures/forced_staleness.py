@@ -2,24 +2,19 @@
 (clip around the proximal policy, importance weight to the behaviour policy) beside plain PPO (clip the
 ratio to the behaviour policy itself), and the zero-lag loop for reference.
 
-An in-process loop of the services' own RolloutWorker and Learner (as ``bench.inproc.sequential_solve``),
-so the lag is exact rather than whatever the stack's timing gives: the workers act with the weights blob of
-``LAG`` versions ago, kept in a deque."""
+An in-process loop of the services' own RolloutWorker and Learner (``bench.inproc.lockstep``, as the
+zero-staleness loop), so the lag is exact rather than whatever the stack's timing gives: the workers act with
+the weights blob of ``LAG`` versions ago."""
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Any
 
-import torch
-
 from bench.common import Context, Spread, bench_seeds, first_reaching, return_at_steps, rolling_mean, say
+from bench.inproc import lockstep
 from bench.plots import panels
 from bench.report import FigureResult, Row
-from services.sampler.rollout import RolloutWorker
-from services.trainer.learner import Learner
-from shared.rl.envs import fragment_spec
 from shared.settings import Settings, load_settings
 
 NAME = "forced_staleness"
@@ -32,39 +27,17 @@ VARIANTS = (("decoupled", LAG), ("ppo", LAG), ("decoupled", 0))
 
 
 def lagged_run(settings: Settings, seed: int, lag: int, steps_budget: int) -> list[tuple[float, int, float]]:
-    """Collect ``batch_fragments`` fragments round robin over ``SAMPLERS`` workers acting with version
-    ``max(0, v - lag)``, update to version v + 1, repeat until ``steps_budget`` env steps. Returns the
-    episode curve (seconds, env steps so far, return)."""
-    torch.set_num_threads(settings.trainer.torch_threads)
-    learner = Learner(fragment_spec(settings.env.id, settings.kafka.max_message_bytes), settings.trainer)
-    if getattr(learner.update_cfg, "objective", "decoupled") != settings.trainer.objective:
-        raise RuntimeError(f"the Learner does not apply trainer.objective={settings.trainer.objective!r} yet")
-    e = settings.env
-    workers = [RolloutWorker(e.id, e.num_envs, e.fragment_steps, f"lagged-{i}", settings.trainer.hidden,
-                             seed=seed * 1000 + i) for i in range(SAMPLERS)]
-    blobs = deque([learner.weights()], maxlen=lag + 1)  # blobs[0]: the version ``lag`` updates ago (or 0)
-    version, steps, k = 0, 0, 0
+    """:func:`bench.inproc.lockstep` with the workers acting ``lag`` versions behind, until ``steps_budget``
+    env steps; the episode curve (seconds, env steps so far, return)."""
     curve: list[tuple[float, int, float]] = []
-    t0 = time.monotonic()
+    loop = lockstep(settings, seed, SAMPLERS, lag)
     try:
-        while steps < steps_budget:
-            behaviour = max(0, version - lag)
-            for w in workers:
-                if w.policy_version != behaviour:
-                    w.set_policy(behaviour, blobs[0])
-            frags = []
-            for _ in range(settings.trainer.batch_fragments):
-                frags.append(workers[k % SAMPLERS].collect())
-                k += 1
-            for f in frags:
-                steps += f.steps
-                curve.extend((time.monotonic() - t0, steps, float(r)) for r in f.episode_returns)
-            learner.update(frags)
-            version += 1
-            blobs.append(learner.weights())
+        for seconds, steps, returns in loop:
+            curve.extend((seconds, steps, r) for r in returns)
+            if steps >= steps_budget:
+                break
     finally:
-        for w in workers:
-            w.close()
+        loop.close()
     return curve
 
 
