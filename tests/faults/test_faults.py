@@ -236,10 +236,9 @@ async def _end_offsets(bootstrap: str, topic: str) -> int:
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:
+        await consumer.topics()  # fetches the cluster's metadata
         tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or set()]
-        if not tps:
-            await consumer.force_metadata_update()  # type: ignore[no-untyped-call]
-            tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or set()]
+        assert tps, f"no partitions for {topic}"
         return sum((await consumer.end_offsets(tps)).values())
     finally:
         await consumer.stop()
