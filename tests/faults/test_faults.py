@@ -236,7 +236,7 @@ async def _end_offsets(bootstrap: str, topic: str) -> int:
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:
-        await consumer.topics()  # fetches the cluster's metadata
+        await consumer._client.force_metadata_update()  # noqa: SLF001 (as accounting.read_topic)
         tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or set()]
         assert tps, f"no partitions for {topic}"
         return sum((await consumer.end_offsets(tps)).values())
