@@ -107,7 +107,8 @@ class Sampler:
         self._backlog_at = 0.0  # monotonic time of that measurement
         self._wake = asyncio.Event()  # backlog dropped to the limit, a policy was announced, or a command came
         self.credits = CreditGate(self.id)
-        self.credit_wait_s = 0.0
+        self.credit_wait_s = 0.0  # finished waits; plus the one in progress since _credit_wait_since
+        self._credit_wait_since: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.adopted_at: float | None = None
         self.fragments = 0
@@ -284,7 +285,7 @@ class Sampler:
         flight that the trainer has not consumed. The inbox task applies grants and sets ``_wake``."""
         if not self._credits_on() or self.credits.open():
             return
-        waited_from = time.monotonic()
+        waited_from = self._credit_wait_since = time.monotonic()
         self.log.debug("credit_wait", in_flight=self.credits.in_flight, window=self.credits.window)
         try:
             while not stop_event.is_set() and not self.credits.open() and self._credits_on():
@@ -293,6 +294,7 @@ class Sampler:
                 await self._maybe_heartbeat()
         finally:
             waited = time.monotonic() - waited_from
+            self._credit_wait_since = None
             self.credit_wait_s += waited
             CREDIT_WAIT.labels(**self._labels).inc(waited)
 
@@ -527,7 +529,9 @@ class Sampler:
             max_backlog=self.settings.sampler.max_backlog,
             credits_window=self.credits.window if self._credits_on() else None,
             credits_in_flight=self.credits.in_flight if self._credits_on() else None,
-            credit_wait_s=round(self.credit_wait_s, 3), config_revision=self.runtime.revision,
+            credit_wait_s=round(self.credit_wait_s + (time.monotonic() - self._credit_wait_since
+                                                      if self._credit_wait_since is not None else 0.0), 3),
+            config_revision=self.runtime.revision,
             steps_per_s=self.steps_rate.rate(),
             fragments=self.fragments,
             env_steps=self.env_steps,
