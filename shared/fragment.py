@@ -18,7 +18,9 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
+"""2: the action space is part of the schema (continuous actions are float32 ``[T, N, *A]``). Schema 1
+fragments (discrete only) come from samplers older than the trainer that reads them."""
 CONTENT_TYPE = "application/vnd.flywheel.fragment+safetensors"
 
 H_SCHEMA = "flywheel-schema"
@@ -43,16 +45,30 @@ class FragmentError(ValueError):
 
 @dataclass(frozen=True)
 class FragmentSpec:
-    """What a consumer expects of fragments: the env's observation shape and action count."""
+    """What a consumer expects of fragments: the env's observation shape and its action space."""
 
     obs_shape: tuple[int, ...]
     num_actions: int
+    """Discrete actions: how many there are. Continuous actions: 0 (unused)."""
     max_bytes: int = 4 * 1024 * 1024
     env_id: str | None = None
     """The run's env: a fragment from another env is refused (None: not checked)."""
     max_abs_value: float = 1e6
     """Largest magnitude accepted in observations, rewards and returns. Finite but huge values (3e38)
     pass a finiteness check and still turn the weights NaN; no sane env emits them."""
+    action_shape: tuple[int, ...] = ()
+    """``()``: discrete actions (int64 ``[T, N]``). Otherwise the shape ``A`` of a Box action space:
+    continuous actions, float32 ``[T, N, *A]``, the unclipped Gaussian samples (they may lie outside the
+    env's bounds, which only the sampler applies when it steps the env)."""
+
+    @property
+    def continuous(self) -> bool:
+        return bool(self.action_shape)
+
+    @property
+    def action_dim(self) -> int:
+        """Width of the policy head: the action count (discrete) or the flattened action size (continuous)."""
+        return int(np.prod(self.action_shape)) if self.continuous else self.num_actions
 
 
 @dataclass
@@ -60,8 +76,8 @@ class Fragment:
     """``T`` steps x ``N`` envs of experience. Shapes below; obs dims ``*O``."""
 
     obs: np.ndarray  # float32 [T, N, *O]  observation before each action
-    actions: np.ndarray  # int64 [T, N]  discrete action taken
-    logp: np.ndarray  # float32 [T, N]  log-prob of the action under the behaviour policy
+    actions: np.ndarray  # int64 [T, N] discrete action | float32 [T, N, *A] unclipped Gaussian sample
+    logp: np.ndarray  # float32 [T, N]  log-prob (continuous: log-density) of the action under the behaviour policy
     rewards: np.ndarray  # float32 [T, N]
     terminated: np.ndarray  # uint8 [T, N]  1 where the episode ended in a terminal state
     truncated: np.ndarray  # uint8 [T, N]  1 where it was cut by a time limit (bootstrap!)
@@ -78,12 +94,12 @@ class Fragment:
     @property
     def steps(self) -> int:
         """Env steps in this fragment (T x N)."""
-        return int(self.actions.size)
+        return int(self.rewards.size)
 
 
 _TENSORS: dict[str, np.dtype] = {
     "obs": np.dtype(np.float32),
-    "actions": np.dtype(np.int64),
+    "actions": np.dtype(np.int64),  # discrete; continuous actions are float32 (_dtypes)
     "logp": np.dtype(np.float32),
     "rewards": np.dtype(np.float32),
     "terminated": np.dtype(np.uint8),
@@ -95,9 +111,15 @@ _TENSORS: dict[str, np.dtype] = {
 }
 
 
+def _dtypes(continuous: bool) -> dict[str, np.dtype]:
+    """The payload's tensors and their dtypes for a discrete or a continuous action space."""
+    return {**_TENSORS, "actions": np.dtype(np.float32)} if continuous else _TENSORS
+
+
 def encode_fragment(frag: Fragment) -> tuple[Headers, bytes]:
-    """Kafka headers and safetensors payload for ``frag``."""
-    tensors = {name: np.ascontiguousarray(getattr(frag, name), dtype=dt) for name, dt in _TENSORS.items()}
+    """Kafka headers and safetensors payload for ``frag`` (float actions are continuous ones)."""
+    dtypes = _dtypes(np.issubdtype(frag.actions.dtype, np.floating))
+    tensors = {name: np.ascontiguousarray(getattr(frag, name), dtype=dt) for name, dt in dtypes.items()}
     payload = st_save(tensors)
     headers: Headers = [
         (H_SCHEMA, SCHEMA_VERSION.encode()),
@@ -133,7 +155,12 @@ def _decode(headers: Headers | None, payload: bytes | None, spec: FragmentSpec) 
     if schema is None:
         raise FragmentError("missing_header", f"header {H_SCHEMA!r} is missing")
     if schema != SCHEMA_VERSION:
-        raise FragmentError("unknown_schema", f"schema version {schema!r} is not supported (want {SCHEMA_VERSION})")
+        hint = ""
+        if schema.isdigit() and int(schema) < int(SCHEMA_VERSION):
+            hint = (f": schema {schema} fragments come from samplers older than this trainer; "
+                    f"run samplers of the trainer's release (they write schema {SCHEMA_VERSION})")
+        raise FragmentError("unknown_schema",
+                            f"schema version {schema!r} is not supported (want {SCHEMA_VERSION}){hint}")
     for name in REQUIRED_HEADERS:
         if not h.get(name):
             raise FragmentError("missing_header", f"header {name!r} is missing or empty")
@@ -158,7 +185,7 @@ def _decode(headers: Headers | None, payload: bytes | None, spec: FragmentSpec) 
         raise FragmentError("undecodable", f"payload is not a safetensors blob: {exc}") from None
     _check_tensors(tensors, spec)
     return Fragment(
-        **{name: tensors[name] for name in _TENSORS},
+        **{name: tensors[name] for name in _TENSORS},  # the same names for both action kinds
         policy_version=version,
         sampler_id=h[H_SAMPLER_ID],
         env_id=h[H_ENV_ID],
@@ -168,22 +195,26 @@ def _decode(headers: Headers | None, payload: bytes | None, spec: FragmentSpec) 
 
 
 def _check_tensors(t: dict[str, np.ndarray], spec: FragmentSpec) -> None:
-    missing = sorted(set(_TENSORS) - set(t))
+    dtypes = _dtypes(spec.continuous)
+    missing = sorted(set(dtypes) - set(t))
     if missing:
         raise FragmentError("missing_tensor", f"payload lacks tensors {missing}")
-    extra = sorted(set(t) - set(_TENSORS))
+    extra = sorted(set(t) - set(dtypes))
     if extra:
         raise FragmentError("bad_shape", f"payload has unexpected tensors {extra}")
-    for name, dt in _TENSORS.items():
+    for name, dt in dtypes.items():
         if t[name].dtype != dt:
             raise FragmentError("bad_dtype", f"tensor {name!r} has dtype {t[name].dtype}, want {dt}")
-    if t["actions"].ndim != 2 or 0 in t["actions"].shape:
-        raise FragmentError("bad_shape", f"tensor 'actions' must be [T, N] with T, N > 0, got {t['actions'].shape}")
-    steps, envs = t["actions"].shape
+    a = t["actions"]
+    if a.ndim != 2 + len(spec.action_shape) or 0 in a.shape[:2]:
+        raise FragmentError("bad_shape", f"tensor 'actions' must be [T, N, *{spec.action_shape}] with T, N > 0, "
+                            f"got {a.shape}")
+    steps, envs = a.shape[:2]
     n_trunc = int(t["truncated"].sum())
     n_eps = t["episode_returns"].shape[0] if t["episode_returns"].ndim == 1 else -1
     want = {
         "obs": (steps, envs, *spec.obs_shape),
+        "actions": (steps, envs, *spec.action_shape),
         "logp": (steps, envs),
         "rewards": (steps, envs),
         "terminated": (steps, envs),
@@ -196,17 +227,19 @@ def _check_tensors(t: dict[str, np.ndarray], spec: FragmentSpec) -> None:
     for name, shape in want.items():
         if tuple(t[name].shape) != shape:
             raise FragmentError("bad_shape", f"tensor {name!r} has shape {tuple(t[name].shape)}, want {shape}")
-    for name in ("obs", "logp", "rewards", "trunc_obs", "last_obs", "episode_returns"):
+    floats = ("obs", "logp", "rewards", "trunc_obs", "last_obs", "episode_returns")
+    for name in ("actions", *floats) if spec.continuous else floats:
         if not np.isfinite(t[name]).all():
             raise FragmentError("non_finite", f"tensor {name!r} holds NaN or infinite values")
         if t[name].size and float(np.abs(t[name]).max()) > spec.max_abs_value:
             raise FragmentError("out_of_range", f"tensor {name!r} holds a value of magnitude "
                                 f"{float(np.abs(t[name]).max()):.3g} > {spec.max_abs_value:g}")
-    if (t["logp"] > 1e-5).any():
-        raise FragmentError("bad_value", "tensor 'logp' holds positive log-probabilities")
-    a = t["actions"]
-    if a.min() < 0 or a.max() >= spec.num_actions:
-        raise FragmentError("bad_value", f"actions outside [0, {spec.num_actions}): min {a.min()}, max {a.max()}")
+    if not spec.continuous:
+        # Probabilities are at most 1; a Gaussian density can exceed 1, so continuous log-probs may be positive.
+        if (t["logp"] > 1e-5).any():
+            raise FragmentError("bad_value", "tensor 'logp' holds positive log-probabilities")
+        if a.min() < 0 or a.max() >= spec.num_actions:
+            raise FragmentError("bad_value", f"actions outside [0, {spec.num_actions}): min {a.min()}, max {a.max()}")
     for name in ("terminated", "truncated"):
         if t[name].max() > 1:
             raise FragmentError("bad_value", f"tensor {name!r} must hold only 0 or 1")

@@ -1,14 +1,21 @@
 """Stepping vectorised envs with batched numpy inference into :class:`Fragment`s. No I/O here.
 
 No torch: the policy is :class:`shared.rl.policy_np.NumpyPolicy` (see its module docstring).
+
+Continuous actions: the env is stepped with the Gaussian sample clipped to the action space's bounds,
+and the fragment keeps the *unclipped* sample and its log-density, so the trainer's ratio is that of
+the distribution that was sampled (as CleanRL's ``ppo_continuous_action.py`` and Stable-Baselines3).
 """
 
 from __future__ import annotations
 
+import time
+
+import gymnasium as gym
 import numpy as np
 
 from shared.fragment import Fragment
-from shared.rl.envs import fragment_spec, make_vector_env
+from shared.rl.envs import LogNormalDelay, fragment_spec, make_vector_env
 from shared.rl.policy_np import NumpyPolicy
 
 
@@ -26,13 +33,23 @@ class RolloutWorker:
         latency_median_ms: float = 0.0,
         latency_sigma: float = 1.0,
         latency_overlap: bool = False,
+        *,
+        normalize_observations: bool = False,
+        fragment_latency_median_ms: float = 0.0,
+        fragment_latency_sigma: float = 1.5,
     ) -> None:
+        """``normalize_observations`` must be ``trainer.normalize_observations`` (the weights' key set);
+        ``fragment_latency_median_ms`` > 0 (benchmarks) sleeps one log-normal draw per fragment."""
         self.env_id = env_id
         self.sampler_id = sampler_id
         self.steps = fragment_steps
         self.envs = make_vector_env(env_id, num_envs, latency_median_ms, latency_sigma, seed, latency_overlap)
-        spec = fragment_spec(env_id, max_bytes=1 << 30)
-        self.policy = NumpyPolicy.for_spec(spec, hidden)
+        self.spec = spec = fragment_spec(env_id, max_bytes=1 << 30)
+        self.policy = NumpyPolicy.for_spec(spec, hidden, normalize_observations=normalize_observations)
+        space = self.envs.single_action_space
+        self._bounds = (space.low, space.high) if isinstance(space, gym.spaces.Box) else None
+        self._fragment_delay = (LogNormalDelay(fragment_latency_median_ms, fragment_latency_sigma, seed)
+                                if fragment_latency_median_ms > 0 else None)
         self.rng = np.random.default_rng(seed)  # None: fresh OS entropy
         self.policy_version: int | None = None
         obs, _ = self.envs.reset(seed=seed)
@@ -52,7 +69,7 @@ class RolloutWorker:
             raise RuntimeError("no policy loaded yet")
         T, N = self.steps, self.num_envs
         obs_buf = np.empty((T, N, *self._obs.shape[1:]), np.float32)
-        actions = np.empty((T, N), np.int64)
+        actions = np.empty((T, N, *self.spec.action_shape), np.float32 if self.spec.continuous else np.int64)
         logp = np.empty((T, N), np.float32)
         rewards = np.empty((T, N), np.float32)
         terminated = np.empty((T, N), np.uint8)
@@ -62,8 +79,10 @@ class RolloutWorker:
         ep_lengths: list[int] = []
         for t in range(T):
             obs_buf[t] = self._obs
-            actions[t], logp[t] = self.policy.act(self._obs, self.rng)
-            obs, reward, term, trunc, info = self.envs.step(actions[t])
+            a, logp[t] = self.policy.act(self._obs, self.rng)
+            actions[t] = a.reshape(actions.shape[1:])
+            env_actions = actions[t] if self._bounds is None else np.clip(actions[t], *self._bounds)
+            obs, reward, term, trunc, info = self.envs.step(env_actions)
             rewards[t] = reward
             terminated[t] = term
             truncated[t] = trunc & ~term
@@ -77,6 +96,8 @@ class RolloutWorker:
                 self._ep_return[i] = 0.0
                 self._ep_len[i] = 0
             self._obs = np.asarray(obs, dtype=np.float32)
+        if self._fragment_delay is not None:  # benchmarks: the fragment's generation time as a whole
+            time.sleep(float(self._fragment_delay.draw()))
         obs_shape = self._obs.shape[1:]
         return Fragment(
             obs=obs_buf,

@@ -8,11 +8,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from services.trainer.update import UpdateConfig, UpdateStats, ppo_update
 from shared.fragment import Fragment, FragmentSpec
-from shared.rl.model import ActorCritic, load_weights, weights_to_bytes
+from shared.rl.model import ActorCritic, load_weights, update_moments, weights_to_bytes
 from shared.settings import TrainerSettings
 
 
@@ -22,6 +23,52 @@ def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("trainer.device='cuda' but CUDA is not available")
     return torch.device(name)
+
+
+class ReturnScaler:
+    """Rewards divided by the running standard deviation of the discounted return and clipped to +-10,
+    as Stable-Baselines3's ``VecNormalize(norm_reward=True)`` (the mean is not subtracted).
+
+    The approximation: SB3 carries each env's discounted return across its whole stream of steps. Here a
+    stream arrives as fragments from several samplers, out of order, some dropped as stale, so the
+    return is accumulated per fragment: it starts at 0 at each fragment's first step and resets where an
+    episode ends. Its first ~1/(1 - gamma) steps miss what the previous fragment would have carried in,
+    which biases the measured spread slightly low (gamma 0.9: a 10-step horizon against 256-step
+    fragments, negligible; gamma 0.99 with 64-step fragments, noticeably). The scale only sets the reward
+    unit the critic learns in, so a biased scale changes step sizes, not the optimum.
+    Statistics are updated with a batch before that batch is scaled (SB3's order)."""
+
+    CLIP = 10.0
+    EPS = 1e-8
+
+    def __init__(self, gamma: float) -> None:
+        self.gamma = gamma
+        self.mean, self.var, self.count = 0.0, 1.0, 1e-4
+
+    def _discounted_returns(self, f: Fragment) -> np.ndarray:
+        done = np.asarray(f.terminated, bool) | np.asarray(f.truncated, bool)
+        ret = np.zeros(f.rewards.shape[1], np.float64)
+        out = np.empty(f.rewards.shape, np.float64)
+        for t in range(f.rewards.shape[0]):
+            ret = ret * self.gamma + f.rewards[t]
+            out[t] = ret
+            ret[done[t]] = 0.0
+        return out
+
+    def scale(self, fragments: list[Fragment]) -> list[Fragment]:
+        """Fold the batch's discounted returns into the statistics; the fragments with scaled rewards."""
+        returns = np.concatenate([self._discounted_returns(f).reshape(-1) for f in fragments])
+        mean, var, self.count = update_moments(np.array(self.mean), np.array(self.var), self.count, returns)
+        self.mean, self.var = float(mean), float(var)
+        std = np.sqrt(self.var + self.EPS)
+        return [dataclasses.replace(f, rewards=np.clip(f.rewards / std, -self.CLIP, self.CLIP).astype(np.float32))
+                for f in fragments]
+
+    def state_dict(self) -> dict[str, float]:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.mean, self.var, self.count = float(state["mean"]), float(state["var"]), float(state["count"])
 
 
 @dataclass
@@ -39,7 +86,9 @@ class Learner:
     def __init__(self, spec: FragmentSpec, cfg: TrainerSettings) -> None:
         torch.manual_seed(cfg.seed)
         self.device = pick_device(cfg.device)
-        self.model = ActorCritic.for_spec(spec, cfg.hidden).to(self.device)
+        self.model = ActorCritic.for_spec(spec, cfg.hidden, log_std_init=cfg.log_std_init,
+                                          normalize_observations=cfg.normalize_observations).to(self.device)
+        self.return_scaler = ReturnScaler(cfg.gamma) if cfg.normalize_rewards else None
         # fused: one kernel for all parameters (+23% trainer throughput on CPU, bench/PERF-NOTES.md)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.learning_rate, eps=1e-5, fused=True)
         self.generator = torch.Generator().manual_seed(cfg.seed)
@@ -55,6 +104,9 @@ class Learner:
             max_grad_norm=cfg.max_grad_norm,
             normalize_advantages=cfg.normalize_advantages,
             target_kl=cfg.target_kl,
+            advantage_std_floor=cfg.advantage_std_floor,
+            separate_grad_clip=cfg.separate_grad_clip,
+            behaviour_weight_mode=cfg.behaviour_weight_mode,
         )
         self.counters = LearnerCounters(recent_returns=deque(maxlen=cfg.return_window))
         self.cfg = cfg
@@ -75,6 +127,13 @@ class Learner:
         lr = self.learning_rate()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        # Normalisation statistics first: this update's targets and gradient steps see the observation
+        # statistics that are published with its weights, so version v is trained under exactly the
+        # normalisation it acts with (updating after would shift a trained policy's inputs unclipped).
+        if self.model.obs_norm is not None:
+            self.model.obs_norm.update(np.concatenate([f.obs.reshape(f.steps, -1) for f in fragments]))
+        if self.return_scaler is not None:
+            fragments = self.return_scaler.scale(fragments)
         stats = ppo_update(self.model, self.optimizer, fragments, self.update_cfg, self.device, self.generator)
         self.counters.updates += 1
         self.counters.env_steps_trained += stats.env_steps
@@ -111,6 +170,8 @@ class Learner:
             "torch_rng": torch.get_rng_state(),
             "generator_rng": self.generator.get_state(),
         }
+        if self.return_scaler is not None:
+            state["reward_rms"] = self.return_scaler.state_dict()
         buf = io.BytesIO()
         torch.save(state, buf)
         return buf.getvalue()
@@ -131,4 +192,7 @@ class Learner:
         c.recent_returns.extend(float(r) for r in state["recent_returns"])
         torch.set_rng_state(state["torch_rng"])
         self.generator.set_state(state["generator_rng"])
+        # Checkpoints from before reward scaling (or from a run without it) have none: start fresh.
+        if self.return_scaler is not None and "reward_rms" in state:
+            self.return_scaler.load_state_dict(state["reward_rms"])
         return {str(k): int(v) for k, v in state["offsets"].items()}

@@ -12,6 +12,7 @@ compares it with IMPALA's V-trace.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -34,6 +35,12 @@ class UpdateConfig:
     max_grad_norm: float
     normalize_advantages: bool
     target_kl: float | None = None
+    advantage_std_floor: float = 0.0
+    """Normalised advantages divide by max(std, floor) (0: by std, as before)."""
+    separate_grad_clip: bool = False
+    """Clip the actor's (log_std included) and the critic's gradients to max_grad_norm each."""
+    behaviour_weight_mode: Literal["truncate", "mask"] = "truncate"
+    """``truncate``: weights above behaviour_weight_cap become the cap; ``mask``: those samples get weight 0."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,8 @@ class UpdateStats:
     """True when ``target_kl`` ended the update before its last epoch."""
     skipped_steps: int = 0
     """Minibatch steps refused because the loss or the gradient was not finite (weights kept)."""
+    masked_fraction: float = 0.0
+    """Samples left out of the policy loss because their behaviour weight exceeded the cap (mask mode)."""
 
 
 def _t(x: object, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -108,7 +117,10 @@ def _targets(
         advs.append(adv.reshape(-1))
         rets.append((adv + v).reshape(-1))
     obs = all_obs[: sum(steps)]
-    actions = _t(np.concatenate([f.actions.reshape(-1) for f in fragments]), device, torch.long)
+    if model.continuous:  # [B, A] floats: the unclipped samples the behaviour log-probs belong to
+        actions = _t(np.concatenate([f.actions.reshape(f.steps, -1) for f in fragments]), device)
+    else:
+        actions = _t(np.concatenate([f.actions.reshape(-1) for f in fragments]), device, torch.long)
     # The proximal policy: the weights as they are before this update's first gradient step.
     prox_logp, _ = model.logp_entropy(obs, actions)
     behav_logp = _t(np.concatenate([f.logp.reshape(-1) for f in fragments]), device)
@@ -129,7 +141,13 @@ def ppo_update(
     batch = actions.shape[0]
 
     # ---- 2. Off-policy correction: truncated importance weight pi_prox / pi_behaviour (AReaL eq. 5) ----
-    behaviour_weight = torch.exp(prox_logp - behav_logp).clamp(max=cfg.behaviour_weight_cap)
+    behaviour_weight = torch.exp(prox_logp - behav_logp)
+    over_cap = behaviour_weight > cfg.behaviour_weight_cap
+    if cfg.behaviour_weight_mode == "mask":  # AReaL's masking: too off-policy samples leave the policy loss
+        behaviour_weight = torch.where(over_cap, torch.zeros_like(behaviour_weight), behaviour_weight)
+    else:
+        behaviour_weight = behaviour_weight.clamp(max=cfg.behaviour_weight_cap)
+    actor_params, critic_params = model.actor_parameters(), model.critic_parameters()
 
     # ---- 3. Epochs of minibatch SGD on the clipped objective around the proximal policy ----
     mb_size = max(1, batch // cfg.minibatches)
@@ -152,7 +170,9 @@ def ppo_update(
                 break
             mb_adv = adv[idx]
             if cfg.normalize_advantages and mb_adv.numel() > 1:
-                mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+                # The floor keeps noise-level advantages of a solved task from being blown up to unit scale.
+                adv_std = mb_adv.std().clamp(min=cfg.advantage_std_floor) if cfg.advantage_std_floor else mb_adv.std()
+                mb_adv = (mb_adv - mb_adv.mean()) / (adv_std + 1e-8)
             # PPO clipped surrogate (Schulman et al. 2017, https://arxiv.org/abs/1707.06347), weighted by
             # the behaviour correction: the decoupled objective.
             surrogate = torch.min(ratio * mb_adv, ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef) * mb_adv)
@@ -163,7 +183,11 @@ def ppo_update(
 
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            if cfg.separate_grad_clip:  # a large value gradient no longer shrinks the policy's step
+                grad_norm = torch.maximum(nn.utils.clip_grad_norm_(actor_params, cfg.max_grad_norm),
+                                          nn.utils.clip_grad_norm_(critic_params, cfg.max_grad_norm))
+            else:
+                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             # A non-finite loss or gradient would make the weights NaN for good: refuse the step, keep the
             # weights and the optimizer state as they are, and let the caller count it.
             if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
@@ -195,4 +219,5 @@ def ppo_update(
         sample_passes=n * mb_size,
         stopped_early=stopped,
         skipped_steps=skipped,
+        masked_fraction=float(over_cap.float().mean()) if cfg.behaviour_weight_mode == "mask" else 0.0,
     )

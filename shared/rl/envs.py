@@ -77,15 +77,19 @@ def make_vector_env(
 
 
 def fragment_spec(env_id: str, max_bytes: int) -> FragmentSpec:
-    """Observation shape and action count of ``env_id`` (discrete actions, box observations)."""
+    """Observation shape and action space of ``env_id``: Box observations, Discrete or Box actions."""
     env = gym.make(env_id)
     try:
         obs_space, act_space = env.observation_space, env.action_space
     finally:
         env.close()
-    if not isinstance(act_space, gym.spaces.Discrete):
-        raise ValueError(f"env.id={env_id!r}: only Discrete action spaces are supported, got {act_space}")
     if not isinstance(obs_space, gym.spaces.Box):
         raise ValueError(f"env.id={env_id!r}: only Box observation spaces are supported, got {obs_space}")
-    return FragmentSpec(obs_shape=tuple(obs_space.shape), num_actions=int(act_space.n), max_bytes=max_bytes,
-                        env_id=env_id)
+    if isinstance(act_space, gym.spaces.Discrete):
+        return FragmentSpec(obs_shape=tuple(obs_space.shape), num_actions=int(act_space.n), max_bytes=max_bytes,
+                            env_id=env_id)
+    if isinstance(act_space, gym.spaces.Box) and act_space.shape:
+        return FragmentSpec(obs_shape=tuple(obs_space.shape), num_actions=0, max_bytes=max_bytes, env_id=env_id,
+                            action_shape=tuple(act_space.shape))
+    raise ValueError(f"env.id={env_id!r}: only Discrete or (non-scalar) Box action spaces are supported, "
+                     f"got {act_space}")

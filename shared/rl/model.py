@@ -6,11 +6,13 @@ import numpy as np
 import torch
 from safetensors.torch import save as st_save
 from torch import nn
-from torch.distributions import Categorical
+from torch.distributions import Categorical, Distribution, Independent, Normal
 
 from shared.fragment import FragmentSpec
+from shared.rl.policy_np import OBS_CLIP, OBS_EPS, validate_weights
 from shared.rl.policy_np import WeightsError as WeightsError  # re-exported: one class for both loaders
-from shared.rl.policy_np import validate_weights
+
+_HALF_LOG_2PI = float(0.5 * np.log(2 * np.pi))
 
 
 def _layer(layer: nn.Linear, std: float = float(np.sqrt(2)), bias: float = 0.0) -> nn.Linear:
@@ -20,13 +22,65 @@ def _layer(layer: nn.Linear, std: float = float(np.sqrt(2)), bias: float = 0.0) 
     return layer
 
 
-class ActorCritic(nn.Module):
-    """Separate two-layer tanh MLPs for the policy logits and the state value."""
+def update_moments(mean: np.ndarray, var: np.ndarray, count: float, x: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, float]:
+    """Running mean and (population) variance after the rows of ``x`` ``[B, *shape]``: the parallel
+    algorithm of Chan et al. (https://en.wikipedia.org/wiki/Algorithms_for_calculating_variance#Parallel_algorithm),
+    as Stable-Baselines3's ``RunningMeanStd``. Float64 throughout."""
+    x = np.asarray(x, np.float64)
+    n = x.shape[0]
+    if n == 0:
+        return mean, var, count
+    batch_mean, batch_var = x.mean(axis=0), x.var(axis=0)
+    delta = batch_mean - mean
+    total = count + n
+    m2 = var * count + batch_var * n + delta**2 * count * n / total
+    return mean + delta * n / total, m2 / total, total
 
-    def __init__(self, obs_dim: int, num_actions: int, hidden: int = 64) -> None:
+
+class ObsNormalizer(nn.Module):
+    """Running observation statistics as buffers (``obs_norm.mean``, ``.var``, ``.count`` in the
+    state_dict, so the published weights carry them); ``forward`` normalises and clips to +-10. The
+    trainer updates them (:meth:`update`); nothing else does. Float32 like every tensor of the blob
+    (count loses integer precision past 2^24 steps, which only rounds the weight of a new batch)."""
+
+    mean: torch.Tensor
+    var: torch.Tensor
+    count: torch.Tensor
+
+    def __init__(self, obs_dim: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(obs_dim))
+        self.register_buffer("var", torch.ones(obs_dim))
+        self.register_buffer("count", torch.full((1,), 1e-4))  # SB3's epsilon: the first batch all but replaces
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return ((obs - self.mean) / torch.sqrt(self.var + OBS_EPS)).clamp(-OBS_CLIP, OBS_CLIP)
+
+    @torch.no_grad()
+    def update(self, obs: np.ndarray) -> None:
+        """Fold observations ``[B, obs_dim]`` into the statistics."""
+        mean, var, count = update_moments(self.mean.double().cpu().numpy(), self.var.double().cpu().numpy(),
+                                          float(self.count), obs)
+        self.mean.copy_(torch.from_numpy(mean))
+        self.var.copy_(torch.from_numpy(var))
+        self.count.fill_(count)
+
+
+class ActorCritic(nn.Module):
+    """Separate two-layer tanh MLPs for the policy and the state value. Discrete actions: the actor
+    gives the logits of a categorical. Continuous actions: it gives the mean of a diagonal Gaussian whose
+    log standard deviation is one state-independent parameter per action dim (``log_std``, as CleanRL's
+    ``ppo_continuous_action.py``). With ``normalize_observations`` both MLPs see normalised observations."""
+
+    def __init__(self, obs_dim: int, num_actions: int, hidden: int = 64, *, continuous: bool = False,
+                 log_std_init: float = 0.0, normalize_observations: bool = False) -> None:
+        """``num_actions``: the actor's output width, the action count or (continuous) the action dims."""
         super().__init__()
         self.obs_dim = obs_dim
         self.num_actions = num_actions
+        self.continuous = continuous
+        self.obs_norm = ObsNormalizer(obs_dim) if normalize_observations else None
         self.actor = nn.Sequential(
             _layer(nn.Linear(obs_dim, hidden)), nn.Tanh(),
             _layer(nn.Linear(hidden, hidden)), nn.Tanh(),
@@ -37,40 +91,68 @@ class ActorCritic(nn.Module):
             _layer(nn.Linear(hidden, hidden)), nn.Tanh(),
             _layer(nn.Linear(hidden, 1), std=1.0),
         )
+        self.log_std = nn.Parameter(torch.full((num_actions,), float(log_std_init))) if continuous else None
 
     @classmethod
-    def for_spec(cls, spec: FragmentSpec, hidden: int) -> ActorCritic:
-        """A model for the envs ``spec`` describes (observations flattened)."""
-        return cls(int(np.prod(spec.obs_shape)), spec.num_actions, hidden)
+    def for_spec(cls, spec: FragmentSpec, hidden: int, *, log_std_init: float = 0.0,
+                 normalize_observations: bool = False) -> ActorCritic:
+        """A model for the envs ``spec`` describes (observations and actions flattened)."""
+        return cls(int(np.prod(spec.obs_shape)), spec.action_dim, hidden, continuous=spec.continuous,
+                   log_std_init=log_std_init, normalize_observations=normalize_observations)
 
-    def dist(self, obs: torch.Tensor) -> Categorical:
-        return Categorical(logits=self.actor(obs))
+    def actor_parameters(self) -> list[nn.Parameter]:
+        """The policy's parameters (``log_std`` included)."""
+        return [*self.actor.parameters(), *([self.log_std] if self.log_std is not None else [])]
+
+    def critic_parameters(self) -> list[nn.Parameter]:
+        return list(self.critic.parameters())
+
+    def _features(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.obs_norm(obs) if self.obs_norm is not None else obs
+
+    def dist(self, obs: torch.Tensor) -> Distribution:
+        out = self.actor(self._features(obs))
+        if self.log_std is None:
+            return Categorical(logits=out)
+        return Independent(Normal(out, self.log_std.exp().expand_as(out)), 1)
 
     def log_probs(self, obs: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities of every action, [..., A] (cheaper than building a distribution)."""
-        return torch.log_softmax(self.actor(obs), dim=-1)
+        """Discrete: log-probabilities of every action, [..., A] (cheaper than building a distribution)."""
+        return torch.log_softmax(self.actor(self._features(obs)), dim=-1)
 
     def logp_entropy(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-prob of ``actions`` and the policy's entropy at ``obs``."""
-        lp = self.log_probs(obs)
-        logp = lp.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        entropy = -(lp.exp() * lp).sum(-1)
+        """Log-prob (continuous: log-density, summed over the action dims) of ``actions`` and the policy's
+        entropy at ``obs``. Continuous ``actions`` are ``[..., A]`` floats, discrete ``[...]`` integers."""
+        if self.log_std is None:
+            lp = self.log_probs(obs)
+            logp = lp.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+            entropy = -(lp.exp() * lp).sum(-1)
+            return logp, entropy
+        mean = self.actor(self._features(obs))
+        z = (actions - mean) * torch.exp(-self.log_std)
+        logp = (-0.5 * z.pow(2) - self.log_std).sum(-1) - _HALF_LOG_2PI * self.num_actions
+        entropy = (0.5 + _HALF_LOG_2PI + self.log_std).sum().expand(logp.shape)
         return logp, entropy
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample actions; return them with their log-probs."""
-        lp = self.log_probs(obs)
-        actions = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)
-        return actions, lp.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+        """Sample actions (continuous: unclipped); return them with their log-probs."""
+        if self.log_std is None:
+            lp = self.log_probs(obs)
+            actions = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)
+            return actions, lp.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+        mean = self.actor(self._features(obs))
+        noise = torch.randn(mean.shape, generator=generator, device=mean.device)
+        actions = mean + self.log_std.exp() * noise
+        return actions, self.logp_entropy(obs, actions)[0]
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
-        value: torch.Tensor = self.critic(obs).squeeze(-1)
+        value: torch.Tensor = self.critic(self._features(obs)).squeeze(-1)
         return value
 
 
 def weights_to_bytes(model: nn.Module) -> bytes:
-    """The model's parameters as a safetensors blob (CPU, contiguous)."""
+    """The model's parameters and buffers (observation statistics) as a safetensors blob (CPU, contiguous)."""
     return st_save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
 
 

@@ -1,10 +1,15 @@
 """The actor of :class:`shared.rl.model.ActorCritic` for inference in numpy: no torch import.
 
-Samplers only need the policy's forward pass and categorical sampling; doing both in numpy is
+Samplers only need the policy's forward pass and categorical or Gaussian sampling; doing both in numpy is
 ~3x cheaper per vector step than torch on small batches and keeps ``import torch`` (seconds)
 out of the sampler process. The trainer keeps the torch model; both read the same safetensors
 blob, and :func:`validate_weights` here is the one check both loaders apply (same key set, critic
 included, same shapes, float32, finite), so a blob one side accepts the other accepts.
+
+Two optional parts of the model change the key set (and are fixed by the run's settings, never guessed
+from a blob): ``log_std`` for continuous actions, and ``obs_norm.{mean,var,count}`` when the trainer
+normalises observations. The statistics travel inside the blob, so version v acts with exactly the
+normalisation version v was trained with.
 """
 
 from __future__ import annotations
@@ -16,21 +21,34 @@ from shared.fragment import FragmentSpec
 
 DTYPE = np.dtype(np.float32)
 _ACTOR_LAYERS = ("actor.0", "actor.2", "actor.4")
+LOG_STD = "log_std"
+OBS_MEAN, OBS_VAR, OBS_COUNT = "obs_norm.mean", "obs_norm.var", "obs_norm.count"
+OBS_CLIP = 10.0
+"""Normalised observations are clipped to +-OBS_CLIP (as Stable-Baselines3's VecNormalize)."""
+OBS_EPS = 1e-8
+"""Added to the variance before its square root."""
+_HALF_LOG_2PI = float(0.5 * np.log(2 * np.pi))
 
 
 class WeightsError(ValueError):
     """A weights blob does not fit the model (missing keys, wrong shapes, non-finite values)."""
 
 
-def expected_shapes(obs_dim: int, num_actions: int, hidden: int) -> dict[str, tuple[int, ...]]:
-    """Key -> shape of ``ActorCritic(obs_dim, num_actions, hidden).state_dict()`` (Linear weights
-    are ``[out, in]``; ``.0``, ``.2``, ``.4`` are the Linear layers of each ``nn.Sequential``)."""
+def expected_shapes(obs_dim: int, num_actions: int, hidden: int, *, continuous: bool = False,
+                    normalize_observations: bool = False) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of ``ActorCritic(obs_dim, num_actions, hidden, ...).state_dict()`` (Linear weights
+    are ``[out, in]``; ``.0``, ``.2``, ``.4`` are the Linear layers of each ``nn.Sequential``).
+    ``num_actions`` is the actor's output width: action count, or action dims when ``continuous``."""
     shapes: dict[str, tuple[int, ...]] = {}
     for head, out in (("actor", num_actions), ("critic", 1)):
         dims = [(hidden, obs_dim), (hidden, hidden), (out, hidden)]
         for idx, (o, i) in zip((0, 2, 4), dims, strict=True):
             shapes[f"{head}.{idx}.weight"] = (o, i)
             shapes[f"{head}.{idx}.bias"] = (o,)
+    if continuous:
+        shapes[LOG_STD] = (num_actions,)
+    if normalize_observations:
+        shapes.update({OBS_MEAN: (obs_dim,), OBS_VAR: (obs_dim,), OBS_COUNT: (1,)})
     return shapes
 
 
@@ -48,24 +66,33 @@ def validate_weights(data: bytes, shapes: dict[str, tuple[int, ...]]) -> dict[st
             raise WeightsError(f"{k}: shape {tuple(v.shape)} {v.dtype}, want {shapes[k]} {DTYPE}")
         if not np.isfinite(v).all():
             raise WeightsError(f"{k} holds NaN or infinite values")
+    if OBS_VAR in tensors and (tensors[OBS_VAR] < 0).any():
+        raise WeightsError(f"{OBS_VAR} holds negative variances")
     return tensors
 
 
 class NumpyPolicy:
-    """Two-layer tanh MLP producing action logits, as ``ActorCritic.actor``; float32 throughout."""
+    """Two-layer tanh MLP producing action logits (discrete) or the Gaussian mean (continuous, with the
+    state-independent ``log_std``), as ``ActorCritic``'s actor; float32 throughout."""
 
-    def __init__(self, obs_dim: int, num_actions: int, hidden: int = 64) -> None:
+    def __init__(self, obs_dim: int, num_actions: int, hidden: int = 64, *, continuous: bool = False,
+                 normalize_observations: bool = False) -> None:
         self.obs_dim = obs_dim
         self.num_actions = num_actions
         self.hidden = hidden
-        self.shapes = expected_shapes(obs_dim, num_actions, hidden)
+        self.continuous = continuous
+        self.shapes = expected_shapes(obs_dim, num_actions, hidden, continuous=continuous,
+                                      normalize_observations=normalize_observations)
         # (W^T [in, out], b [out]) per layer; None until weights are loaded.
         self._layers: list[tuple[np.ndarray, np.ndarray]] | None = None
+        self._log_std = np.zeros(num_actions, DTYPE)
+        self._obs_norm: tuple[np.ndarray, np.ndarray] | None = None  # (mean, 1 / sqrt(var + eps))
 
     @classmethod
-    def for_spec(cls, spec: FragmentSpec, hidden: int) -> NumpyPolicy:
-        """A policy for the envs ``spec`` describes (observations flattened)."""
-        return cls(int(np.prod(spec.obs_shape)), spec.num_actions, hidden)
+    def for_spec(cls, spec: FragmentSpec, hidden: int, *, normalize_observations: bool = False) -> NumpyPolicy:
+        """A policy for the envs ``spec`` describes (observations and actions flattened)."""
+        return cls(int(np.prod(spec.obs_shape)), spec.action_dim, hidden, continuous=spec.continuous,
+                   normalize_observations=normalize_observations)
 
     @property
     def loaded(self) -> bool:
@@ -77,14 +104,25 @@ class NumpyPolicy:
         tensors = validate_weights(data, self.shapes)
         self._layers = [(np.ascontiguousarray(tensors[f"{name}.weight"].T), tensors[f"{name}.bias"].copy())
                         for name in _ACTOR_LAYERS]
+        if self.continuous:
+            self._log_std = tensors[LOG_STD].copy()
+        if OBS_MEAN in self.shapes:
+            inv_std = (1.0 / np.sqrt(tensors[OBS_VAR].astype(np.float64) + OBS_EPS)).astype(DTYPE)
+            self._obs_norm = (tensors[OBS_MEAN].copy(), inv_std)
 
     def logits(self, obs: np.ndarray) -> np.ndarray:
-        """Action logits ``[..., A]`` for observations ``[..., obs_dim]``."""
+        """The actor's output ``[..., A]`` for observations ``[..., obs_dim]``: action logits, or the
+        Gaussian mean for continuous actions. Observations are normalised first when the model does."""
         if self._layers is None:
             raise RuntimeError("no weights loaded yet")
         (w0, b0), (w1, b1), (w2, b2) = self._layers
+        x = np.asarray(obs, dtype=DTYPE)
+        if self._obs_norm is not None:
+            mean, inv_std = self._obs_norm
+            x = (x - mean) * inv_std
+            np.clip(x, -OBS_CLIP, OBS_CLIP, out=x)
         # In place where possible: at 8 rows numpy's per-call overhead is most of the cost.
-        h = np.asarray(obs, dtype=DTYPE) @ w0
+        h = x @ w0
         h += b0
         np.tanh(h, out=h)
         h = h @ w1
@@ -102,17 +140,19 @@ class NumpyPolicy:
         return z
 
     def act(self, obs: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """Sample one action per row of ``obs`` ``[N, obs_dim]``; return the actions (int64 ``[N]``)
-        and their log-probs (float32 ``[N]``).
+        """Sample one action per row of ``obs`` ``[N, obs_dim]``; return the actions (int64 ``[N]``, or
+        float32 ``[N, A]`` when continuous) and their log-probs (float32 ``[N]``).
 
-        Inverse CDF with one uniform per row on the unnormalised, max-shifted ``exp(logits)``: the
-        action is the number of cumulative sums ``<= u``, the last column left out so it is at most
+        Discrete: inverse CDF with one uniform per row on the unnormalised, max-shifted ``exp(logits)``:
+        the action is the number of cumulative sums ``<= u``, the last column left out so it is at most
         ``A - 1``; a zero-probability action adds nothing to the sum and is never picked."""
         z = self.logits(obs)
         if z.ndim != 2:
             raise ValueError(f"obs must be [N, {self.obs_dim}], got {np.shape(obs)}")
         if not np.isfinite(z).all():  # would sample garbage with NaN log-probs; fail loudly instead
             raise ValueError("policy logits are not finite (an observation with inf/NaN, or an overflow)")
+        if self.continuous:
+            return self._act_gaussian(z, rng)
         z -= z.max(axis=1, keepdims=True)
         cdf = np.exp(z).cumsum(axis=1)
         total = cdf[:, -1]  # >= 1: the max-shifted maximum contributes exp(0)
@@ -121,3 +161,11 @@ class NumpyPolicy:
         logp = z[np.arange(z.shape[0]), actions]
         logp -= np.log(total)
         return actions, logp
+
+    def _act_gaussian(self, mean: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """``mean + exp(log_std) * eps`` with ``eps ~ N(0, I)``; the log-density of that (unclipped) sample,
+        summed over the action dims: ``sum(-eps^2 / 2 - log_std - log(2 pi) / 2)``."""
+        eps = rng.standard_normal(mean.shape, dtype=np.float32)
+        actions = mean + np.exp(self._log_std) * eps
+        logp = (-0.5 * eps * eps - self._log_std).sum(axis=1) - DTYPE.type(_HALF_LOG_2PI * mean.shape[1])
+        return actions, logp.astype(DTYPE, copy=False)

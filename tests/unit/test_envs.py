@@ -1,5 +1,6 @@
 """The benchmark latency wrappers: what a vector step waits, with the sleeps recorded, not timed."""
 
+import gymnasium as gym
 import numpy as np
 import pytest
 
@@ -44,3 +45,28 @@ def test_no_latency_no_sleep(sleeps: list[float]) -> None:
     envs.step(np.zeros(2, np.int64))
     envs.close()
     assert sleeps == []
+
+
+def test_fragment_spec_of_a_box_action_space() -> None:
+    from shared.rl.envs import fragment_spec
+
+    spec = fragment_spec("Pendulum-v1", 1 << 20)
+    assert spec.continuous and spec.action_shape == (1,) and spec.action_dim == 1 and spec.obs_shape == (3,)
+    discrete = fragment_spec("CartPole-v1", 1 << 20)
+    assert not discrete.continuous and discrete.action_shape == () and discrete.num_actions == 2
+
+
+class _MultiBinaryEnv(gym.Env[np.ndarray, np.ndarray]):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.MultiBinary(3)
+
+
+def test_fragment_spec_refuses_other_action_spaces() -> None:
+    from shared.rl.envs import fragment_spec
+
+    gym.register("FlywheelTest/MultiBinary-v0", entry_point=_MultiBinaryEnv)
+    try:
+        with pytest.raises(ValueError, match=r"env.id='FlywheelTest/MultiBinary-v0': only Discrete or .*Box action"):
+            fragment_spec("FlywheelTest/MultiBinary-v0", 1 << 20)
+    finally:
+        del gym.registry["FlywheelTest/MultiBinary-v0"]

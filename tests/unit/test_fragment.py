@@ -57,10 +57,15 @@ def _with(frag: Fragment, **changes: np.ndarray) -> bytes:
     return st_save(t)
 
 
-def test_unknown_schema_version() -> None:
+@pytest.mark.parametrize(("schema", "match"), [
+    (b"99", "schema version '99' is not supported \\(want 2\\)$"),
+    # Schema 1 (discrete only) is what samplers before continuous actions wrote: say so and how to fix it.
+    (b"1", "schema version '1' is not supported.*older than this trainer.*samplers of the trainer's release"),
+])
+def test_unknown_schema_version(schema: bytes, match: str) -> None:
     headers, payload = encode_fragment(make_fragment())
-    headers = [(k, b"99" if k == H_SCHEMA else v) for k, v in headers]
-    with pytest.raises(FragmentError, match="schema version '99'") as e:
+    headers = [(k, schema if k == H_SCHEMA else v) for k, v in headers]
+    with pytest.raises(FragmentError, match=match) as e:
         decode_fragment(headers, payload, SPEC)
     assert e.value.reason == "unknown_schema"
 
@@ -182,3 +187,75 @@ def test_env_mismatch_is_refused() -> None:
     with pytest.raises(FragmentError) as err:
         decode_fragment(headers, payload, spec)
     assert err.value.reason == "env_mismatch" and "CartPole-v1" in str(err.value)
+
+
+# ---- continuous actions: float32 [T, N, *A], unclipped, log-densities may be positive ----
+CSPEC = FragmentSpec(obs_shape=(3,), num_actions=0, max_bytes=1 << 20, action_shape=(2,))
+
+
+def make_continuous(steps: int = 5, envs: int = 3) -> Fragment:
+    rng = np.random.default_rng(1)
+    return Fragment(
+        obs=rng.normal(size=(steps, envs, 3)).astype(np.float32),
+        actions=(3.0 * rng.normal(size=(steps, envs, 2))).astype(np.float32),  # beyond Pendulum's [-2, 2] too
+        logp=np.full((steps, envs), 1.5, np.float32),  # a narrow Gaussian's density exceeds 1
+        rewards=-np.ones((steps, envs), np.float32),
+        terminated=np.zeros((steps, envs), np.uint8),
+        truncated=np.zeros((steps, envs), np.uint8),
+        trunc_obs=np.zeros((0, 3), np.float32),
+        last_obs=rng.normal(size=(envs, 3)).astype(np.float32),
+        episode_returns=np.zeros(0, np.float32),
+        episode_lengths=np.zeros(0, np.int32),
+        policy_version=1, sampler_id="s-1", env_id="Pendulum-v1",
+    )
+
+
+def test_continuous_round_trip() -> None:
+    frag = make_continuous()
+    assert CSPEC.continuous and CSPEC.action_dim == 2 and not SPEC.continuous and SPEC.action_dim == 2
+    back = decode_fragment(*encode_fragment(frag), CSPEC)
+    assert back.actions.dtype == np.float32 and back.actions.shape == (5, 3, 2) and back.steps == 15
+    np.testing.assert_array_equal(back.actions, frag.actions)
+    np.testing.assert_array_equal(back.logp, frag.logp)
+
+
+@pytest.mark.parametrize(
+    ("actions", "reason", "match"),
+    [
+        (np.zeros((5, 3, 2), np.int64), "bad_dtype", "'actions' has dtype int64, want float32"),
+        (np.zeros((5, 3, 3), np.float32), "bad_shape", r"'actions' has shape \(5, 3, 3\), want \(5, 3, 2\)"),
+        (np.zeros((5, 3), np.float32), "bad_shape", r"'actions' must be \[T, N, \*\(2,\)\]"),
+        (np.full((5, 3, 2), np.nan, np.float32), "non_finite", "'actions' holds NaN"),
+        (np.full((5, 3, 2), 1e9, np.float32), "out_of_range", "'actions' holds a value of magnitude"),
+    ],
+)
+def test_bad_continuous_actions_are_refused(actions: np.ndarray, reason: str, match: str) -> None:
+    frag = make_continuous()
+    headers, _ = encode_fragment(frag)
+    with pytest.raises(FragmentError, match=match) as e:
+        decode_fragment(headers, _with_dtypes(frag, actions=actions), CSPEC)
+    assert e.value.reason == reason
+
+
+def test_continuous_log_densities_must_be_finite() -> None:
+    frag = make_continuous()
+    headers, _ = encode_fragment(frag)
+    with pytest.raises(FragmentError, match="'logp' holds NaN") as e:
+        decode_fragment(headers, _with_dtypes(frag, logp=np.full((5, 3), np.inf, np.float32)), CSPEC)
+    assert e.value.reason == "non_finite"
+
+
+def test_action_kinds_do_not_mix() -> None:
+    """A continuous fragment sent to a discrete run (and the reverse) is refused by dtype."""
+    with pytest.raises(FragmentError, match="'actions' has dtype float32, want int64") as e:
+        decode_fragment(*encode_fragment(make_continuous()), SPEC)
+    assert e.value.reason == "bad_dtype"
+    with pytest.raises(FragmentError, match="'actions' has dtype int64, want float32"):
+        decode_fragment(*encode_fragment(make_fragment()), FragmentSpec((4,), 0, action_shape=(2,)))
+
+
+def _with_dtypes(frag: Fragment, **changes: np.ndarray) -> bytes:
+    t = {n: getattr(frag, n) for n in ("obs", "actions", "logp", "rewards", "terminated", "truncated", "trunc_obs",
+                                        "last_obs", "episode_returns", "episode_lengths")}
+    t.update(changes)
+    return st_save({k: np.ascontiguousarray(v) for k, v in t.items()})

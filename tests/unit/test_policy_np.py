@@ -194,3 +194,100 @@ def test_non_finite_observations_fail_loudly_instead_of_sampling_garbage() -> No
     obs[1, 2] = np.nan
     with pytest.raises(ValueError, match="not finite"):
         policy.act(obs, np.random.default_rng(0))
+
+
+# ---- continuous actions and observation normalisation ----
+def _gaussian(seed: int, obs_dim: int = 3, action_dim: int = 2, normalize: bool = False) -> ActorCritic:
+    torch.manual_seed(seed)
+    model = ActorCritic(obs_dim, action_dim, 32, continuous=True, log_std_init=-0.5,
+                        normalize_observations=normalize)
+    with torch.no_grad():  # a state-dependent mean of order 1 and per-dim standard deviations
+        model.actor[4].weight.mul_(100.0)
+        model.log_std.copy_(torch.linspace(-2.0, -0.5, action_dim))
+        if model.obs_norm is not None:
+            model.obs_norm.update(np.random.default_rng(seed).normal(2.0, 3.0, (500, obs_dim)))
+    return model
+
+
+def _np_policy(model: ActorCritic) -> NumpyPolicy:
+    policy = NumpyPolicy(model.obs_dim, model.num_actions, model.actor[0].out_features, continuous=model.continuous,
+                         normalize_observations=model.obs_norm is not None)
+    policy.load(weights_to_bytes(model))
+    return policy
+
+
+@pytest.mark.parametrize(("continuous", "normalize"), [(True, False), (True, True), (False, True)])
+def test_expected_shapes_with_log_std_and_obs_norm(continuous: bool, normalize: bool) -> None:
+    own = ActorCritic(5, 3, 16, continuous=continuous, normalize_observations=normalize).state_dict()
+    got = expected_shapes(5, 3, 16, continuous=continuous, normalize_observations=normalize)
+    assert got == {k: tuple(v.shape) for k, v in own.items()}
+    assert ("log_std" in got) == continuous and ("obs_norm.mean" in got) == normalize
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_gaussian_log_probs_equal_torch(normalize: bool) -> None:
+    model = _gaussian(11, normalize=normalize)
+    policy = _np_policy(model)
+    obs = np.random.default_rng(0).normal(2, 4, (256, 3)).astype(np.float32)
+    actions, logp = policy.act(obs, np.random.default_rng(1))
+    assert actions.dtype == np.float32 and actions.shape == (256, 2) and logp.dtype == np.float32
+    assert logp.shape == (256,) and (logp > 0).any()  # narrow dims: densities above 1
+    with torch.no_grad():
+        want, entropy = model.logp_entropy(torch.from_numpy(obs), torch.from_numpy(actions))
+        dist = model.dist(torch.from_numpy(obs))
+        dist_logp, dist_entropy = dist.log_prob(torch.from_numpy(actions)), dist.entropy()
+        mean = model.actor(model._features(torch.from_numpy(obs)))
+    np.testing.assert_allclose(logp, want.numpy(), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(dist_logp.numpy(), want.numpy(), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(entropy.numpy(), dist_entropy.numpy(), atol=1e-5)
+    np.testing.assert_allclose(policy.logits(obs), mean.numpy(), atol=1e-5)
+
+
+def test_gaussian_samples_have_the_policy_mean_and_std() -> None:
+    model = _gaussian(12)
+    policy = _np_policy(model)
+    obs = np.random.default_rng(2).normal(0, 1, (1, 3)).astype(np.float32)
+    n = 200_000
+    actions, _ = policy.act(np.repeat(obs, n, axis=0), np.random.default_rng(3))
+    mean = policy.logits(obs)[0]
+    std = np.exp(model.log_std.detach().numpy())
+    assert np.abs(mean).max() > 0.1  # not a trivial zero mean
+    # Standard errors: std / sqrt(n) for the mean, about std / sqrt(2n) for the std; 5 of them is ~1e-6 odds.
+    np.testing.assert_array_less(np.abs(actions.mean(axis=0) - mean), 5 * std / np.sqrt(n))
+    np.testing.assert_array_less(np.abs(actions.std(axis=0) - std), 5 * std / np.sqrt(2 * n))
+    assert abs(float(np.corrcoef(actions.T)[0, 1])) < 0.02  # independent dims
+
+
+def test_observation_normalisation_is_applied_like_torch_for_discrete_policies() -> None:
+    torch.manual_seed(13)
+    model = ActorCritic(4, 3, 16, normalize_observations=True)
+    assert model.obs_norm is not None
+    model.obs_norm.update(np.random.default_rng(0).normal(5.0, 0.1, (1000, 4)))  # far from the unit scale
+    with torch.no_grad():
+        model.actor[4].weight.mul_(100.0)
+    obs = np.random.default_rng(1).normal(5.0, 0.5, (64, 4)).astype(np.float32)  # some clip at +-10
+    got = _np_policy(model).log_probs(obs)
+    with torch.no_grad():
+        want = model.log_probs(torch.from_numpy(obs)).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    # The statistics are what they should be, and they are in the blob under their own keys.
+    np.testing.assert_allclose(model.obs_norm.mean.numpy(), 5.0, atol=0.02)
+    np.testing.assert_allclose(model.obs_norm.var.numpy(), 0.01, rtol=0.2)
+    assert float(model.obs_norm.count) == pytest.approx(1000, abs=0.01)
+    assert {"obs_norm.mean", "obs_norm.var", "obs_norm.count"} <= set(np_load(weights_to_bytes(model)))
+
+
+def test_blob_keys_follow_the_model_configuration() -> None:
+    """A policy that normalises refuses a blob without statistics and vice versa; negative variances are refused."""
+    plain, normed = ActorCritic(4, 2, 16), ActorCritic(4, 2, 16, normalize_observations=True)
+    with pytest.raises(WeightsError, match=r"missing \['obs_norm.count', 'obs_norm.mean', 'obs_norm.var'\]"):
+        NumpyPolicy(4, 2, 16, normalize_observations=True).load(weights_to_bytes(plain))
+    with pytest.raises(WeightsError, match="extra"):
+        NumpyPolicy(4, 2, 16).load(weights_to_bytes(normed))
+    with pytest.raises(WeightsError, match="missing \\['log_std'\\]"):
+        NumpyPolicy(4, 2, 16, continuous=True).load(weights_to_bytes(plain))
+    bad = _blob(normed, obs_norm__var=np.full(4, -1.0, np.float32))
+    with pytest.raises(WeightsError, match="negative variances"):
+        NumpyPolicy(4, 2, 16, normalize_observations=True).load(bad)
+    with pytest.raises(WeightsError, match="negative variances"):
+        load_weights(ActorCritic(4, 2, 16, normalize_observations=True), bad)
