@@ -44,4 +44,7 @@ def test_pendulum_trains_end_to_end(make_stack: Any) -> None:
     dead = log_events(trainer_log, "fragment_dead_lettered")
     assert not dead, dead[:3]
     returns = s["episode_return"]
+    print(f"\nPENDULUM: policy v{s['policy']['version']}, {s['trainer']['updates']} updates, "
+          f"{s['trainer']['samples_trained']} env steps trained, samplers on {sorted(set(adopted))[-2:]}, "
+          f"episode return {returns}")
     assert returns["count"] > 0 and returns["mean"] is not None and returns["mean"] < 0  # Pendulum's are negative
