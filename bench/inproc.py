@@ -41,10 +41,7 @@ class _PolicyBox:
 
 
 def _worker(settings: Settings, i: int, seed: int) -> RolloutWorker:
-    e = settings.env
-    return RolloutWorker(e.id, e.num_envs, e.fragment_steps, f"inproc-{i}", settings.trainer.hidden, seed=seed,
-                         latency_median_ms=e.latency_median_ms, latency_sigma=e.latency_sigma,
-                         latency_overlap=e.latency_overlap)
+    return RolloutWorker.from_settings(settings, f"inproc-{i}", seed)
 
 
 class InProcessPipeline:

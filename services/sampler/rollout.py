@@ -17,6 +17,7 @@ import numpy as np
 from shared.fragment import Fragment
 from shared.rl.envs import LogNormalDelay, fragment_spec, make_vector_env
 from shared.rl.policy_np import NumpyPolicy
+from shared.settings import Settings
 
 
 class RolloutWorker:
@@ -57,6 +58,17 @@ class RolloutWorker:
         self._ep_return = np.zeros(num_envs, np.float64)
         self._ep_len = np.zeros(num_envs, np.int64)
         self.num_envs = num_envs
+
+    @classmethod
+    def from_settings(cls, settings: Settings, sampler_id: str, seed: int | None) -> RolloutWorker:
+        """The worker a sampler of this run uses: env, fragment shape, policy width, normalisation and the
+        benchmarks' latency settings all from ``settings``."""
+        e = settings.env
+        return cls(e.id, e.num_envs, e.fragment_steps, sampler_id, settings.trainer.hidden, seed,
+                   e.latency_median_ms, e.latency_sigma, e.latency_overlap,
+                   normalize_observations=settings.trainer.normalize_observations,
+                   fragment_latency_median_ms=e.fragment_latency_median_ms,
+                   fragment_latency_sigma=e.fragment_latency_sigma)
 
     def set_policy(self, version: int, weights: bytes) -> None:
         """Adopt a policy (between fragments only); raises WeightsError if it does not fit."""

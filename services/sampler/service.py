@@ -94,10 +94,7 @@ class Sampler:
         self._paused_since: float | None = None
         self._last_command_at = 0.0  # issued_at of the last pause/resume command applied
         self._poll_now = asyncio.Event()
-        e = settings.env
-        self.worker = RolloutWorker(e.id, e.num_envs, e.fragment_steps, self.id, settings.trainer.hidden,
-                                    sampler_seed(settings.sampler.seed, self.id), e.latency_median_ms, e.latency_sigma,
-                                    e.latency_overlap)
+        self.worker = RolloutWorker.from_settings(settings, self.id, sampler_seed(settings.sampler.seed, self.id))
         self.producer = make_producer(settings)
         self.inbox = make_consumer(settings, group_id=None)
         self.in_flight = asyncio.Semaphore(settings.sampler.max_in_flight)

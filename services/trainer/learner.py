@@ -107,6 +107,7 @@ class Learner:
             advantage_std_floor=cfg.advantage_std_floor,
             separate_grad_clip=cfg.separate_grad_clip,
             behaviour_weight_mode=cfg.behaviour_weight_mode,
+            objective=cfg.objective,
         )
         self.counters = LearnerCounters(recent_returns=deque(maxlen=cfg.return_window))
         self.cfg = cfg

@@ -41,6 +41,9 @@ class UpdateConfig:
     """Clip the actor's (log_std included) and the critic's gradients to max_grad_norm each."""
     behaviour_weight_mode: Literal["truncate", "mask"] = "truncate"
     """``truncate``: weights above behaviour_weight_cap become the cap; ``mask``: those samples get weight 0."""
+    objective: Literal["decoupled", "ppo"] = "decoupled"
+    """``ppo``: plain PPO, the ratio clipped around the behaviour policy and no importance weight (what
+    standard PPO does with stale data; the forced-staleness benchmark's baseline)."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,8 @@ def ppo_update(
     # ---- 1. Targets with the current critic, per fragment, then one flat batch ----
     obs, actions, behav_logp, prox_logp, adv, returns = _targets(model, fragments, cfg, device)
     batch = actions.shape[0]
+    if cfg.objective == "ppo":  # plain PPO: the behaviour policy is the one the clip is centred on
+        prox_logp = behav_logp
 
     # ---- 2. Off-policy correction: truncated importance weight pi_prox / pi_behaviour (AReaL eq. 5) ----
     behaviour_weight = torch.exp(prox_logp - behav_logp)

@@ -117,3 +117,24 @@ def test_the_options_are_off_by_default_and_wired_from_settings() -> None:
     on = Learner(SPEC, TrainerSettings(advantage_std_floor=0.1, separate_grad_clip=True,
                                        behaviour_weight_mode="mask")).update_cfg
     assert (on.advantage_std_floor, on.separate_grad_clip, on.behaviour_weight_mode) == (0.1, True, "mask")
+
+
+def test_plain_ppo_objective_centres_on_the_behaviour_policy(
+        setup: tuple[ActorCritic, list[Fragment], UpdateConfig]) -> None:
+    model, frags, cfg = setup
+    cfg = dataclasses.replace(cfg, normalize_advantages=False, vf_coef=0.0)
+    frags = _with_rewards(model, frags, noise=1.0)
+    # Behaviour log-probs 0.5 below the current policy's (stale data): decoupled PPO weights each sample by
+    # pi_prox / pi_behaviour = e^0.5 and clips around the proximal policy (ratio 1, inside the clip), so its
+    # first step is e^0.5 times the on-policy step. Plain PPO's ratio to the behaviour policy is e^0.5 > 1.2:
+    # clipped, so samples with positive advantages push nothing.
+    stale = [dataclasses.replace(f, logp=f.logp - 0.5) for f in frags]
+    on_policy, _ = _actor_step(model, frags, cfg)
+    decoupled, _ = _actor_step(model, stale, cfg)
+    torch.testing.assert_close(decoupled, on_policy * float(np.exp(0.5)), rtol=1e-3, atol=1e-7)
+    ppo, _ = _actor_step(model, stale, dataclasses.replace(cfg, objective="ppo"))
+    assert float((ppo - on_policy).norm()) > 0.1 * float(on_policy.norm())
+    # On-policy data: both objectives are the same update.
+    same, _ = _actor_step(model, frags, dataclasses.replace(cfg, objective="ppo"))
+    torch.testing.assert_close(same, on_policy)
+    assert Learner(SPEC, TrainerSettings(objective="ppo")).update_cfg.objective == "ppo"
