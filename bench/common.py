@@ -106,7 +106,20 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "os": f"{platform.system()} {platform.release()}",
+        "commit": _commit(),
     }
+
+
+def _commit() -> str | None:
+    """The code measured: ``git describe`` of the working tree (``-dirty`` with uncommitted changes)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
 
 
 def loadavg() -> float:

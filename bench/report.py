@@ -189,7 +189,8 @@ def _section(e: dict[str, Any]) -> str:
         lines.append(f"*Settings* (on top of `{e['settings'].get('config', 'configs/cartpole.yaml')}`): {s}\n")
     la = e.get("loadavg_1m", {})
     before, after = la.get("before") or float("nan"), la.get("after") or float("nan")
-    lines.append(f"*Ran:* `{e['command']}` on {e['date']}, {e['duration_s']:.0f} s; {m.get('cores')} cores "
+    at = f" at commit `{m['commit']}`" if m.get("commit") else ""
+    lines.append(f"*Ran:* `{e['command']}`{at} on {e['date']}, {e['duration_s']:.0f} s; {m.get('cores')} cores "
                  f"({m.get('cpu_model')}), {m.get('mem_gib')} GiB, Python {m.get('python')}, torch {m.get('torch')}; "
                  f"1-min load average {before:.1f} before, {after:.1f} after" + _other(e) + ".\n")
     return "\n".join(lines)
