@@ -340,7 +340,9 @@ class BenchStack:
                 self._last_sampler[r] = page
         known = [self._last_sampler[r] for r in range(self.samplers) if r in self._last_sampler]
         steps = sum(p.get("flywheel_sampler_env_steps_total", 0.0) for p in known)
-        backpressure = sum(p.get("flywheel_sampler_backpressure_seconds_total", 0.0) for p in known)
+        # Time held by flow control: waiting for credits, or paused on the measured backlog (max_backlog).
+        backpressure = sum(p.get("flywheel_sampler_backpressure_seconds_total", 0.0)
+                           + p.get("flywheel_sampler_credit_wait_seconds_total", 0.0) for p in known)
         return {
             "t": t_mid,
             **{f"cpu:{k}": v for k, v in self.cpu().items()},

@@ -46,7 +46,7 @@ OVERRIDES = {
     "FLYWHEEL_ENV_LATENCY_MEDIAN_MS": MEDIAN_MS,
     "FLYWHEEL_ENV_LATENCY_SIGMA": SIGMA,
     "FLYWHEEL_TRAINER_BATCH_FRAGMENTS": 8,
-    "FLYWHEEL_SAMPLER_MAX_BACKLOG": 16,
+    "FLYWHEEL_SAMPLER_MAX_BACKLOG": 0,  # flow control by credits: 16 fragments in flight (two batches of 8)
 }
 # The two ways a sampler's envs can spend their latency (shared/rl/envs.py); the first is the headline.
 WORKLOADS: dict[str, tuple[dict[str, Any], str]] = {
@@ -278,8 +278,9 @@ def run(ctx: Context) -> FigureResult:
                 "median (min-max) over all chunks. Returns from the fragments on `<run>.samples` in creation "
                 "order. `num_envs` lowered to 4 (8 samplers x 4 envs on 2 cores); `trainer.batch_fragments` 8 in "
                 "both modes so an update sees the same 1,024 env steps (sync trains one fragment of every sampler), "
-                "and `sampler.max_backlog` 16 so flow control does not stop samplers while the trainer fills a "
-                "batch of 8. Two latency workloads with the same per-env delay distribution: sequential (the "
+                "and flow control by credits (async: a window of two batches, 16 fragments, 2 per sampler; sync "
+                "samplers wait for each new version instead). Two latency workloads with the same per-env delay "
+                "distribution: sequential (the "
                 "default `LogNormalLatency` wrapper) and overlapped (`env.latency_overlap: true`); a third with no "
                 "per-step delay and one heavy-tailed delay per fragment (`env.fragment_latency_median_ms`, "
                 "`env.fragment_latency_sigma`, applied by the sampler's RolloutWorker)."),

@@ -52,7 +52,7 @@ def run(ctx: Context) -> FigureResult:
         "| | trained env-steps/s | learner busy fraction | notes |",
         "|---|---|---|---|",
         f"| Kafka pipeline (local stack) | {kafka_rate.fmt()} | {kafka_busy.fmt(2)} | sampled {sampled.fmt()} "
-        f"env-steps/s; samplers paused by flow control {bp.fmt(2)} of the time |",
+        f"env-steps/s; samplers held by flow control (credits) {bp.fmt(2)} of the time |",
         f"| in-memory (one process, threads) | {mem_rate.fmt()} | {mem_busy.fmt(2)} | "
         f"{SAMPLERS} sampler threads share the GIL with the learner |",
         "",
@@ -84,9 +84,10 @@ def run(ctx: Context) -> FigureResult:
                  "cpu_cores": [w.cpu for w in wins]},
         settings={"samplers": SAMPLERS, "warmup_s": warmup, "window_s": window, "windows": repeats,
                   **{k.removeprefix("FLYWHEEL_").lower(): v for k, v in OVERRIDES.items()}},
-        method=(f"In-memory: {SAMPLERS} RolloutWorker threads put fragments on a queue.Queue bounded at "
-                "`sampler.max_backlog` fragments; the Learner (calling thread) drops fragments staler than "
-                "`max_staleness`, trains on `batch_fragments` at a time and hands new weights (bytes) to the "
+        method=(f"In-memory: {SAMPLERS} RolloutWorker threads put fragments on a queue.Queue bounded at the "
+                "credit window (`trainer.flow_window`, default two batches); the Learner (calling thread) takes "
+                "them through the trainer's own Intake (staleness checked when a batch is formed, the async "
+                "batching strategy), trains on `batch_fragments` at a time and hands new weights (bytes) to the "
                 "threads, which adopt them between fragments; torch 1 thread. Kafka: the local stack with the "
                 f"same config. Both: {warmup:.0f} s warm-up after the first update, then {repeats} windows of "
                 f"{window:.0f} s; rate = trained env steps / window (trainer counter "

@@ -23,6 +23,7 @@ TITLE = ("Service / bare-loop throughput: sampler env-steps/s (service vs Rollou
 TARGET = ">= 0.5 each"
 OVERRIDES = {
     "FLYWHEEL_SAMPLER_MAX_BACKLOG": 0,  # no flow control: the sampler runs alone, as fast as it can
+    "FLYWHEEL_SAMPLER_CREDITS": "false",
     "FLYWHEEL_TRAINER_MAX_STALENESS": 1_000_000,  # the trainer trains the backlog the sampler left
 }
 
