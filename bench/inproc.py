@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -192,8 +192,8 @@ def bare_learner_rate(settings: Settings, seconds: float, warmup_s: float = 2.0)
     return steps / dt, passes / dt
 
 
-def lockstep(settings: Settings, seed: int, samplers: int = 2, lag: int = 0,
-             policy_seed: int | None = None) -> Iterator[tuple[float, int, list[float]]]:
+def lockstep(settings: Settings, seed: int, samplers: int = 2,
+             lag: int = 0) -> Generator[tuple[float, int, list[float]], None, None]:
     """The same RolloutWorkers + Learner in one loop, no queue: collect ``batch_fragments`` fragments
     (round robin over ``samplers`` workers) acting with the policy of ``lag`` updates ago (0: the
     current one, zero staleness), yield (seconds so far, env steps so far, the returns of the episodes

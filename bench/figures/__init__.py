@@ -15,10 +15,11 @@ from bench.figures import (
     service_efficiency,
     solve,
     stability,
+    stability_ablation,
     sync_latency,
 )
 
 FIGURES: dict[str, ModuleType] = {
-    m.NAME: m for m in (pipeline, async_vs_sync, scaling, sync_latency, solve, stability, async_sync_return,
-                        forced_staleness, pendulum, recovery, service_efficiency)
+    m.NAME: m for m in (pipeline, async_vs_sync, scaling, sync_latency, solve, stability, stability_ablation,
+                        async_sync_return, forced_staleness, pendulum, recovery, service_efficiency)
 }
