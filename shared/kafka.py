@@ -167,6 +167,7 @@ def make_consumer(settings: Settings, *topics: str, group_id: str | None, **over
         "max_partition_fetch_bytes": k.max_message_bytes + 64 * 1024,
         "fetch_max_bytes": max(50 * 1024 * 1024, k.max_message_bytes * 2),
         "request_timeout_ms": k.request_timeout_ms,
+        "fetch_max_wait_ms": k.fetch_max_wait_ms,
         # A killed member holds its partitions until its session expires: keep that short (the
         # broker's group.min.session.timeout.ms is 6 s) so a restarted trainer resumes quickly.
         "session_timeout_ms": 6_000,
