@@ -33,7 +33,7 @@ from services.trainer.learner import Learner
 from services.trainer.ledger import OffsetLedger
 from shared.bus import Bus, Record, kafka_bus
 from shared.credits import H_SAMPLER_SEQ, Consumption, auto_window
-from shared.fragment import FragmentError, decode_fragment, header_dict
+from shared.fragment import H_SAMPLER_ID, FragmentError, decode_fragment, header_dict
 from shared.kafka import Topics, ensure_topics, trainer_group
 from shared.logging import fragment_fields, get_logger
 from shared.marker import BadPayload, MarkerConflict, VersionedStore, VersionRecord
@@ -304,7 +304,7 @@ class Trainer:
         CONSUMED.inc()
         now = time.monotonic()
         h = header_dict(rec.headers)
-        self.consumption.saw(h.get("sampler-id") or "?", h.get(H_SAMPLER_SEQ), now)
+        self.consumption.saw(h.get(H_SAMPLER_ID) or "?", h.get(H_SAMPLER_SEQ), now)
         self.stall.note("consumed", now)
         try:
             frag = decode_fragment(rec.headers, rec.value, self.spec)
