@@ -12,12 +12,16 @@ serialised to bytes, as the trainer does), and in-memory publication is immediat
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Iterable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from aiokafka import TopicPartition
@@ -222,6 +226,47 @@ def lockstep(settings: Settings, seed: int, samplers: int = 2,
     finally:
         for w in workers:
             w.close()
+
+
+Curve = list[tuple[float, int, float]]
+"""(seconds so far, env steps so far, return) of every episode, in the order they ended."""
+
+
+def lockstep_curve(settings: Settings, seed: int, samplers: int, lag: int,
+                   done: Callable[[Curve, int], bool]) -> Curve:
+    """:func:`lockstep` into an episode curve until ``done(curve, env steps so far)``."""
+    curve: Curve = []
+    loop = lockstep(settings, seed, samplers, lag)
+    try:
+        for seconds, steps, returns in loop:
+            curve.extend((seconds, steps, r) for r in returns)
+            if done(curve, steps):
+                break
+    finally:
+        loop.close()
+    return curve
+
+
+T = TypeVar("T")
+
+
+def bench_jobs() -> int:
+    """Independent in-process runs at once: ``FLYWHEEL_BENCH_JOBS``, else one per core. Each run uses
+    ``trainer.torch_threads`` (1) thread, and these figures measure return against env steps, which
+    does not depend on how many run beside it (their wall times do, and are not reported as figures)."""
+    return max(1, int(os.environ.get("FLYWHEEL_BENCH_JOBS", os.cpu_count() or 1)))
+
+
+def parallel_map(fn: Callable[..., T], calls: Iterable[tuple[Any, ...]], jobs: int | None = None) -> list[T]:
+    """``[fn(*args) for args in calls]`` in up to ``jobs`` worker processes (spawned, so no forked torch
+    state), results in the order of ``calls``. ``fn`` must be a module-level function."""
+    calls = list(calls)
+    jobs = min(jobs or bench_jobs(), len(calls))
+    if jobs <= 1:
+        return [fn(*args) for args in calls]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(fn, *args) for args in calls]
+        return [f.result() for f in futures]
 
 
 def sequential_solve(settings: Settings, seed: int, samplers: int = 2, max_s: float = 60.0,

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from bench.common import Context, Spread, bench_seeds, first_reaching, return_at_steps, rolling_mean, say
-from bench.inproc import lockstep
+from bench.inproc import Curve, bench_jobs, lockstep_curve, parallel_map
 from bench.plots import panels
 from bench.report import FigureResult, Row
 from shared.settings import Settings, load_settings
@@ -26,19 +26,20 @@ SAMPLERS = 2
 VARIANTS = (("decoupled", LAG), ("ppo", LAG), ("decoupled", 0))
 
 
-def lagged_run(settings: Settings, seed: int, lag: int, steps_budget: int) -> list[tuple[float, int, float]]:
+def lagged_run(settings: Settings, seed: int, lag: int, steps_budget: int) -> Curve:
     """:func:`bench.inproc.lockstep` with the workers acting ``lag`` versions behind, until ``steps_budget``
     env steps; the episode curve (seconds, env steps so far, return)."""
-    curve: list[tuple[float, int, float]] = []
-    loop = lockstep(settings, seed, SAMPLERS, lag)
-    try:
-        for seconds, steps, returns in loop:
-            curve.extend((seconds, steps, r) for r in returns)
-            if steps >= steps_budget:
-                break
-    finally:
-        loop.close()
-    return curve
+    return lockstep_curve(settings, seed, SAMPLERS, lag, lambda _curve, steps: steps >= steps_budget)
+
+
+def _one(base: Settings, seed: int, objective: str, lag: int, budget: int, marks: list[int]) -> dict[str, Any]:
+    tr = base.trainer.model_copy(update={"seed": seed, "objective": objective})
+    t0 = time.monotonic()
+    curve = lagged_run(base.model_copy(update={"trainer": tr}), seed, lag, budget)
+    m100 = rolling_mean(curve, 100)
+    return {"label": _label(objective, lag), "seed": seed, "wall_s": time.monotonic() - t0,
+            "solved": first_reaching(m100, 475.0), "at": {m: return_at_steps(curve, m, 100) for m in marks},
+            "m100": [(s, v) for _, s, v in m100]}
 
 
 def _label(objective: str, lag: int) -> str:
@@ -50,18 +51,11 @@ def run(ctx: Context) -> FigureResult:
     budget = 20_000 if ctx.quick else 150_000
     marks = [budget // 3, 2 * budget // 3, budget]
     base = load_settings("configs/cartpole.yaml", environ={})
-    res: dict[str, list[dict[str, Any]]] = {_label(o, g): [] for o, g in VARIANTS}
-    for seed in seeds:
-        for objective, lag in VARIANTS:
-            say(f"{NAME}: seed {seed}, objective {objective}, lag {lag}, {budget:,} env steps")
-            tr = base.trainer.model_copy(update={"seed": seed, "objective": objective})
-            t0 = time.monotonic()
-            curve = lagged_run(base.model_copy(update={"trainer": tr}), seed, lag, budget)
-            m100 = rolling_mean(curve, 100)
-            res[_label(objective, lag)].append({
-                "seed": seed, "wall_s": time.monotonic() - t0, "solved": first_reaching(m100, 475.0),
-                "at": {m: return_at_steps(curve, m, 100) for m in marks},
-                "m100": [(s, v) for _, s, v in m100]})
+    jobs = bench_jobs()
+    say(f"{NAME}: {len(seeds)} seeds x {len(VARIANTS)} variants, {budget:,} env steps each, {jobs} at a time")
+    results = parallel_map(_one, [(base, seed, o, g, budget, marks) for seed in seeds for o, g in VARIANTS], jobs)
+    res: dict[str, list[dict[str, Any]]] = {_label(o, g): [r for r in results if r["label"] == _label(o, g)]
+                                            for o, g in VARIANTS}
     at_budget = {v: Spread.of(r["at"][budget] for r in rs) for v, rs in res.items()}
     solved = {v: sum(1 for r in rs if r["solved"]) for v, rs in res.items()}
     dec, ppo = _label("decoupled", LAG), _label("ppo", LAG)
@@ -97,9 +91,10 @@ def run(ctx: Context) -> FigureResult:
         numbers={"lag": LAG, "budget_env_steps": budget, "seeds": list(seeds), "at_budget": at_budget,
                  "solved": solved, "runs": {v: [{k: x for k, x in r.items() if k != "m100"} for r in rs]
                                             for v, rs in res.items()}},
-        settings={"lag_versions": LAG, "workers": SAMPLERS, "env_steps": budget, "trainer.objective":
+        settings={"jobs": jobs, "lag_versions": LAG, "workers": SAMPLERS, "env_steps": budget, "trainer.objective":
                   "decoupled | ppo", "seeds": ", ".join(map(str, seeds))},
-        method=(f"In one process: {SAMPLERS} RolloutWorkers and the trainer's Learner with `configs/cartpole.yaml`. "
+        method=(f"In one process per seed and variant (`FLYWHEEL_BENCH_JOBS`, default one per core, at a time): "
+                f"{SAMPLERS} RolloutWorkers and the trainer's Learner with `configs/cartpole.yaml`. "
                 "Each iteration collects `batch_fragments` fragments round robin, the workers acting with the "
                 f"weights of {LAG} updates ago (the first {LAG} updates with version 0), then one update; repeated "
                 f"until {budget:,} env steps. Returns of the episodes in the fragments, in order; last-100 running "

@@ -28,9 +28,11 @@ TARGET = "never below 450 after solving"
 SAMPLERS = 2
 SOLVE_TIMEOUT_S = 180.0  # a seed that has not solved by then is reported as such and stopped
 FLOOR = 0.1  # CartPole's advantages while learning have RMS ~1-10, after solving ~0.005
-# The ablation: configs/cartpole.yaml as it is, each stability option alone, and all of them together.
+# The ablation: configs/cartpole.yaml as it is, one option changed at a time, and the three update options together.
 VARIANTS: dict[str, dict[str, object]] = {
     "configured": {},
+    "lr-floor-1e-4": {"FLYWHEEL_TRAINER_LEARNING_RATE_END": 1e-4},  # the floor configs/cartpole.yaml had before
+    "entropy": {"FLYWHEEL_TRAINER_ENT_COEF": 0.01},
     "adv-floor": {"FLYWHEEL_TRAINER_ADVANTAGE_STD_FLOOR": FLOOR},
     "separate-clip": {"FLYWHEEL_TRAINER_SEPARATE_GRAD_CLIP": "true"},
     "mask": {"FLYWHEEL_TRAINER_BEHAVIOUR_WEIGHT_MODE": "mask"},

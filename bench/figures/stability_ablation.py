@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from bench.common import Context, Spread, bench_seeds, first_reaching, rolling_mean, say
-from bench.inproc import lockstep
+from bench.inproc import Curve, bench_jobs, lockstep_curve, parallel_map
 from bench.plots import panels
 from bench.report import FigureResult, Row
 from shared.settings import Settings, load_settings
@@ -22,18 +22,22 @@ from shared.settings import Settings, load_settings
 NAME = "stability_ablation"
 TITLE = ("CartPole-v1 after solving, in one process (RolloutWorkers + Learner, behaviour policy 2 versions old): "
          "the lowest last-100 mean return in the env steps after it first reached 475, configs/cartpole.yaml "
-         "as is, each stability option alone, all together.")
+         "as is, and with one option changed at a time.")
 TARGET = "a variant that never falls below 450 on any seed"
 LAG = 2
 SOLVE_CAP = 250_000  # env steps: a seed that has not solved by then counts as not solved
 FLOOR = 0.1
 VARIANTS: dict[str, dict[str, Any]] = {
     "configured": {},
+    "lr-floor-1e-4": {"learning_rate_end": 1e-4},  # the floor configs/cartpole.yaml had before
+    "entropy": {"ent_coef": 0.01},
     "adv-floor": {"advantage_std_floor": FLOOR},
     "separate-clip": {"separate_grad_clip": True},
     "mask": {"behaviour_weight_mode": "mask"},
     "all": {"advantage_std_floor": FLOOR, "separate_grad_clip": True, "behaviour_weight_mode": "mask"},
 }
+DEFAULT_VARIANTS = ("configured", "lr-floor-1e-4", "entropy", "adv-floor", "separate-clip", "mask")
+"""The variants a plain run measures (``all`` on request: FLYWHEEL_BENCH_STABILITY_ABLATION_VARIANTS)."""
 
 
 def _post_steps(ctx: Context) -> int:
@@ -41,7 +45,7 @@ def _post_steps(ctx: Context) -> int:
 
 
 def _variants() -> list[str]:
-    names = [v.strip() for v in os.environ.get("FLYWHEEL_BENCH_STABILITY_ABLATION_VARIANTS", ",".join(VARIANTS))
+    names = [v.strip() for v in os.environ.get("FLYWHEEL_BENCH_STABILITY_ABLATION_VARIANTS", ",".join(DEFAULT_VARIANTS))
              .split(",")]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
@@ -52,22 +56,17 @@ def _variants() -> list[str]:
 def run_one(base: Settings, seed: int, variant: str, post_steps: int) -> dict[str, Any]:
     tr = base.trainer.model_copy(update={"seed": seed, **VARIANTS[variant]})
     settings = base.model_copy(update={"trainer": tr})
-    curve: list[tuple[float, int, float]] = []
-    solved_at: int | None = None
-    loop = lockstep(settings, seed, 2, LAG)
+    solved_at: list[int] = []
+
+    def done(curve: Curve, steps: int) -> bool:
+        if not solved_at:
+            if len(curve) >= 100 and sum(r for _, _, r in curve[-100:]) / 100 >= 475.0:
+                solved_at.append(steps)
+            return steps >= SOLVE_CAP
+        return steps >= solved_at[0] + post_steps
+
     t0 = time.monotonic()
-    try:
-        for seconds, steps, returns in loop:
-            curve.extend((seconds, steps, r) for r in returns)
-            if solved_at is None:
-                if len(curve) >= 100 and sum(r for _, _, r in curve[-100:]) / 100 >= 475.0:
-                    solved_at = steps
-                elif steps >= SOLVE_CAP:
-                    break
-            elif steps >= solved_at + post_steps:
-                break
-    finally:
-        loop.close()
+    curve = lockstep_curve(settings, seed, 2, LAG, done)
     m100 = rolling_mean(curve, 100)
     solved = first_reaching(m100, 475.0)
     after = [m for _, s, m in m100 if solved is not None and s >= solved[1]]
@@ -78,15 +77,15 @@ def run_one(base: Settings, seed: int, variant: str, post_steps: int) -> dict[st
 
 
 def run(ctx: Context) -> FigureResult:
-    seeds = bench_seeds(NAME, 5, 1, ctx)
+    seeds = bench_seeds(NAME, 10, 1, ctx)
     post = _post_steps(ctx)
     variants = _variants()
     base = load_settings("configs/cartpole.yaml", environ={})
-    res: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
-    for seed in seeds:
-        for v in variants:
-            say(f"{NAME}: seed {seed}, {v}: until last-100 >= 475, then {post:,} env steps")
-            res[v].append(run_one(base, seed, v, post))
+    jobs = bench_jobs()
+    say(f"{NAME}: {len(seeds)} seeds x {len(variants)} variants, each until last-100 >= 475 and then {post:,} "
+        f"env steps, {jobs} at a time")
+    results = parallel_map(run_one, [(base, seed, v, post) for seed in seeds for v in variants], jobs)
+    res: dict[str, list[dict[str, Any]]] = {v: [r for r in results if r["variant"] == v] for v in variants}
     rows, headline = [], []
     for v, rs in res.items():
         lows = [r["min_after"] for r in rs]
@@ -114,16 +113,18 @@ def run(ctx: Context) -> FigureResult:
         headline=headline,
         numbers={"lag": LAG, "post_steps": post, "seeds": list(seeds),
                  "runs": {v: [{k: x for k, x in r.items() if k != "m100"} for r in rs] for v, rs in res.items()}},
-        settings={"lag_versions": LAG, "env_steps_after_solving": post, "solve_cap_env_steps": SOLVE_CAP,
+        settings={"jobs": jobs, "lag_versions": LAG, "env_steps_after_solving": post, "solve_cap_env_steps": SOLVE_CAP,
                   "seeds": ", ".join(map(str, seeds)), "variants": "; ".join(f"{v}: {VARIANTS[v] or '-'}"
                                                                            for v in variants)},
         method=("In one process, per seed and variant: 2 RolloutWorkers and the trainer's Learner with "
-                "`configs/cartpole.yaml` plus the variant's options (`trainer.advantage_std_floor`, "
+                "`configs/cartpole.yaml` plus the variant's options (`trainer.learning_rate_end`, `trainer.ent_coef`, "
+                "`trainer.advantage_std_floor`, "
                 "`trainer.separate_grad_clip`, `trainer.behaviour_weight_mode`); each iteration collects "
                 f"`batch_fragments` fragments round robin with the weights of {LAG} updates ago, then one update "
                 f"(`bench.inproc.lockstep`). Runs until the last-100 mean first reaches 475 (at most "
                 f"{SOLVE_CAP:,} env steps), then {post:,} env steps more; the lowest running last-100 mean from "
-                "the solve on. Seeds, env steps after solving and variants: `FLYWHEEL_BENCH_STABILITY_ABLATION_"
+                "the solve on. Runs are independent processes, `FLYWHEEL_BENCH_JOBS` (default: one per core) at "
+                "a time. Seeds, env steps after solving and variants: `FLYWHEEL_BENCH_STABILITY_ABLATION_"
                 "SEEDS`, `..._POST_STEPS`, `..._VARIANTS`."),
         details_md=details,
         plots=[plot],

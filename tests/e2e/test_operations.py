@@ -74,8 +74,8 @@ def test_pause_config_and_rollback_on_the_real_stack(make_stack: Any, run_name: 
             x["config_revision"] == rev and x["max_backlog"] == 11 for x in s["samplers"])
 
     _wait(applied, 10, "the services to apply the new settings")
-    # The config anneals from learning_rate towards learning_rate_end (1e-4): the new base bounds it now.
-    _wait(lambda: 1e-4 <= (status(stack)["trainer"]["learning_rate"] or 1) <= 0.00042, 10, "the learning rate")
+    # The config anneals from learning_rate towards learning_rate_end (1e-5): the new base bounds it now.
+    _wait(lambda: 1e-5 <= (status(stack)["trainer"]["learning_rate"] or 1) <= 0.00042, 10, "the learning rate")
     audit = httpx.get(f"{url}/audit", timeout=10).json()["entries"]
     change = [e for e in audit if e["action"] == "config_change"][-1]
     assert change["params"]["changes"]["sampler.max_backlog"]["new"] == 11
