@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -266,6 +266,11 @@ def parallel_map(fn: Callable[..., T], calls: Iterable[tuple[Any, ...]], jobs: i
         return [fn(*args) for args in calls]
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(fn, *args) for args in calls]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            if f.done() and f.exception() is not None:  # fail now, not after every queued run
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise f.exception()  # type: ignore[misc]
         return [f.result() for f in futures]
 
 

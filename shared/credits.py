@@ -2,7 +2,7 @@
 
 Why: a sampler that pauses on a measured backlog overshoots (it makes a fragment in ~10 ms and reads
 the backlog every 0.2 s), so the trainer trains long stretches on data from one old version and the
-lag at training time exceeds ``trainer.max_staleness``. With credits a sampler knows *exactly* how
+lag at training time exceeds ``trainer.max_staleness``. With credits a sampler knows how
 many of its fragments the trainer has not consumed yet, and sends only while that is below its window.
 
 - Every fragment a sampler sends carries ``sampler-seq: <incarnation>.<n>``: ``n`` counts from 1 in
@@ -15,6 +15,11 @@ many of its fragments the trainer has not consumed yet, and sends only while tha
   over the samplers consumed from recently (at least one each).
 - A sampler (:class:`CreditGate`) sends while ``sent - consumed - lost < window``; otherwise it waits
   for the next grant (still adopting policies and sending heartbeats).
+
+The count is the highest ``n`` consumed, not a set: a sampler's fragments spread over partitions, so one
+still waiting on a slower partition counts as consumed once a later one was. In steady state that is
+the skew between partitions (a fragment or two); while a partition has no consumer (a rebalance) the
+sampler may overshoot by what sits there, and the batch-time staleness check still bounds the lag.
 
 So the fragments in flight across all samplers stay at about ``flow_window``, the trainer's backlog at
 about ``flow_window / batch_fragments`` updates, and the lag at training time near that: within the
@@ -56,7 +61,7 @@ def parse_seq(value: str | None) -> tuple[str, int] | None:
     if not value:
         return None
     inc, _, n = value.rpartition(".")
-    if not inc or not n.isdigit():
+    if not inc or not (n.isascii() and n.isdigit()):
         return None
     return inc, int(n)
 
@@ -89,11 +94,14 @@ class Consumption:
         return sum(1 for t in self._sampler_seen.values() if now - t <= self.live_after_s)
 
     def window(self, now: float) -> int:
-        return max(1, self.total_window // max(1, self.live(now)))
+        """The total split over the live samplers; when none consumed recently (a trainer back from a
+        pause), over every sampler it still remembers, so they do not each get the whole window."""
+        return max(1, self.total_window // max(1, self.live(now) or len(self._sampler_seen)))
 
     def grant(self, trainer_id: str, now: float) -> CreditGrant:
         for key in [k for k, t in self._seen.items() if now - t > self.forget_after_s]:
-            del self._seen[key], self._consumed[key]
+            del self._seen[key]
+            self._consumed.pop(key, None)  # a key seen only with n = 0 never got a count
         for sid in [s for s, t in self._sampler_seen.items() if now - t > self.forget_after_s]:
             del self._sampler_seen[sid]
         self.changed = False

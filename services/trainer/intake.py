@@ -90,8 +90,11 @@ class AsyncBatches:
             return 0
         return min(len(buffer), self.batch_fragments)
 
-    def wants(self, buffered: int) -> int:
-        return min(self.poll_max_records, max(1, self.batch_fragments - buffered))
+    def wants(self, buffered: int, may_train: bool = True) -> int:
+        # At least one while it may train (the poll also serves the consumer's liveness); none once a batch
+        # is held while it may not: records polled then would only wait, and each would free a credit.
+        need = self.batch_fragments - buffered
+        return min(self.poll_max_records, max(1, need) if may_train else max(0, need))
 
 
 class SyncBatches:
@@ -120,7 +123,7 @@ class SyncBatches:
             return 0
         return len(buffer)
 
-    def wants(self, buffered: int) -> int:
+    def wants(self, buffered: int, may_train: bool = True) -> int:
         return self.poll_max_records
 
 
@@ -219,8 +222,10 @@ class Intake:
 
     def wants(self) -> int:
         """How many records to poll next: what the next batch still needs (async), so nothing waits in
-        the buffer growing stale while a batch trains."""
-        return self.strategy.wants(len(self.buffer))
+        the buffer growing stale while a batch trains; 0 while the trainer waits for a publication with a
+        batch already held (consuming more would only grant samplers credit for data that waits)."""
+        may_train = self.strategy.may_train(self.model_version, self.published, self.bound)
+        return self.strategy.wants(len(self.buffer), may_train)
 
     # ---- rebalances -------------------------------------------------------------------------
     def forget_ids(self, sample_ids: Iterable[str]) -> None:

@@ -233,6 +233,9 @@ class Trainer:
 
     async def _poll_once(self) -> None:
         want, timeout_ms = self.intake.wants(), self.intake.strategy.poll_timeout_ms
+        if want == 0:  # waiting for a publication with a batch held: consume (and grant) nothing more
+            await asyncio.sleep(timeout_ms / 1000)
+            return
         polled = await poll_or_pause(lambda: self.source.poll(max_records=want, timeout_ms=timeout_ms),
                                      what="poll", health=self.health_state, log=self.log)
         if polled is None:

@@ -40,7 +40,9 @@ class UpdateConfig:
     separate_grad_clip: bool = False
     """Clip the actor's (log_std included) and the critic's gradients to max_grad_norm each."""
     behaviour_weight_mode: Literal["truncate", "mask"] = "truncate"
-    """``truncate``: weights above behaviour_weight_cap become the cap; ``mask``: those samples get weight 0."""
+    """``truncate``: weights above behaviour_weight_cap become the cap; ``mask``: those samples get weight 0
+    (they stay in the advantage statistics and in the mean's denominator, so the policy step shrinks by
+    the masked fraction)."""
     objective: Literal["decoupled", "ppo"] = "decoupled"
     """``ppo``: plain PPO, the ratio clipped around the behaviour policy and no importance weight (what
     standard PPO does with stale data; the forced-staleness benchmark's baseline)."""
@@ -142,11 +144,13 @@ def ppo_update(
     # ---- 1. Targets with the current critic, per fragment, then one flat batch ----
     obs, actions, behav_logp, prox_logp, adv, returns = _targets(model, fragments, cfg, device)
     batch = actions.shape[0]
-    if cfg.objective == "ppo":  # plain PPO: the behaviour policy is the one the clip is centred on
-        prox_logp = behav_logp
+    # The policy the clip is centred on: the proximal one, or (plain PPO) the behaviour policy itself. The
+    # KL stop below measures drift from the proximal policy in both, so target_kl limits how far *this
+    # update* moves the policy and plain PPO with old data is not stopped at its first step for the lag.
+    clip_logp = behav_logp if cfg.objective == "ppo" else prox_logp
 
     # ---- 2. Off-policy correction: truncated importance weight pi_prox / pi_behaviour (AReaL eq. 5) ----
-    behaviour_weight = torch.exp(prox_logp - behav_logp)
+    behaviour_weight = torch.exp(clip_logp - behav_logp)  # identically 1 for plain PPO
     over_cap = behaviour_weight > cfg.behaviour_weight_cap
     if cfg.behaviour_weight_mode == "mask":  # AReaL's masking: too off-policy samples leave the policy loss
         behaviour_weight = torch.where(over_cap, torch.zeros_like(behaviour_weight), behaviour_weight)
@@ -155,18 +159,21 @@ def ppo_update(
     actor_params, critic_params = model.actor_parameters(), model.critic_parameters()
 
     # ---- 3. Epochs of minibatch SGD on the clipped objective around the proximal policy ----
+    # Exactly ``minibatches`` steps an epoch; when the batch does not divide evenly the remainder sits
+    # out that epoch (a fresh permutation each epoch, so not the same samples).
     mb_size = max(1, batch // cfg.minibatches)
+    n_minibatches = min(cfg.minibatches, batch)
     stats = {"pg": 0.0, "v": 0.0, "ent": 0.0, "kl": 0.0, "clip": 0.0}
     n, skipped, stopped = 0, 0, False
     for _ in range(cfg.epochs):
         order = torch.randperm(batch, generator=generator).to(device)
-        for start in range(0, batch - mb_size + 1, mb_size):
+        for start in range(0, n_minibatches * mb_size, mb_size):
             idx = order[start : start + mb_size]
             logp, entropy = model.logp_entropy(obs[idx], actions[idx])
-            log_ratio = logp - prox_logp[idx]
-            ratio = torch.exp(log_ratio)
             with torch.no_grad():
-                kl = float(((ratio - 1) - log_ratio).mean())  # http://joschu.net/blog/kl-approx.html
+                prox_log_ratio = logp - prox_logp[idx]  # http://joschu.net/blog/kl-approx.html
+                kl = float(((torch.exp(prox_log_ratio) - 1) - prox_log_ratio).mean())
+            ratio = torch.exp(logp - clip_logp[idx])
             # KL early stopping (as CleanRL's target_kl): once the policy has moved this far from the
             # proximal policy, further steps on the same batch overfit it; stop before stepping again.
             # The first minibatch always trains (the policy is still the proximal one there).

@@ -21,7 +21,7 @@ def test_auto_window_follows_the_bound_and_keeps_a_batch_waiting() -> None:
 
 def test_seq_header_round_trip_and_garbage() -> None:
     assert parse_seq(seq_value("ab12", 7).decode()) == ("ab12", 7)
-    for bad in (None, "", "7", "ab.", ".3", "ab.x", "ab.-1"):
+    for bad in (None, "", "7", "ab.", ".3", "ab.x", "ab.-1", "ab.\u00b2", "ab.\u0663"):  # no non-ASCII digits
         assert parse_seq(bad) is None
 
 
@@ -84,3 +84,19 @@ def test_samplers_that_went_quiet_stop_counting_and_are_forgotten() -> None:
     assert not trainer.changed
     trainer.saw("s2", None, now=101.0)  # no sequence header (an old sampler): live, nothing to count
     assert trainer.live(now=101.0) == 1 and not trainer.changed
+
+
+def test_a_trainer_back_from_a_pause_splits_the_window_over_the_samplers_it_knows() -> None:
+    trainer = Consumption(total_window=8, live_after_s=10, forget_after_s=600)
+    trainer.saw("s0", "a.1", now=0.0)
+    trainer.saw("s1", "b.1", now=0.0)
+    # 30 s without consuming (the trainer was paused): nobody is live, but both are remembered, so each
+    # gets half the window rather than all of it.
+    assert trainer.live(now=30.0) == 0 and trainer.window(now=30.0) == 4
+    assert Consumption(total_window=8).window(now=0.0) == 8  # a fresh trainer knows nobody yet
+
+
+def test_a_sequence_of_zero_is_forgotten_without_error() -> None:
+    trainer = Consumption(total_window=4, forget_after_s=60)
+    trainer.saw("s0", "i.0", now=0.0)  # n = 0: seen, but no count moves
+    assert trainer.grant("t", now=100.0).consumed == {}

@@ -158,3 +158,19 @@ def test_async_trainer_waits_when_it_is_the_bound_ahead_of_publication() -> None
     sync.model_version, sync.published = 13, 10
     sync.admit(pending(13, "b"))
     assert not sync.form_batch(now=0.0, live_samplers={"s0"}).waiting_publication
+
+
+def test_no_polling_past_a_held_batch_while_waiting_for_publication() -> None:
+    intake = make(max_staleness=3, batch_fragments=2)
+    intake.model_version, intake.published = 13, 10  # the publication lead is reached: no batch may train
+    assert intake.wants() == 2  # an empty buffer still fills one batch, ready for when publication lands
+    intake.admit(pending(10, "a"))
+    assert intake.wants() == 1
+    intake.admit(pending(10, "b"))
+    # A batch is held: polling more would consume (and free the samplers' credits for) fragments that wait.
+    assert intake.wants() == 0
+    intake.saw_published(13)
+    assert intake.wants() == 1  # may train again: the usual at-least-one poll
+    sync = make(max_staleness=3, sync=True)
+    sync.model_version, sync.published = 13, 10
+    assert sync.wants() == 64

@@ -138,3 +138,34 @@ def test_plain_ppo_objective_centres_on_the_behaviour_policy(
     same, _ = _actor_step(model, frags, dataclasses.replace(cfg, objective="ppo"))
     torch.testing.assert_close(same, on_policy)
     assert Learner(SPEC, TrainerSettings(objective="ppo")).update_cfg.objective == "ppo"
+
+
+def test_kl_stop_measures_this_updates_drift_for_both_objectives(
+        setup: tuple[ActorCritic, list[Fragment], UpdateConfig]) -> None:
+    model, frags, cfg = setup
+    # Behaviour policy far from the current one (KL to it ~0.5, far above target_kl): what stops an update is
+    # how far the update itself moved the policy, not the lag, so tiny steps run every epoch in both objectives.
+    stale = [dataclasses.replace(f, logp=f.logp - 1.0) for f in _with_rewards(model, frags, noise=1.0)]
+    cfg = dataclasses.replace(cfg, epochs=4, minibatches=2, target_kl=0.01)
+    for objective in ("decoupled", "ppo"):
+        m = copy.deepcopy(model)
+        stats = ppo_update(m, torch.optim.SGD(m.parameters(), lr=1e-6), stale,
+                           dataclasses.replace(cfg, objective=objective), CPU, torch.Generator().manual_seed(0))
+        assert (stats.sgd_steps, stats.stopped_early) == (8, False), objective
+        assert stats.approx_kl < 1e-6
+    # A large step does trip it (after the first minibatch, which always trains).
+    m = copy.deepcopy(model)
+    stats = ppo_update(m, torch.optim.SGD(m.parameters(), lr=50.0), stale,
+                       dataclasses.replace(cfg, objective="ppo"), CPU, torch.Generator().manual_seed(0))
+    assert stats.stopped_early and 1 <= stats.sgd_steps < 8
+
+
+def test_an_epoch_takes_exactly_minibatches_steps_when_the_batch_does_not_divide(
+        setup: tuple[ActorCritic, list[Fragment], UpdateConfig]) -> None:
+    model, frags, cfg = setup
+    batch = sum(f.steps for f in frags)  # 2 fragments x 32 steps x 4 envs = 256 samples
+    cfg = dataclasses.replace(cfg, epochs=3, minibatches=3, target_kl=None)
+    assert batch % 3 != 0
+    m = copy.deepcopy(model)
+    stats = ppo_update(m, torch.optim.SGD(m.parameters(), lr=1e-3), frags, cfg, CPU, torch.Generator().manual_seed(0))
+    assert stats.sgd_steps == 9 and stats.sample_passes == 9 * (batch // 3)
