@@ -28,6 +28,7 @@ RUNTIME_KEYS = (
     "sampler.max_backlog",
     "sampler.sync_interval_s",
     "trainer.learning_rate",
+    "trainer.learning_rate_end",
     "trainer.max_staleness",
     "trainer.target_kl",
     "trainer.publish_every",

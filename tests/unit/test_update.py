@@ -108,6 +108,9 @@ def test_learning_rate_anneals_with_trained_steps_and_survives_a_restore() -> No
     for _ in range(5):
         learner.update(frags)
     assert learner.learning_rate() == pytest.approx(1e-4)  # held at the end rate past anneal_env_steps
+    # An operator raises the held rate at runtime (trainer.learning_rate_end is a runtime key): it applies.
+    learner.set_runtime(cfg.model_copy(update={"learning_rate_end": 5e-4}))
+    assert learner.learning_rate() == pytest.approx(5e-4)
     assert Learner(SPEC, TrainerSettings(learning_rate=3e-4)).learning_rate() == 3e-4  # no schedule: constant
 
 
