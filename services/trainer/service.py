@@ -69,6 +69,7 @@ NONFINITE = Counter("flywheel_trainer_nonfinite_steps_skipped_total",
                     "Gradient steps refused because the loss or gradient was not finite")
 STALLED = Gauge("flywheel_trainer_stalled", "1 while records arrive but no update happens (see /status for why)")
 RECOVERIES = Counter("flywheel_trainer_recovery_actions_total", "Automatic recovery actions", ["action"])
+PUBLISH_RETRY_MIN_S, PUBLISH_RETRY_MAX_S = 1.0, 10.0  # back-off of a deferred candidate's retries
 DEFERRED = Counter("flywheel_trainer_deferred_total", "Publishes or checkpoints deferred by a transient fault",
                    ["what"])
 
@@ -158,6 +159,12 @@ class Trainer:
         self._checkpoint_due = False
         self._last_checkpoint: int | None = None
         self._candidate: tuple[PolicyMessage, float] | None = None  # the newest sent, and when
+        # The newest candidate whose publish a transient fault deferred (version, weights, update), when to
+        # try it again, and the current back-off: retried from the loop, because an async trainer that is
+        # max_staleness versions ahead of publication trains no further update that would send a newer one.
+        self._deferred: tuple[int, bytes, int] | None = None
+        self._deferred_retry_at = 0.0
+        self._deferred_backoff_s = PUBLISH_RETRY_MIN_S
         self._stalled_logged = False
         # A strategy that waits for every live sampler (sync) learns who is live from their heartbeats.
         self._beats = bus.tail(self.topics.heartbeats) if strategy.needs_live_samplers else None
@@ -592,6 +599,12 @@ class Trainer:
             msg, sent_at = self._candidate
             if (self.intake.published or -1) < msg.version and now - sent_at > self.cfg.candidate_resend_s:
                 await self._resend_candidate(msg, "not published in time")
+        if self._deferred is not None and now >= self._deferred_retry_at and (
+                self._after_update is None or self._after_update.done()):
+            await self._settle()  # nothing in flight: a newer candidate would be sent by that task first
+            if self._deferred is not None:
+                self.log.info("publish_retry", policy_version=self._deferred[0], automatic_action=True)
+                await self._publish(*self._deferred)
         stall = self.stall.check(now, self.intake.reference)
         STALLED.set(0 if stall is None else 1)
         if stall is None:
@@ -624,6 +637,7 @@ class Trainer:
             self.intake.abandon(*abandoned)  # versions above N were never published: nothing made by them
             self.lineage = msg.lineage
             self._candidate = None
+            self._deferred = None  # weights of an abandoned trajectory
             VERSION.set(c.policy_version)
             # Checkpoint now, before training on: a restart must not re-train the records already in these
             # weights' history on top of them, nor forget which versions were abandoned.
@@ -747,8 +761,16 @@ class Trainer:
             DEFERRED.labels(what="publish").inc()
             self.health_state.degraded("publish", f"candidate {version} not sent: {describe(exc)}")
             self.log.warning("publish_deferred", policy_version=version, update=update, error=describe(exc))
+            if self._deferred is None or version > self._deferred[0]:
+                self._deferred_backoff_s = PUBLISH_RETRY_MIN_S
+            else:
+                self._deferred_backoff_s = min(PUBLISH_RETRY_MAX_S, self._deferred_backoff_s * 2)
+            self._deferred = (version, data, update)
+            self._deferred_retry_at = time.monotonic() + self._deferred_backoff_s
             return
         self.health_state.recovered("publish")
+        if self._deferred is not None and self._deferred[0] <= version:
+            self._deferred = None
         self._candidate = (msg, time.monotonic())
         VERSION.set(version)
         self.log.info("candidate_sent", policy_version=version, sha256=msg.sha256[:12], update=update)

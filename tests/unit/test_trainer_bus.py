@@ -20,7 +20,7 @@ from shared.bus import MemoryBus, Record
 from shared.fragment import Fragment, encode_fragment
 from shared.kafka import Topics
 from shared.marker import VersionRecord
-from shared.messages import KEY_ANNOUNCE, PolicyMessage
+from shared.messages import KEY_ANNOUNCE, KEY_CANDIDATE, PolicyMessage
 from shared.settings import Settings, StoreSettings, TrainerSettings
 from tests.fragments import blank_fragment
 
@@ -271,3 +271,51 @@ async def test_grants_credits_for_what_it_consumed_and_reports_lag_per_sampler(t
     assert REGISTRY.get_sample_value("flywheel_trainer_sampler_staleness_versions",
                                      {"sampler": "s0", "stat": "max"}) == report["max"]
     assert REGISTRY.get_sample_value("flywheel_trainer_sampler_dropped_fraction", {"sampler": "s0"}) == 0
+
+
+async def test_a_deferred_publish_is_retried_while_the_trainer_waits_for_publication(tmp_path: Path) -> None:
+    # The store refuses blob writes (an S3 outage): candidates are deferred, the trainer trains until it is
+    # max_staleness versions ahead of the published version and then waits. No further update will send a
+    # newer candidate, so the deferred one must be retried from the loop once the store is back.
+    t, mem = make(tmp_path, max_staleness=2, publish_every=1)
+    real_put = t.policies.put_blob
+    store_down = True
+
+    def put_blob(data: bytes) -> Any:
+        if store_down:
+            raise ConnectionError("store endpoint refused the connection")
+        return real_put(data)
+
+    fed = False
+
+    def waiting() -> bool:
+        nonlocal fed
+        if not fed and t._started:
+            fed = True
+            t.policies.put_blob = put_blob  # type: ignore[method-assign]
+            rec = VersionRecord(version=0, blob="b", sha256="0" * 64, size=1, trainer_step=0)
+            mem.append(T.policy, PolicyMessage.of("announce", rec).to_bytes(), key=KEY_ANNOUNCE)
+            put(mem, TP0, 12, version=0)
+        return fed and t.intake.published == 0 and t.learner.counters.policy_version == 2 and t._deferred is not None
+
+    stop = asyncio.Event()
+    await t.start()
+    task = asyncio.create_task(t.run(stop))
+    try:
+        async with asyncio.timeout(30):
+            while not waiting():
+                assert not task.done()
+                await asyncio.sleep(0.01)
+            assert t._candidate is None or t._candidate[0].version < 2  # version 2 was never sent
+            store_down = False
+            while t._candidate is None or t._candidate[0].version < 2:  # retried without a new update
+                assert not task.done()
+                await asyncio.sleep(0.01)
+    finally:
+        stop.set()
+        await task
+        await t.stop()
+    assert t.learner.counters.policy_version == 2 and t._deferred is None
+    sent = [PolicyMessage.model_validate_json(r.value or b"").version for r in mem.records(T.policy)
+            if r.key == KEY_CANDIDATE]
+    assert 2 in sent
