@@ -601,10 +601,12 @@ class Trainer:
                 await self._resend_candidate(msg, "not published in time")
         if self._deferred is not None and now >= self._deferred_retry_at and (
                 self._after_update is None or self._after_update.done()):
-            await self._settle()  # nothing in flight: a newer candidate would be sent by that task first
+            await self._settle()  # the last update's commit and publish first (it may have sent a newer one)
             if self._deferred is not None:
+                # In the background slot of an update's commit + publish: the loop is not held by a slow
+                # store, and the next update's publish waits for this one, so candidates stay in order.
                 self.log.info("publish_retry", policy_version=self._deferred[0], automatic_action=True)
-                await self._publish(*self._deferred)
+                self._after_update = asyncio.create_task(self._publish(*self._deferred), name="trainer-publish-retry")
         stall = self.stall.check(now, self.intake.reference)
         STALLED.set(0 if stall is None else 1)
         if stall is None:
