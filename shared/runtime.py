@@ -29,6 +29,7 @@ RUNTIME_KEYS = (
     "sampler.sync_interval_s",
     "trainer.learning_rate",
     "trainer.learning_rate_end",
+    "trainer.clip_coef_end",
     "trainer.max_staleness",
     "trainer.target_kl",
     "trainer.publish_every",

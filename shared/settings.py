@@ -226,6 +226,10 @@ class TrainerSettings(_Section):
     gae_lambda: float = Field(0.95, ge=0, le=1)
     clip_coef: float = Field(0.2, gt=0)
     """PPO clip range around the proximal policy."""
+    clip_coef_end: float | None = Field(None, gt=0)
+    """Anneal the clip range linearly from ``clip_coef`` to this on the learning rate's schedule (over the
+    first ``anneal_env_steps`` trained env steps), then hold it (None = constant), as rl-zoo's ``lin_0.2``
+    clip range does over its fixed budget: late updates of a solved policy move it less."""
     behaviour_weight_cap: float = Field(5.0, ge=1.0)
     """Upper truncation of the importance weight pi_prox / pi_behaviour (decoupled PPO)."""
     epochs: int = Field(4, ge=1)

@@ -20,7 +20,8 @@ from bench.report import FigureResult, Row
 from shared.settings import Settings, load_settings
 
 NAME = "stability_ablation"
-TITLE = ("CartPole-v1 after solving, in one process (RolloutWorkers + Learner, behaviour policy 2 versions old): "
+TITLE = ("CartPole-v1 after solving, in one process (RolloutWorkers + Learner, behaviour policy 2 versions old unless "
+         "FLYWHEEL_BENCH_STABILITY_ABLATION_LAG says otherwise): "
          "the lowest last-100 mean return in the env steps after it first reached 475, configs/cartpole.yaml "
          "as is, and with one option changed at a time.")
 TARGET = "a variant that never falls below 450 on any seed"
@@ -34,6 +35,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "adv-floor": {"advantage_std_floor": FLOOR},
     "separate-clip": {"separate_grad_clip": True},
     "mask": {"behaviour_weight_mode": "mask"},
+    "clip-constant": {"clip_coef_end": None},  # no clip-range schedule (configs/cartpole.yaml before session 6)
+    "anneal-120k": {"anneal_env_steps": 120_000},  # the same floor, reached sooner
     "all": {"advantage_std_floor": FLOOR, "separate_grad_clip": True, "behaviour_weight_mode": "mask"},
 }
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "all")
@@ -42,6 +45,10 @@ DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "all")
 
 def _post_steps(ctx: Context) -> int:
     return int(os.environ.get("FLYWHEEL_BENCH_STABILITY_ABLATION_POST_STEPS", 30_000 if ctx.quick else 200_000))
+
+
+def _lag() -> int:
+    return int(os.environ.get("FLYWHEEL_BENCH_STABILITY_ABLATION_LAG", LAG))
 
 
 def _variants() -> list[str]:
@@ -53,7 +60,7 @@ def _variants() -> list[str]:
     return names
 
 
-def run_one(base: Settings, seed: int, variant: str, post_steps: int) -> dict[str, Any]:
+def run_one(base: Settings, seed: int, variant: str, post_steps: int, lag: int = LAG) -> dict[str, Any]:
     tr = base.trainer.model_copy(update={"seed": seed, **VARIANTS[variant]})
     settings = base.model_copy(update={"trainer": tr})
     solved_at: list[int] = []
@@ -66,7 +73,7 @@ def run_one(base: Settings, seed: int, variant: str, post_steps: int) -> dict[st
         return steps >= solved_at[0] + post_steps
 
     t0 = time.monotonic()
-    curve = lockstep_curve(settings, seed, 2, LAG, done)
+    curve = lockstep_curve(settings, seed, 2, lag, done)
     m100 = rolling_mean(curve, 100)
     solved = first_reaching(m100, 475.0)
     after = [m for _, s, m in m100 if solved is not None and s >= solved[1]]
@@ -80,11 +87,12 @@ def run(ctx: Context) -> FigureResult:
     seeds = bench_seeds(NAME, 10, 1, ctx)
     post = _post_steps(ctx)
     variants = _variants()
+    lag = _lag()
     base = load_settings("configs/cartpole.yaml", environ={})
     jobs = bench_jobs()
     say(f"{NAME}: {len(seeds)} seeds x {len(variants)} variants, each until last-100 >= 475 and then {post:,} "
         f"env steps, {jobs} at a time")
-    results = parallel_map(run_one, [(base, seed, v, post) for seed in seeds for v in variants], jobs)
+    results = parallel_map(run_one, [(base, seed, v, post, lag) for seed in seeds for v in variants], jobs)
     res: dict[str, list[dict[str, Any]]] = {v: [r for r in results if r["variant"] == v] for v in variants}
     rows, headline = [], []
     for v, rs in res.items():
@@ -98,7 +106,7 @@ def run(ctx: Context) -> FigureResult:
                             f"{held} of {len(rs)} ({' / '.join('n/a' if x is None else f'{x:.0f}' for x in lows)})",
                             "all", held == len(rs)))
     plot = panels(
-        ctx.out_dir / "benchmarks-stability_ablation.png", f"CartPole-v1 in one process, lag {LAG}",
+        ctx.out_dir / "benchmarks-stability_ablation.png", f"CartPole-v1 in one process, lag {lag}",
         [(f"env steps ({v})", "mean return of the last 100 episodes",
           [(f"seed {r['seed']}", [s for s, _ in r["m100"]], [m for _, m in r["m100"]]) for r in rs])
          for v, rs in res.items()],
@@ -111,21 +119,22 @@ def run(ctx: Context) -> FigureResult:
     ])
     return FigureResult(
         headline=headline,
-        numbers={"lag": LAG, "post_steps": post, "seeds": list(seeds),
+        numbers={"lag": lag, "post_steps": post, "seeds": list(seeds),
                  "runs": {v: [{k: x for k, x in r.items() if k != "m100"} for r in rs] for v, rs in res.items()}},
-        settings={"jobs": jobs, "lag_versions": LAG, "env_steps_after_solving": post, "solve_cap_env_steps": SOLVE_CAP,
+        settings={"jobs": jobs, "lag_versions": lag, "env_steps_after_solving": post, "solve_cap_env_steps": SOLVE_CAP,
                   "seeds": ", ".join(map(str, seeds)), "variants": "; ".join(f"{v}: {VARIANTS[v] or '-'}"
                                                                            for v in variants)},
         method=("In one process, per seed and variant: 2 RolloutWorkers and the trainer's Learner with "
                 "`configs/cartpole.yaml` plus the variant's options (`trainer.learning_rate_end`, `trainer.ent_coef`, "
                 "`trainer.advantage_std_floor`, "
-                "`trainer.separate_grad_clip`, `trainer.behaviour_weight_mode`); each iteration collects "
-                f"`batch_fragments` fragments round robin with the weights of {LAG} updates ago, then one update "
+                "`trainer.separate_grad_clip`, `trainer.behaviour_weight_mode`, `trainer.clip_coef_end`, "
+                "`trainer.anneal_env_steps`); each iteration collects "
+                f"`batch_fragments` fragments round robin with the weights of {lag} updates ago, then one update "
                 f"(`bench.inproc.lockstep`). Runs until the last-100 mean first reaches 475 (at most "
                 f"{SOLVE_CAP:,} env steps), then {post:,} env steps more; the lowest running last-100 mean from "
                 "the solve on. Runs are independent processes, `FLYWHEEL_BENCH_JOBS` (default: one per core) at "
                 "a time. Seeds, env steps after solving and variants: `FLYWHEEL_BENCH_STABILITY_ABLATION_"
-                "SEEDS`, `..._POST_STEPS`, `..._VARIANTS`."),
+                "SEEDS`, `..._POST_STEPS`, `..._VARIANTS`, `..._LAG`."),
         details_md=details,
         plots=[plot],
     )

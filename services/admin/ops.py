@@ -280,7 +280,7 @@ async def patch_config(s: State, request: Request,
                        ) -> ConfigChange:
     """Change runtime settings, validated like the config file; the services apply the new revision
     within a few seconds. Keys: sampler.max_backlog, sampler.sync_interval_s, trainer.learning_rate,
-    trainer.learning_rate_end, trainer.max_staleness, trainer.target_kl, trainer.publish_every,
+    trainer.learning_rate_end, trainer.clip_coef_end, trainer.max_staleness, trainer.target_kl, trainer.publish_every,
     trainer.flow_window (``shared.runtime.RUNTIME_KEYS``)."""
     if not values:
         raise HTTPException(status_code=422, detail="no settings given")

@@ -115,19 +115,30 @@ class Learner:
     def record_returns(self, frag: Fragment) -> None:
         self.counters.recent_returns.extend(float(r) for r in frag.episode_returns)
 
-    def learning_rate(self) -> float:
-        """The rate for the next update: linear from ``learning_rate`` to ``learning_rate_end`` over
-        ``anneal_env_steps`` trained env steps (a function of the counters, so a restored trainer
-        continues the schedule where the checkpoint left it)."""
-        if self.cfg.learning_rate_end is None:
-            return self.cfg.learning_rate
+    def _annealed(self, start: float, end: float | None) -> float:
+        """Linear from ``start`` to ``end`` over ``anneal_env_steps`` trained env steps, then ``end`` (a
+        function of the counters, so a restored trainer continues the schedule where the checkpoint left
+        it); ``start`` when ``end`` is None."""
+        if end is None:
+            return start
         frac = min(1.0, self.counters.env_steps_trained / self.cfg.anneal_env_steps)
-        return self.cfg.learning_rate + frac * (self.cfg.learning_rate_end - self.cfg.learning_rate)
+        return start + frac * (end - start)
+
+    def learning_rate(self) -> float:
+        """The rate for the next update (``learning_rate`` -> ``learning_rate_end``)."""
+        return self._annealed(self.cfg.learning_rate, self.cfg.learning_rate_end)
+
+    def clip_coef(self) -> float:
+        """The clip range for the next update (``clip_coef`` -> ``clip_coef_end``, the same schedule)."""
+        return self._annealed(self.cfg.clip_coef, self.cfg.clip_coef_end)
 
     def update(self, fragments: list[Fragment]) -> UpdateStats:
         lr = self.learning_rate()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        clip = self.clip_coef()
+        if clip != self.update_cfg.clip_coef:
+            self.update_cfg = dataclasses.replace(self.update_cfg, clip_coef=clip)
         # Normalisation statistics first: this update's targets and gradient steps see the observation
         # statistics that are published with its weights, so version v is trained under exactly the
         # normalisation it acts with (updating after would shift a trained policy's inputs unclipped).

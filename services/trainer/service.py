@@ -436,7 +436,8 @@ class Trainer:
                       approx_kl=round(stats.approx_kl, 5), clip_fraction=round(stats.clip_fraction, 4),
                       behaviour_weight_mean=round(stats.behaviour_weight_mean, 4), sgd_steps=stats.sgd_steps,
                       learning_rate=float(self.learner.optimizer.param_groups[0]["lr"]),
-                      stopped_early=stats.stopped_early, masked_fraction=round(stats.masked_fraction, 4))
+                      clip_coef=round(self.learner.update_cfg.clip_coef, 5), stopped_early=stats.stopped_early,
+                      masked_fraction=round(stats.masked_fraction, 4))
         # Commit (only now, after the optimizer step) and publish in the background: the next update
         # runs meanwhile instead of waiting for two Kafka round trips and a store write. One such task
         # at a time, so commits and candidates stay in order.

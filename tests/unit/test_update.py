@@ -114,6 +114,28 @@ def test_learning_rate_anneals_with_trained_steps_and_survives_a_restore() -> No
     assert Learner(SPEC, TrainerSettings(learning_rate=3e-4)).learning_rate() == 3e-4  # no schedule: constant
 
 
+def test_clip_range_anneals_on_the_learning_rate_schedule() -> None:
+    cfg = TrainerSettings(clip_coef=0.2, clip_coef_end=0.02, anneal_env_steps=1000)
+    learner = Learner(SPEC, cfg)
+    frags = _fragments(learner, 1, steps=50, envs=5)  # 250 env steps per update
+    learner.update(frags)
+    assert learner.update_cfg.clip_coef == pytest.approx(0.2)  # the first update used the start range
+    assert learner.clip_coef() == pytest.approx(0.2 - 0.25 * 0.18)
+    learner.update(frags)
+    assert learner.update_cfg.clip_coef == pytest.approx(0.2 - 0.25 * 0.18)  # what the update clipped with
+    restored = Learner(SPEC, cfg)
+    restored.restore(learner.state_bytes({}))
+    assert restored.clip_coef() == pytest.approx(learner.clip_coef())  # from the checkpointed counters
+    for _ in range(4):
+        learner.update(frags)
+    assert learner.clip_coef() == pytest.approx(0.02)  # held past anneal_env_steps
+    learner.set_runtime(cfg.model_copy(update={"clip_coef_end": 0.1}))  # a runtime key
+    assert learner.clip_coef() == pytest.approx(0.1)
+    assert Learner(SPEC, TrainerSettings(clip_coef=0.3)).clip_coef() == 0.3  # no schedule: constant
+    with pytest.raises(ValueError, match="clip_coef_end"):
+        TrainerSettings(clip_coef_end=0)
+
+
 def test_non_finite_loss_skips_the_step_and_keeps_the_weights() -> None:
     # A fragment that slipped past validation with absurd rewards: the loss overflows to inf.
     learner = Learner(SPEC, TrainerSettings(epochs=2, minibatches=2))
