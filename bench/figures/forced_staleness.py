@@ -8,6 +8,7 @@ the weights blob of ``LAG`` versions ago."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -18,12 +19,20 @@ from bench.report import FigureResult, Row
 from shared.settings import Settings, load_settings
 
 NAME = "forced_staleness"
-TITLE = ("CartPole-v1, every fragment acted by the policy 16 versions old: decoupled objective vs plain PPO "
+TITLE = ("CartPole-v1, every fragment acted by the policy 16 versions old (FLYWHEEL_BENCH_FORCED_STALENESS_LAG): "
+         "decoupled objective vs plain PPO "
          "(trainer.objective), return at equal env steps; the same loop without lag for reference.")
 TARGET = "decoupled still solves (last-100 >= 475) where plain PPO degrades"
 LAG = 16
 SAMPLERS = 2
-VARIANTS = (("decoupled", LAG), ("ppo", LAG), ("decoupled", 0))
+
+
+def forced_lag() -> int:
+    """The lag in versions: ``FLYWHEEL_BENCH_FORCED_STALENESS_LAG``, else :data:`LAG`."""
+    lag = int(os.environ.get("FLYWHEEL_BENCH_FORCED_STALENESS_LAG", LAG))
+    if lag < 1:
+        raise ValueError(f"FLYWHEEL_BENCH_FORCED_STALENESS_LAG must be >= 1, got {lag}")
+    return lag
 
 
 def lagged_run(settings: Settings, seed: int, lag: int, steps_budget: int) -> Curve:
@@ -48,17 +57,20 @@ def _label(objective: str, lag: int) -> str:
 
 def run(ctx: Context) -> FigureResult:
     seeds = bench_seeds(NAME, 5, 1, ctx)
+    lag = forced_lag()
+    variants = (("decoupled", lag), ("ppo", lag), ("decoupled", 0))
     budget = 20_000 if ctx.quick else 150_000
     marks = [budget // 3, 2 * budget // 3, budget]
     base = load_settings("configs/cartpole.yaml", environ={})
     jobs = bench_jobs()
-    say(f"{NAME}: {len(seeds)} seeds x {len(VARIANTS)} variants, {budget:,} env steps each, {jobs} at a time")
-    results = parallel_map(_one, [(base, seed, o, g, budget, marks) for seed in seeds for o, g in VARIANTS], jobs)
+    say(f"{NAME}: {len(seeds)} seeds x {len(variants)} variants, lag {lag}, {budget:,} env steps each, "
+        f"{jobs} at a time")
+    results = parallel_map(_one, [(base, seed, o, g, budget, marks) for seed in seeds for o, g in variants], jobs)
     res: dict[str, list[dict[str, Any]]] = {_label(o, g): [r for r in results if r["label"] == _label(o, g)]
-                                            for o, g in VARIANTS}
+                                            for o, g in variants}
     at_budget = {v: Spread.of(r["at"][budget] for r in rs) for v, rs in res.items()}
     solved = {v: sum(1 for r in rs if r["solved"]) for v, rs in res.items()}
-    dec, ppo = _label("decoupled", LAG), _label("ppo", LAG)
+    dec, ppo = _label("decoupled", lag), _label("ppo", lag)
     meets = solved[dec] == len(seeds) and at_budget[ppo].median < at_budget[dec].median
     rows = []
     for v, rs in res.items():
@@ -66,7 +78,7 @@ def run(ctx: Context) -> FigureResult:
         steps_to = Spread.of(r["solved"][1] if r["solved"] else float("inf") for r in rs)
         rows.append(f"| {v} | {cells} | {solved[v]} of {len(rs)} | {steps_to.fmt()} |")
     plot = panels(
-        ctx.out_dir / "benchmarks-forced_staleness.png", f"CartPole-v1, behaviour policy {LAG} versions old",
+        ctx.out_dir / "benchmarks-forced_staleness.png", f"CartPole-v1, behaviour policy {lag} versions old",
         [("env steps", "mean return of the last 100 episodes",
           [(f"{v} s{r['seed']}", [s for s, _ in r["m100"]], [x for _, x in r["m100"]])
            for v, rs in res.items() for r in rs])],
@@ -81,22 +93,22 @@ def run(ctx: Context) -> FigureResult:
     ])
     return FigureResult(
         headline=[
-            Row(f"seeds solved (last-100 >= 475 within {budget:,} env steps), lag {LAG}: decoupled vs plain PPO",
+            Row(f"seeds solved (last-100 >= 475 within {budget:,} env steps), lag {lag}: decoupled vs plain PPO",
                 f"{solved[dec]} of {len(seeds)} vs {solved[ppo]} of {len(seeds)}", "decoupled all, PPO fewer/lower",
                 meets),
-            Row(f"last-100 return at {budget:,} env steps, lag {LAG}: decoupled vs plain PPO (median over seeds)",
+            Row(f"last-100 return at {budget:,} env steps, lag {lag}: decoupled vs plain PPO (median over seeds)",
                 f"{at_budget[dec].fmt(0)} vs {at_budget[ppo].fmt(0)}"),
             Row("same, no lag (decoupled)", at_budget[_label("decoupled", 0)].fmt(0)),
         ],
-        numbers={"lag": LAG, "budget_env_steps": budget, "seeds": list(seeds), "at_budget": at_budget,
+        numbers={"lag": lag, "budget_env_steps": budget, "seeds": list(seeds), "at_budget": at_budget,
                  "solved": solved, "runs": {v: [{k: x for k, x in r.items() if k != "m100"} for r in rs]
                                             for v, rs in res.items()}},
-        settings={"jobs": jobs, "lag_versions": LAG, "workers": SAMPLERS, "env_steps": budget, "trainer.objective":
+        settings={"jobs": jobs, "lag_versions": lag, "workers": SAMPLERS, "env_steps": budget, "trainer.objective":
                   "decoupled | ppo", "seeds": ", ".join(map(str, seeds))},
         method=(f"In one process per seed and variant (`FLYWHEEL_BENCH_JOBS`, default one per core, at a time): "
                 f"{SAMPLERS} RolloutWorkers and the trainer's Learner with `configs/cartpole.yaml`. "
                 "Each iteration collects `batch_fragments` fragments round robin, the workers acting with the "
-                f"weights of {LAG} updates ago (the first {LAG} updates with version 0), then one update; repeated "
+                f"weights of {lag} updates ago (the first {lag} updates with version 0), then one update; repeated "
                 f"until {budget:,} env steps. Returns of the episodes in the fragments, in order; last-100 running "
                 "mean. `trainer.objective` selects the loss (decoupled: clip around the proximal policy with a "
                 "truncated behaviour weight; ppo: clip the ratio to the behaviour policy). No fragment is dropped "

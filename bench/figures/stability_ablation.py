@@ -37,6 +37,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "mask": {"behaviour_weight_mode": "mask"},
     "clip-constant": {"clip_coef_end": None},  # no clip-range schedule (configs/cartpole.yaml before session 6)
     "anneal-120k": {"anneal_env_steps": 120_000},  # the same floor, reached sooner
+    "no-kl-stop": {"target_kl": None},  # every update runs all its epochs; the clip schedule is the only brake
+    "kl-0.05": {"target_kl": 0.05},
     "all": {"advantage_std_floor": FLOOR, "separate_grad_clip": True, "behaviour_weight_mode": "mask"},
 }
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "all")
