@@ -89,7 +89,9 @@ def _rfmt(x: float) -> str:
 def run(ctx: Context) -> FigureResult:
     budget = 30.0 if ctx.quick else 90.0
     seeds = bench_seeds(NAME, 5, 1, ctx)
-    settings = load_settings("configs/cartpole.yaml", environ={})
+    # The process environment applies, as it does to the stack's services: a FLYWHEEL_TRAINER_* A/B changes
+    # the stack and the zero-staleness loop alike.
+    settings = load_settings("configs/cartpole.yaml")
     res, seq, base = [], [], []
     for seed in seeds:  # per seed: stack, zero-staleness loop, SB3, one after another (drift hits all three)
         res.append(run_seed(ctx, seed, budget))
