@@ -510,15 +510,19 @@ def test_watch_on_a_terminal_redraws_in_colour_and_ctrl_c_ends_it_quietly(server
             if select.select([master], [], [], 0.5)[0]:
                 seen += os.read(master, 65536)
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
-        assert proc.wait(timeout=30) == 0
-        while select.select([master], [], [], 0.2)[0]:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # the terminal's other end closed
-                break
-            if not chunk:
-                break
-            seen += chunk
+        # Keep reading while it exits, as a terminal does: a full pty buffer would block its last writes.
+        deadline = time.monotonic() + 30
+        closed = False
+        while not closed and time.monotonic() < deadline and (proc.poll() is None or
+                                                              select.select([master], [], [], 0.2)[0]):
+            if select.select([master], [], [], 0.2)[0]:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # the terminal's other end closed
+                    chunk = b""
+                closed = not chunk
+                seen += chunk
+        assert proc.wait(timeout=5) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
