@@ -499,9 +499,12 @@ def test_watch_on_a_terminal_redraws_in_colour_and_ctrl_c_ends_it_quietly(server
     url, answers = server
     answers["/status"] = STATUS
     master, slave = pty.openpty()
+    # SIGINT back to its default in the child: a test run started in the background by a shell without job
+    # control inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler (what a user's
+    # terminal would not do).
     proc = subprocess.Popen([sys.executable, "-m", "services.admin.cli", "--url", url, "status", "--watch", "0.1"],
                             cwd=REPO, env={**_env(), "TERM": "xterm"}, stdin=subprocess.DEVNULL, stdout=slave,
-                            stderr=slave)
+                            stderr=slave, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(slave)
     seen = b""
     deadline = time.monotonic() + 30
