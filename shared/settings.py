@@ -293,7 +293,17 @@ class TrainerSettings(_Section):
     the behaviour policy's lag with a truncated importance weight (AReaL). ``ppo``: plain PPO, clipping
     the ratio to the behaviour policy itself; the benchmarks' baseline under forced staleness."""
     log_std_init: float = 0.0
-    """Continuous actions: initial value of the Gaussian policy's state-independent log standard deviation."""
+    """Continuous actions: initial value of the Gaussian policy's log standard deviation parameters."""
+    gsde: bool = False
+    """Continuous actions: generalized state-dependent exploration (Raffin et al. 2021; Stable-Baselines3's
+    ``use_sde``): the action noise is the actor's last hidden features times a random matrix each sampler
+    env keeps for ``sde_sample_freq`` steps, so exploration is smooth in time and its scale depends on the
+    state; ``log_std`` becomes a ``[hidden, action dims]`` matrix (the weights' shape, so samplers,
+    paramsync and checkpoints must agree: a checkpoint of the other kind is refused). Discrete actions:
+    refused at start-up."""
+    sde_sample_freq: int = Field(4, ge=1)
+    """gSDE: env steps a sampler keeps one noise matrix before drawing the next (a new policy version
+    draws at once)."""
     fresh_start: bool = False
     """Start from scratch even though a checkpoint exists (the checkpoints are kept). Without it a
     trainer whose checkpoints are all unusable refuses to start rather than silently reset the run."""

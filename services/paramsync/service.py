@@ -53,7 +53,8 @@ class Paramsync:
         self.policies = VersionedStore(open_store(settings), settings.run, "policy")
         spec = fragment_spec(settings.env.id, settings.kafka.max_message_bytes)
         self.model = ActorCritic.for_spec(spec, settings.trainer.hidden,
-                                          normalize_observations=settings.trainer.normalize_observations)
+                                          normalize_observations=settings.trainer.normalize_observations,
+                                          gsde=settings.trainer.gsde)
         self.tracker = SyncTracker(settings.paramsync.sampler_timeout_s)
         self.producer = make_producer(settings)
         self.candidates = make_consumer(settings, group_id=f"{settings.run}.paramsync")

@@ -38,15 +38,18 @@ class RolloutWorker:
         normalize_observations: bool = False,
         fragment_latency_median_ms: float = 0.0,
         fragment_latency_sigma: float = 1.5,
+        gsde: bool = False,
+        sde_sample_freq: int = 4,
     ) -> None:
-        """``normalize_observations`` must be ``trainer.normalize_observations`` (the weights' key set);
+        """``normalize_observations`` and ``gsde`` must be the trainer's (the weights' key set and shapes);
         ``fragment_latency_median_ms`` > 0 (benchmarks) sleeps one log-normal draw per fragment."""
         self.env_id = env_id
         self.sampler_id = sampler_id
         self.steps = fragment_steps
         self.envs = make_vector_env(env_id, num_envs, latency_median_ms, latency_sigma, seed, latency_overlap)
         self.spec = spec = fragment_spec(env_id, max_bytes=1 << 30)
-        self.policy = NumpyPolicy.for_spec(spec, hidden, normalize_observations=normalize_observations)
+        self.policy = NumpyPolicy.for_spec(spec, hidden, normalize_observations=normalize_observations,
+                                           gsde=gsde, sde_sample_freq=sde_sample_freq)
         space = self.envs.single_action_space
         self._bounds = (space.low, space.high) if isinstance(space, gym.spaces.Box) else None
         self._fragment_delay = (LogNormalDelay(fragment_latency_median_ms, fragment_latency_sigma, seed)
@@ -68,7 +71,8 @@ class RolloutWorker:
                    e.latency_median_ms, e.latency_sigma, e.latency_overlap,
                    normalize_observations=settings.trainer.normalize_observations,
                    fragment_latency_median_ms=e.fragment_latency_median_ms,
-                   fragment_latency_sigma=e.fragment_latency_sigma)
+                   fragment_latency_sigma=e.fragment_latency_sigma,
+                   gsde=settings.trainer.gsde, sde_sample_freq=settings.trainer.sde_sample_freq)
 
     def set_policy(self, version: int, weights: bytes) -> None:
         """Adopt a policy (between fragments only); raises WeightsError if it does not fit."""

@@ -86,7 +86,7 @@ class Learner:
     def __init__(self, spec: FragmentSpec, cfg: TrainerSettings) -> None:
         torch.manual_seed(cfg.seed)
         self.device = pick_device(cfg.device)
-        self.model = ActorCritic.for_spec(spec, cfg.hidden, log_std_init=cfg.log_std_init,
+        self.model = ActorCritic.for_spec(spec, cfg.hidden, log_std_init=cfg.log_std_init, gsde=cfg.gsde,
                                           normalize_observations=cfg.normalize_observations).to(self.device)
         self.return_scaler = ReturnScaler(cfg.gamma) if cfg.normalize_rewards else None
         # fused: one kernel for all parameters (+23% trainer throughput on CPU, bench/PERF-NOTES.md)

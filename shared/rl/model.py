@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributions import Categorical, Distribution, Independent, Normal
 
 from shared.fragment import FragmentSpec
-from shared.rl.policy_np import OBS_CLIP, OBS_EPS, validate_weights
+from shared.rl.policy_np import OBS_CLIP, OBS_EPS, SDE_EPS, validate_weights
 from shared.rl.policy_np import WeightsError as WeightsError  # re-exported: one class for both loaders
 
 _HALF_LOG_2PI = float(0.5 * np.log(2 * np.pi))
@@ -71,15 +71,24 @@ class ActorCritic(nn.Module):
     """Separate two-layer tanh MLPs for the policy and the state value. Discrete actions: the actor
     gives the logits of a categorical. Continuous actions: it gives the mean of a diagonal Gaussian whose
     log standard deviation is one state-independent parameter per action dim (``log_std``, as CleanRL's
-    ``ppo_continuous_action.py``). With ``normalize_observations`` both MLPs see normalised observations."""
+    ``ppo_continuous_action.py``), or with ``gsde`` a ``[hidden, action dims]`` matrix of generalized
+    state-dependent exploration (Raffin et al., "Smooth Exploration for Robotic Reinforcement Learning",
+    2021; Stable-Baselines3's ``use_sde`` with ``full_std``): the noise is ``latent @ E`` for the actor's
+    last hidden features ``latent`` and a matrix ``E ~ N(0, exp(log_std)^2)`` the sampler draws per env and
+    keeps for ``sde_sample_freq`` steps, so an action's distribution is a Gaussian with variance
+    ``latent^2 @ exp(log_std)^2`` (the features detached: only ``log_std`` learns the noise scale). With
+    ``normalize_observations`` both MLPs see normalised observations."""
 
     def __init__(self, obs_dim: int, num_actions: int, hidden: int = 64, *, continuous: bool = False,
-                 log_std_init: float = 0.0, normalize_observations: bool = False) -> None:
+                 log_std_init: float = 0.0, normalize_observations: bool = False, gsde: bool = False) -> None:
         """``num_actions``: the actor's output width, the action count or (continuous) the action dims."""
         super().__init__()
+        if gsde and not continuous:
+            raise ValueError("gSDE (trainer.gsde) needs continuous actions; this env's are discrete")
         self.obs_dim = obs_dim
         self.num_actions = num_actions
         self.continuous = continuous
+        self.gsde = gsde
         self.obs_norm = ObsNormalizer(obs_dim) if normalize_observations else None
         self.actor = nn.Sequential(
             _layer(nn.Linear(obs_dim, hidden)), nn.Tanh(),
@@ -91,14 +100,17 @@ class ActorCritic(nn.Module):
             _layer(nn.Linear(hidden, hidden)), nn.Tanh(),
             _layer(nn.Linear(hidden, 1), std=1.0),
         )
-        self.log_std = nn.Parameter(torch.full((num_actions,), float(log_std_init))) if continuous else None
+        std_shape = (hidden, num_actions) if gsde else (num_actions,)
+        self.log_std = nn.Parameter(torch.full(std_shape, float(log_std_init))) if continuous else None
 
     @classmethod
     def for_spec(cls, spec: FragmentSpec, hidden: int, *, log_std_init: float = 0.0,
-                 normalize_observations: bool = False) -> ActorCritic:
+                 normalize_observations: bool = False, gsde: bool = False) -> ActorCritic:
         """A model for the envs ``spec`` describes (observations and actions flattened)."""
+        if gsde and not spec.continuous:
+            raise ValueError(f"trainer.gsde needs continuous actions; {spec.env_id} has discrete ones")
         return cls(int(np.prod(spec.obs_shape)), spec.action_dim, hidden, continuous=spec.continuous,
-                   log_std_init=log_std_init, normalize_observations=normalize_observations)
+                   log_std_init=log_std_init, normalize_observations=normalize_observations, gsde=gsde)
 
     def actor_parameters(self) -> list[nn.Parameter]:
         """The policy's parameters (``log_std`` included)."""
@@ -110,11 +122,23 @@ class ActorCritic(nn.Module):
     def _features(self, obs: torch.Tensor) -> torch.Tensor:
         return self.obs_norm(obs) if self.obs_norm is not None else obs
 
+    def _gaussian(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Continuous actions: the Gaussian's mean and log standard deviation ``[..., A]`` at ``obs``, and
+        the actor's last hidden features ``[..., hidden]`` (detached; gSDE's noise is drawn on them)."""
+        assert self.log_std is not None
+        latent = self.actor[:4](self._features(obs))
+        mean = self.actor[4](latent)
+        latent = latent.detach()
+        if not self.gsde:
+            return mean, self.log_std.expand_as(mean), latent
+        variance = latent.pow(2) @ torch.exp(2 * self.log_std)
+        return mean, 0.5 * torch.log(variance + SDE_EPS), latent
+
     def dist(self, obs: torch.Tensor) -> Distribution:
-        out = self.actor(self._features(obs))
         if self.log_std is None:
-            return Categorical(logits=out)
-        return Independent(Normal(out, self.log_std.exp().expand_as(out)), 1)
+            return Categorical(logits=self.actor(self._features(obs)))
+        mean, log_std, _ = self._gaussian(obs)
+        return Independent(Normal(mean, log_std.exp()), 1)
 
     def log_probs(self, obs: torch.Tensor) -> torch.Tensor:
         """Discrete: log-probabilities of every action, [..., A] (cheaper than building a distribution)."""
@@ -128,22 +152,27 @@ class ActorCritic(nn.Module):
             logp = lp.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
             entropy = -(lp.exp() * lp).sum(-1)
             return logp, entropy
-        mean = self.actor(self._features(obs))
-        z = (actions - mean) * torch.exp(-self.log_std)
-        logp = (-0.5 * z.pow(2) - self.log_std).sum(-1) - _HALF_LOG_2PI * self.num_actions
-        entropy = (0.5 + _HALF_LOG_2PI + self.log_std).sum().expand(logp.shape)
+        mean, log_std, _ = self._gaussian(obs)
+        z = (actions - mean) * torch.exp(-log_std)
+        logp = (-0.5 * z.pow(2) - log_std).sum(-1) - _HALF_LOG_2PI * self.num_actions
+        entropy = (0.5 + _HALF_LOG_2PI + log_std).sum(-1)
         return logp, entropy
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample actions (continuous: unclipped); return them with their log-probs."""
+        """Sample actions (continuous: unclipped); return them with their log-probs. gSDE: a fresh noise
+        matrix per row (the samplers' :class:`~shared.rl.policy_np.NumpyPolicy` keeps one per env)."""
         if self.log_std is None:
             lp = self.log_probs(obs)
             actions = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)
             return actions, lp.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        mean = self.actor(self._features(obs))
-        noise = torch.randn(mean.shape, generator=generator, device=mean.device)
-        actions = mean + self.log_std.exp() * noise
+        mean, log_std, latent = self._gaussian(obs)
+        if self.gsde:
+            matrices = torch.randn((*latent.shape, self.num_actions), generator=generator, device=mean.device)
+            noise = (latent.unsqueeze(-2) @ (matrices * self.log_std.exp())).squeeze(-2)
+        else:
+            noise = torch.randn(mean.shape, generator=generator, device=mean.device) * log_std.exp()
+        actions = mean + noise
         return actions, self.logp_entropy(obs, actions)[0]
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:

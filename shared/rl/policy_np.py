@@ -6,10 +6,10 @@ out of the sampler process. The trainer keeps the torch model; both read the sam
 blob, and :func:`validate_weights` here is the one check both loaders apply (same key set, critic
 included, same shapes, float32, finite), so a blob one side accepts the other accepts.
 
-Two optional parts of the model change the key set (and are fixed by the run's settings, never guessed
-from a blob): ``log_std`` for continuous actions, and ``obs_norm.{mean,var,count}`` when the trainer
-normalises observations. The statistics travel inside the blob, so version v acts with exactly the
-normalisation version v was trained with.
+Optional parts of the model change the key set (and are fixed by the run's settings, never guessed
+from a blob): ``log_std`` for continuous actions (``[action dims]``, or ``[hidden, action dims]`` with
+gSDE), and ``obs_norm.{mean,var,count}`` when the trainer normalises observations. The statistics
+travel inside the blob, so version v acts with exactly the normalisation version v was trained with.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ OBS_CLIP = 10.0
 """Normalised observations are clipped to +-OBS_CLIP (as Stable-Baselines3's VecNormalize)."""
 OBS_EPS = 1e-8
 """Added to the variance before its square root."""
+SDE_EPS = 1e-6
+"""gSDE: added to the action variance ``latent^2 @ std^2`` before its square root (Stable-Baselines3's epsilon)."""
 _HALF_LOG_2PI = float(0.5 * np.log(2 * np.pi))
 
 
@@ -35,7 +37,7 @@ class WeightsError(ValueError):
 
 
 def expected_shapes(obs_dim: int, num_actions: int, hidden: int, *, continuous: bool = False,
-                    normalize_observations: bool = False) -> dict[str, tuple[int, ...]]:
+                    normalize_observations: bool = False, gsde: bool = False) -> dict[str, tuple[int, ...]]:
     """Key -> shape of ``ActorCritic(obs_dim, num_actions, hidden, ...).state_dict()`` (Linear weights
     are ``[out, in]``; ``.0``, ``.2``, ``.4`` are the Linear layers of each ``nn.Sequential``).
     ``num_actions`` is the actor's output width: action count, or action dims when ``continuous``."""
@@ -46,7 +48,7 @@ def expected_shapes(obs_dim: int, num_actions: int, hidden: int, *, continuous: 
             shapes[f"{head}.{idx}.weight"] = (o, i)
             shapes[f"{head}.{idx}.bias"] = (o,)
     if continuous:
-        shapes[LOG_STD] = (num_actions,)
+        shapes[LOG_STD] = (hidden, num_actions) if gsde else (num_actions,)
     if normalize_observations:
         shapes.update({OBS_MEAN: (obs_dim,), OBS_VAR: (obs_dim,), OBS_COUNT: (1,)})
     return shapes
@@ -73,26 +75,42 @@ def validate_weights(data: bytes, shapes: dict[str, tuple[int, ...]]) -> dict[st
 
 class NumpyPolicy:
     """Two-layer tanh MLP producing action logits (discrete) or the Gaussian mean (continuous, with the
-    state-independent ``log_std``), as ``ActorCritic``'s actor; float32 throughout."""
+    state-independent ``log_std``, or gSDE's state-dependent noise), as ``ActorCritic``'s actor; float32
+    throughout.
+
+    gSDE keeps exploration state: one noise matrix ``[hidden, A]`` per row of ``obs`` (per env), drawn
+    from ``N(0, exp(log_std)^2)`` and kept for ``sde_sample_freq`` calls of :meth:`act`, then redrawn; a
+    newly loaded policy redraws at its first call (as Stable-Baselines3 does at each rollout's start)."""
 
     def __init__(self, obs_dim: int, num_actions: int, hidden: int = 64, *, continuous: bool = False,
-                 normalize_observations: bool = False) -> None:
+                 normalize_observations: bool = False, gsde: bool = False, sde_sample_freq: int = 4) -> None:
+        if gsde and not continuous:
+            raise ValueError("gSDE (trainer.gsde) needs continuous actions; this env's are discrete")
+        if sde_sample_freq < 1:
+            raise ValueError(f"sde_sample_freq must be >= 1, got {sde_sample_freq}")
         self.obs_dim = obs_dim
         self.num_actions = num_actions
         self.hidden = hidden
         self.continuous = continuous
+        self.gsde = gsde
+        self.sde_sample_freq = sde_sample_freq
         self.shapes = expected_shapes(obs_dim, num_actions, hidden, continuous=continuous,
-                                      normalize_observations=normalize_observations)
+                                      normalize_observations=normalize_observations, gsde=gsde)
         # (W^T [in, out], b [out]) per layer; None until weights are loaded.
         self._layers: list[tuple[np.ndarray, np.ndarray]] | None = None
-        self._log_std = np.zeros(num_actions, DTYPE)
+        self._log_std = np.zeros(self.shapes.get(LOG_STD, (num_actions,)), DTYPE)
         self._obs_norm: tuple[np.ndarray, np.ndarray] | None = None  # (mean, 1 / sqrt(var + eps))
+        self._sde_noise: np.ndarray | None = None  # gSDE: [N, hidden, A], None = draw at the next act
+        self._sde_age = 0  # act calls since the noise was drawn
 
     @classmethod
-    def for_spec(cls, spec: FragmentSpec, hidden: int, *, normalize_observations: bool = False) -> NumpyPolicy:
+    def for_spec(cls, spec: FragmentSpec, hidden: int, *, normalize_observations: bool = False,
+                 gsde: bool = False, sde_sample_freq: int = 4) -> NumpyPolicy:
         """A policy for the envs ``spec`` describes (observations and actions flattened)."""
+        if gsde and not spec.continuous:
+            raise ValueError(f"trainer.gsde needs continuous actions; {spec.env_id} has discrete ones")
         return cls(int(np.prod(spec.obs_shape)), spec.action_dim, hidden, continuous=spec.continuous,
-                   normalize_observations=normalize_observations)
+                   normalize_observations=normalize_observations, gsde=gsde, sde_sample_freq=sde_sample_freq)
 
     @property
     def loaded(self) -> bool:
@@ -106,6 +124,7 @@ class NumpyPolicy:
                         for name in _ACTOR_LAYERS]
         if self.continuous:
             self._log_std = tensors[LOG_STD].copy()
+            self._sde_noise = None  # the new policy's noise scale
         if OBS_MEAN in self.shapes:
             inv_std = (1.0 / np.sqrt(tensors[OBS_VAR].astype(np.float64) + OBS_EPS)).astype(DTYPE)
             self._obs_norm = (tensors[OBS_MEAN].copy(), inv_std)
@@ -113,6 +132,10 @@ class NumpyPolicy:
     def logits(self, obs: np.ndarray) -> np.ndarray:
         """The actor's output ``[..., A]`` for observations ``[..., obs_dim]``: action logits, or the
         Gaussian mean for continuous actions. Observations are normalised first when the model does."""
+        return self._forward(obs)[1]
+
+    def _forward(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The actor's last hidden features ``[..., hidden]`` and its output ``[..., A]``."""
         if self._layers is None:
             raise RuntimeError("no weights loaded yet")
         (w0, b0), (w1, b1), (w2, b2) = self._layers
@@ -130,7 +153,7 @@ class NumpyPolicy:
         np.tanh(h, out=h)
         out: np.ndarray = h @ w2
         out += b2
-        return out
+        return h, out
 
     def log_probs(self, obs: np.ndarray) -> np.ndarray:
         """Log-probabilities of every action ``[..., A]`` (log-softmax, max-shifted for stability)."""
@@ -146,11 +169,13 @@ class NumpyPolicy:
         Discrete: inverse CDF with one uniform per row on the unnormalised, max-shifted ``exp(logits)``:
         the action is the number of cumulative sums ``<= u``, the last column left out so it is at most
         ``A - 1``; a zero-probability action adds nothing to the sum and is never picked."""
-        z = self.logits(obs)
+        latent, z = self._forward(obs)
         if z.ndim != 2:
             raise ValueError(f"obs must be [N, {self.obs_dim}], got {np.shape(obs)}")
         if not np.isfinite(z).all():  # would sample garbage with NaN log-probs; fail loudly instead
             raise ValueError("policy logits are not finite (an observation with inf/NaN, or an overflow)")
+        if self.gsde:
+            return self._act_gsde(z, latent, rng)
         if self.continuous:
             return self._act_gaussian(z, rng)
         z -= z.max(axis=1, keepdims=True)
@@ -169,3 +194,19 @@ class NumpyPolicy:
         actions = mean + np.exp(self._log_std) * eps
         logp = (-0.5 * eps * eps - self._log_std).sum(axis=1) - DTYPE.type(_HALF_LOG_2PI * mean.shape[1])
         return actions, logp.astype(DTYPE, copy=False)
+
+    def _act_gsde(self, mean: np.ndarray, latent: np.ndarray, rng: np.random.Generator
+                  ) -> tuple[np.ndarray, np.ndarray]:
+        """``mean + latent @ E_i`` for row i's noise matrix ``E_i`` (see the class docstring); the log-density
+        of that sample under ``N(mean, latent^2 @ std^2 + SDE_EPS)``, summed over the action dims."""
+        n = mean.shape[0]
+        if self._sde_noise is None or self._sde_noise.shape[0] != n or self._sde_age >= self.sde_sample_freq:
+            std = np.exp(self._log_std)
+            self._sde_noise = rng.standard_normal((n, *std.shape), dtype=np.float32) * std
+            self._sde_age = 0
+        self._sde_age += 1
+        noise = np.einsum("nh,nha->na", latent, self._sde_noise)
+        variance = (latent * latent) @ np.exp(2.0 * self._log_std) + DTYPE.type(SDE_EPS)
+        logp = (-0.5 * noise * noise / variance - 0.5 * np.log(variance)).sum(axis=1)
+        logp -= DTYPE.type(_HALF_LOG_2PI * mean.shape[1])
+        return mean + noise, logp.astype(DTYPE, copy=False)

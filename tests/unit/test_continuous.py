@@ -59,6 +59,26 @@ def test_continuous_update_trains_log_std_and_is_finite() -> None:
     assert float(learner.model.log_std.detach()[0]) != 1.0
 
 
+def test_gsde_update_trains_the_noise_matrix_from_the_samplers_fragments() -> None:
+    cfg = NORMED.model_copy(update={"gsde": True, "log_std_init": -1.0})
+    learner = Learner(PENDULUM, cfg)
+    log_std = learner.model.log_std
+    assert log_std is not None and tuple(log_std.shape) == (64, 1)
+    assert any(p is log_std for p in learner.model.actor_parameters())
+    w = _worker(learner, gsde=True, sde_sample_freq=4)
+    frags = [w.collect(), w.collect()]
+    w.close()
+    with torch.no_grad():
+        logp, entropy = learner.model.logp_entropy(torch.from_numpy(frags[0].obs), torch.from_numpy(frags[0].actions))
+    np.testing.assert_allclose(logp.numpy(), frags[0].logp, atol=1e-4)
+    assert float(entropy.std()) > 0  # state-dependent spread
+    before = log_std.detach().clone()
+    stats = learner.update(frags)
+    assert np.isfinite(stats.policy_loss) and not torch.equal(log_std.detach(), before)
+    with pytest.raises(ValueError, match="trainer.gsde needs continuous actions; CartPole-v1"):
+        Learner(CARTPOLE, TrainerSettings(gsde=True))
+
+
 def test_observation_statistics_are_updated_from_the_batch_and_published_with_the_weights() -> None:
     learner = Learner(PENDULUM, NORMED)
     norm = learner.model.obs_norm

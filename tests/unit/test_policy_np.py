@@ -291,3 +291,74 @@ def test_blob_keys_follow_the_model_configuration() -> None:
         NumpyPolicy(4, 2, 16, normalize_observations=True).load(bad)
     with pytest.raises(WeightsError, match="negative variances"):
         load_weights(ActorCritic(4, 2, 16, normalize_observations=True), bad)
+
+
+# ---- gSDE: state-dependent exploration noise ----
+def _gsde(seed: int, normalize: bool = False, freq: int = 4) -> tuple[ActorCritic, NumpyPolicy]:
+    torch.manual_seed(seed)
+    model = ActorCritic(3, 2, 32, continuous=True, gsde=True, normalize_observations=normalize)
+    with torch.no_grad():  # per-feature, per-dim noise scales
+        model.log_std.copy_(torch.linspace(-2.0, 0.0, 64).reshape(32, 2))
+        if model.obs_norm is not None:
+            model.obs_norm.update(np.random.default_rng(seed).normal(2.0, 3.0, (500, 3)))
+    policy = NumpyPolicy(3, 2, 32, continuous=True, gsde=True, sde_sample_freq=freq, normalize_observations=normalize)
+    policy.load(weights_to_bytes(model))
+    return model, policy
+
+
+def test_gsde_log_std_is_a_matrix_in_both_loaders() -> None:
+    own = ActorCritic(5, 3, 16, continuous=True, gsde=True).state_dict()
+    got = expected_shapes(5, 3, 16, continuous=True, gsde=True)
+    assert got == {k: tuple(v.shape) for k, v in own.items()} and got["log_std"] == (16, 3)
+    with pytest.raises(WeightsError, match=r"log_std: shape \(3,\)"):  # a plain Gaussian's blob does not fit
+        NumpyPolicy(5, 3, 16, continuous=True, gsde=True).load(weights_to_bytes(ActorCritic(5, 3, 16, continuous=True)))
+    with pytest.raises(ValueError, match="needs continuous actions"):
+        ActorCritic(4, 2, 16, gsde=True)
+    with pytest.raises(ValueError, match="needs continuous actions"):
+        NumpyPolicy(4, 2, 16, gsde=True)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_gsde_log_probs_equal_torch(normalize: bool) -> None:
+    model, policy = _gsde(21, normalize)
+    obs = np.random.default_rng(0).normal(2, 4, (256, 3)).astype(np.float32)
+    actions, logp = policy.act(obs, np.random.default_rng(1))
+    assert actions.shape == (256, 2) and actions.dtype == np.float32 and logp.dtype == np.float32
+    with torch.no_grad():
+        want, entropy = model.logp_entropy(torch.from_numpy(obs), torch.from_numpy(actions))
+        dist = model.dist(torch.from_numpy(obs))
+    np.testing.assert_allclose(logp, want.numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(dist.log_prob(torch.from_numpy(actions)).numpy(), want.numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(entropy.numpy(), dist.entropy().numpy(), atol=1e-5)
+    assert entropy.std() > 0  # the spread depends on the state
+
+
+def test_gsde_noise_is_kept_for_sde_sample_freq_steps_and_redrawn_for_a_new_policy() -> None:
+    model, policy = _gsde(22, freq=3)
+    rng = np.random.default_rng(4)
+    obs = np.random.default_rng(5).normal(0, 1, (6, 3)).astype(np.float32)
+    first = [policy.act(obs, rng)[0] for _ in range(4)]
+    np.testing.assert_array_equal(first[1], first[0])  # one noise matrix per env for 3 steps ...
+    np.testing.assert_array_equal(first[2], first[0])
+    assert not np.isclose(first[3], first[0]).any()  # ... then every env's is redrawn
+    assert len({tuple(row) for row in first[0]}) == 6  # and the envs' matrices differ
+    policy.load(weights_to_bytes(model))  # a new version: its first step draws
+    assert not np.isclose(policy.act(obs, rng)[0], first[3]).any()
+    # The noise is the features times the matrix: a state change moves it smoothly, not independently.
+    a0, _ = policy.act(obs, rng)
+    a1, _ = policy.act(obs + 1e-3, rng)
+    mean0, mean1 = policy.logits(obs), policy.logits(obs + 1e-3)
+    np.testing.assert_allclose(a1 - mean1, a0 - mean0, atol=1e-2)
+
+
+def test_gsde_samples_have_the_state_dependent_mean_and_std() -> None:
+    model, policy = _gsde(23)
+    obs = np.random.default_rng(2).normal(0, 1, (1, 3)).astype(np.float32)
+    n = 100_000  # one row per env, each with its own matrix: independent draws of one state's Gaussian
+    actions, _ = policy.act(np.repeat(obs, n, axis=0), np.random.default_rng(3))
+    with torch.no_grad():
+        dist = model.dist(torch.from_numpy(obs))
+    mean, std = dist.mean.numpy()[0], dist.stddev.numpy()[0]
+    assert std.min() > 0.05 and np.abs(std[0] - std[1]) > 0.01  # a real, per-dim spread
+    np.testing.assert_array_less(np.abs(actions.mean(axis=0) - mean), 5 * std / np.sqrt(n))
+    np.testing.assert_array_less(np.abs(actions.std(axis=0) - std), 5 * std / np.sqrt(2 * n))
