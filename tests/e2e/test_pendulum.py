@@ -1,4 +1,4 @@
-"""Pendulum-v1 (continuous actions, observation and reward normalisation) end to end on the local stack,
+"""Pendulum-v1 (continuous actions, gSDE exploration) end to end on the local stack,
 real Kafka and real S3, with configs/pendulum.yaml: fragments flow, updates happen, versions are published
 and adopted, nothing is dead-lettered. Learning itself is measured in process (bench), not here."""
 
