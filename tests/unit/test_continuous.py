@@ -77,6 +77,10 @@ def test_gsde_update_trains_the_noise_matrix_from_the_samplers_fragments() -> No
     assert np.isfinite(stats.policy_loss) and not torch.equal(log_std.detach(), before)
     with pytest.raises(ValueError, match="trainer.gsde needs continuous actions; CartPole-v1"):
         Learner(CARTPOLE, TrainerSettings(gsde=True))
+    # A checkpoint of the other kind does not fit: the trainer's restore refuses it (and with no usable
+    # checkpoint the service refuses to start unless trainer.fresh_start).
+    with pytest.raises(RuntimeError, match="size mismatch for log_std"):
+        Learner(PENDULUM, NORMED).restore(learner.state_bytes({}))
 
 
 def test_observation_statistics_are_updated_from_the_batch_and_published_with_the_weights() -> None:
