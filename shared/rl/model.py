@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import islice
+
 import numpy as np
 import torch
 from safetensors.torch import save as st_save
@@ -9,7 +11,7 @@ from torch import nn
 from torch.distributions import Categorical, Distribution, Independent, Normal
 
 from shared.fragment import FragmentSpec
-from shared.rl.policy_np import OBS_CLIP, OBS_EPS, SDE_EPS, validate_weights
+from shared.rl.policy_np import OBS_CLIP, OBS_EPS, SDE_EPS, check_gsde, validate_weights
 from shared.rl.policy_np import WeightsError as WeightsError  # re-exported: one class for both loaders
 
 _HALF_LOG_2PI = float(0.5 * np.log(2 * np.pi))
@@ -83,8 +85,7 @@ class ActorCritic(nn.Module):
                  log_std_init: float = 0.0, normalize_observations: bool = False, gsde: bool = False) -> None:
         """``num_actions``: the actor's output width, the action count or (continuous) the action dims."""
         super().__init__()
-        if gsde and not continuous:
-            raise ValueError("gSDE (trainer.gsde) needs continuous actions; this env's are discrete")
+        check_gsde(gsde, continuous)
         self.obs_dim = obs_dim
         self.num_actions = num_actions
         self.continuous = continuous
@@ -107,8 +108,7 @@ class ActorCritic(nn.Module):
     def for_spec(cls, spec: FragmentSpec, hidden: int, *, log_std_init: float = 0.0,
                  normalize_observations: bool = False, gsde: bool = False) -> ActorCritic:
         """A model for the envs ``spec`` describes (observations and actions flattened)."""
-        if gsde and not spec.continuous:
-            raise ValueError(f"trainer.gsde needs continuous actions; {spec.env_id} has discrete ones")
+        check_gsde(gsde, spec.continuous, spec.env_id)
         return cls(int(np.prod(spec.obs_shape)), spec.action_dim, hidden, continuous=spec.continuous,
                    log_std_init=log_std_init, normalize_observations=normalize_observations, gsde=gsde)
 
@@ -126,7 +126,9 @@ class ActorCritic(nn.Module):
         """Continuous actions: the Gaussian's mean and log standard deviation ``[..., A]`` at ``obs``, and
         the actor's last hidden features ``[..., hidden]`` (detached; gSDE's noise is drawn on them)."""
         assert self.log_std is not None
-        latent = self.actor[:4](self._features(obs))
+        latent = self._features(obs)
+        for layer in islice(self.actor, 4):  # the last hidden features (no new Sequential per call)
+            latent = layer(latent)
         mean = self.actor[4](latent)
         latent = latent.detach()
         if not self.gsde:

@@ -28,6 +28,14 @@ OBS_CLIP = 10.0
 OBS_EPS = 1e-8
 """Added to the variance before its square root."""
 SDE_EPS = 1e-6
+
+
+def check_gsde(gsde: bool, continuous: bool, env_id: str | None = None) -> None:
+    """gSDE draws its noise on a Gaussian's features: refuse it for discrete actions, naming the env
+    when known (the trainer's model and the samplers' policy both check, at start-up)."""
+    if gsde and not continuous:
+        what = f"{env_id} has discrete ones" if env_id else "this env's are discrete"
+        raise ValueError(f"trainer.gsde needs continuous actions; {what}")
 """gSDE: added to the action variance ``latent^2 @ std^2`` before its square root (Stable-Baselines3's epsilon)."""
 _HALF_LOG_2PI = float(0.5 * np.log(2 * np.pi))
 
@@ -84,8 +92,7 @@ class NumpyPolicy:
 
     def __init__(self, obs_dim: int, num_actions: int, hidden: int = 64, *, continuous: bool = False,
                  normalize_observations: bool = False, gsde: bool = False, sde_sample_freq: int = 4) -> None:
-        if gsde and not continuous:
-            raise ValueError("gSDE (trainer.gsde) needs continuous actions; this env's are discrete")
+        check_gsde(gsde, continuous)
         if sde_sample_freq < 1:
             raise ValueError(f"sde_sample_freq must be >= 1, got {sde_sample_freq}")
         self.obs_dim = obs_dim
@@ -107,8 +114,7 @@ class NumpyPolicy:
     def for_spec(cls, spec: FragmentSpec, hidden: int, *, normalize_observations: bool = False,
                  gsde: bool = False, sde_sample_freq: int = 4) -> NumpyPolicy:
         """A policy for the envs ``spec`` describes (observations and actions flattened)."""
-        if gsde and not spec.continuous:
-            raise ValueError(f"trainer.gsde needs continuous actions; {spec.env_id} has discrete ones")
+        check_gsde(gsde, spec.continuous, spec.env_id)
         return cls(int(np.prod(spec.obs_shape)), spec.action_dim, hidden, continuous=spec.continuous,
                    normalize_observations=normalize_observations, gsde=gsde, sde_sample_freq=sde_sample_freq)
 

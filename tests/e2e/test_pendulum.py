@@ -27,7 +27,9 @@ def test_pendulum_trains_end_to_end(make_stack: Any) -> None:
     while time.monotonic() < deadline:
         s = status(stack)
         versions = [x["policy_version"] or 0 for x in s["samplers"] if x["alive"]]
-        if (s["policy"]["version"] or 0) >= MIN_VERSIONS and versions and max(versions) >= MIN_VERSIONS:
+        # The trainer's count comes from its heartbeat, which can trail the published version by a beat.
+        if ((s["policy"]["version"] or 0) >= MIN_VERSIONS and versions and max(versions) >= MIN_VERSIONS
+                and s["trainer"]["updates"] >= MIN_VERSIONS):
             break
         time.sleep(1)
     trainer_log = stack.log_path("trainer")
