@@ -40,6 +40,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "no-kl-stop": {"target_kl": None},  # every update runs all its epochs; the clip schedule is the only brake
     "kl-0.05": {"target_kl": 0.05},
     "zoo-shape": {"batch_fragments": 1, "epochs": 20, "minibatches": 1},  # rl-zoo's update shape (fewer env steps)
+    "ppo": {"objective": "ppo"},  # plain PPO: the clip centred on the behaviour policy, no importance weight
     "all": {"advantage_std_floor": FLOOR, "separate_grad_clip": True, "behaviour_weight_mode": "mask"},
 }
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "all")
