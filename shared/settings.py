@@ -231,7 +231,7 @@ class TrainerSettings(_Section):
     first ``anneal_env_steps`` trained env steps), then hold it (None = constant), as rl-zoo's ``lin_0.2``
     clip range does over its fixed budget: late updates of a solved policy move it less."""
     behaviour_weight_cap: float = Field(5.0, ge=1.0)
-    """Upper truncation of the importance weight pi_prox / pi_behaviour (decoupled PPO)."""
+    """Upper truncation of the importance weight pi_prox / pi_behaviour (``objective: decoupled`` only)."""
     epochs: int = Field(4, ge=1)
     minibatches: int = Field(4, ge=1)
     ent_coef: float = Field(0.0, ge=0)
@@ -287,11 +287,15 @@ class TrainerSettings(_Section):
     where a large value gradient shrinks the policy's step)."""
     behaviour_weight_mode: Literal["truncate", "mask"] = "truncate"
     """Samples whose importance weight pi_prox / pi_behaviour exceeds ``behaviour_weight_cap``: truncate
-    the weight to the cap, or leave them out of the policy loss (AReaL's masking)."""
+    the weight to the cap, or leave them out of the policy loss (AReaL's masking). ``objective: decoupled``
+    only."""
     objective: Literal["decoupled", "ppo"] = "decoupled"
     """``decoupled``: clip around the proximal policy (the weights at the update's start) and correct for
     the behaviour policy's lag with a truncated importance weight (AReaL). ``ppo``: plain PPO, clipping
-    the ratio to the behaviour policy itself; the benchmarks' baseline under forced staleness."""
+    the ratio to the behaviour policy itself, no importance weight (``behaviour_weight_cap`` and
+    ``behaviour_weight_mode`` then do nothing): the forced-staleness benchmark's baseline, and
+    ``configs/cartpole.yaml``'s choice, where at the pipeline's ~2 versions of lag it learned faster
+    (docs/algorithm.md)."""
     log_std_init: float = 0.0
     """Continuous actions: initial value of the Gaussian policy's log standard deviation parameters."""
     gsde: bool = False

@@ -35,11 +35,12 @@ VARIANTS: dict[str, dict[str, object]] = {
     "entropy": {"FLYWHEEL_TRAINER_ENT_COEF": 0.01},
     "adv-floor": {"FLYWHEEL_TRAINER_ADVANTAGE_STD_FLOOR": FLOOR},
     "separate-clip": {"FLYWHEEL_TRAINER_SEPARATE_GRAD_CLIP": "true"},
-    "mask": {"FLYWHEEL_TRAINER_BEHAVIOUR_WEIGHT_MODE": "mask"},
+    "mask": {"FLYWHEEL_TRAINER_OBJECTIVE": "decoupled", "FLYWHEEL_TRAINER_BEHAVIOUR_WEIGHT_MODE": "mask"},
+    "decoupled": {"FLYWHEEL_TRAINER_OBJECTIVE": "decoupled"},  # the default objective; the config: plain PPO
     "clip-constant": {"FLYWHEEL_TRAINER_CLIP_COEF_END": 0.2},  # = clip_coef: no clip-range schedule
     "anneal-120k": {"FLYWHEEL_TRAINER_ANNEAL_ENV_STEPS": 120_000},
     "all": {"FLYWHEEL_TRAINER_ADVANTAGE_STD_FLOOR": FLOOR, "FLYWHEEL_TRAINER_SEPARATE_GRAD_CLIP": "true",
-            "FLYWHEEL_TRAINER_BEHAVIOUR_WEIGHT_MODE": "mask"},
+            "FLYWHEEL_TRAINER_OBJECTIVE": "decoupled", "FLYWHEEL_TRAINER_BEHAVIOUR_WEIGHT_MODE": "mask"},
 }
 
 

@@ -34,14 +34,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "entropy": {"ent_coef": 0.01},
     "adv-floor": {"advantage_std_floor": FLOOR},
     "separate-clip": {"separate_grad_clip": True},
-    "mask": {"behaviour_weight_mode": "mask"},
+    "mask": {"objective": "decoupled", "behaviour_weight_mode": "mask"},  # the weight exists only there
     "clip-constant": {"clip_coef_end": None},  # no clip-range schedule (configs/cartpole.yaml before session 6)
     "anneal-120k": {"anneal_env_steps": 120_000},  # the same floor, reached sooner
     "no-kl-stop": {"target_kl": None},  # every update runs all its epochs; the clip schedule is the only brake
     "kl-0.05": {"target_kl": 0.05},
     "zoo-shape": {"batch_fragments": 1, "epochs": 20, "minibatches": 1},  # rl-zoo's update shape (fewer env steps)
-    "ppo": {"objective": "ppo"},  # plain PPO: the clip centred on the behaviour policy, no importance weight
-    "all": {"advantage_std_floor": FLOOR, "separate_grad_clip": True, "behaviour_weight_mode": "mask"},
+    # The default objective (clip around the proximal policy, truncated behaviour weight); the config: plain PPO.
+    "decoupled": {"objective": "decoupled"},
+    "all": {"advantage_std_floor": FLOOR, "separate_grad_clip": True, "objective": "decoupled",
+            "behaviour_weight_mode": "mask"},
 }
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "all")
 """The variants a plain run measures (``all`` on request: FLYWHEEL_BENCH_STABILITY_ABLATION_VARIANTS)."""
@@ -132,7 +134,7 @@ def run(ctx: Context) -> FigureResult:
                 "`configs/cartpole.yaml` plus the variant's options (`trainer.learning_rate_end`, `trainer.ent_coef`, "
                 "`trainer.advantage_std_floor`, "
                 "`trainer.separate_grad_clip`, `trainer.behaviour_weight_mode`, `trainer.clip_coef_end`, "
-                "`trainer.anneal_env_steps`); each iteration collects "
+                "`trainer.anneal_env_steps`, `trainer.objective`); each iteration collects "
                 f"`batch_fragments` fragments round robin with the weights of {lag} updates ago, then one update "
                 f"(`bench.inproc.lockstep`). Runs until the last-100 mean first reaches 475 (at most "
                 f"{SOLVE_CAP:,} env steps), then {post:,} env steps more; the lowest running last-100 mean from "

@@ -45,7 +45,8 @@ class UpdateConfig:
     the masked fraction)."""
     objective: Literal["decoupled", "ppo"] = "decoupled"
     """``ppo``: plain PPO, the ratio clipped around the behaviour policy and no importance weight (what
-    standard PPO does with stale data; the forced-staleness benchmark's baseline)."""
+    standard PPO does with stale data; the forced-staleness benchmark's baseline, and
+    configs/cartpole.yaml's objective)."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,8 @@ def ppo_update(
         behaviour_weight = behaviour_weight.clamp(max=cfg.behaviour_weight_cap)
     actor_params, critic_params = model.actor_parameters(), model.critic_parameters()
 
-    # ---- 3. Epochs of minibatch SGD on the clipped objective around the proximal policy ----
+    # ---- 3. Epochs of minibatch SGD on the clipped objective (around the proximal policy, or plain PPO's
+    # behaviour policy) ----
     # Exactly ``minibatches`` steps an epoch; when the batch does not divide evenly the remainder sits
     # out that epoch (a fresh permutation each epoch, so not the same samples).
     mb_size = max(1, batch // cfg.minibatches)

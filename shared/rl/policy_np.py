@@ -28,6 +28,8 @@ OBS_CLIP = 10.0
 OBS_EPS = 1e-8
 """Added to the variance before its square root."""
 SDE_EPS = 1e-6
+"""gSDE: added to the action variance ``latent^2 @ std^2`` before its square root (Stable-Baselines3's epsilon)."""
+_HALF_LOG_2PI = float(0.5 * np.log(2 * np.pi))
 
 
 def check_gsde(gsde: bool, continuous: bool, env_id: str | None = None) -> None:
@@ -36,8 +38,6 @@ def check_gsde(gsde: bool, continuous: bool, env_id: str | None = None) -> None:
     if gsde and not continuous:
         what = f"{env_id} has discrete ones" if env_id else "this env's are discrete"
         raise ValueError(f"trainer.gsde needs continuous actions; {what}")
-"""gSDE: added to the action variance ``latent^2 @ std^2`` before its square root (Stable-Baselines3's epsilon)."""
-_HALF_LOG_2PI = float(0.5 * np.log(2 * np.pi))
 
 
 class WeightsError(ValueError):
