@@ -193,7 +193,9 @@ def ppo_update(
             policy_loss = -(behaviour_weight[idx] * surrogate).mean()
             value_loss = 0.5 * (model.value(obs[idx]) - returns[idx]).pow(2).mean()
             entropy = entropy.mean()
-            loss = policy_loss - cfg.ent_coef * entropy + cfg.vf_coef * value_loss
+            loss = policy_loss + cfg.vf_coef * value_loss
+            if cfg.ent_coef:  # with no bonus the entropy stays out of the graph: no backward pass through it
+                loss = loss - cfg.ent_coef * entropy
 
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
@@ -204,7 +206,7 @@ def ppo_update(
                 grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             # A non-finite loss or gradient would make the weights NaN for good: refuse the step, keep the
             # weights and the optimizer state as they are, and let the caller count it.
-            if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+            if not bool(torch.isfinite(loss + grad_norm)):  # NaN or inf in either
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 continue
