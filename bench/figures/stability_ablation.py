@@ -40,6 +40,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "no-kl-stop": {"target_kl": None},  # every update runs all its epochs; the clip schedule is the only brake
     "kl-0.05": {"target_kl": 0.05},
     "zoo-shape": {"batch_fragments": 1, "epochs": 20, "minibatches": 1},  # rl-zoo's update shape (fewer env steps)
+    "minibatches-4": {"minibatches": 4},  # 32 gradient steps of 128 samples an update instead of 16 of 256
     # The default objective (clip around the proximal policy, truncated behaviour weight); the config: plain PPO.
     "decoupled": {"objective": "decoupled"},
     "all": {"advantage_std_floor": FLOOR, "separate_grad_clip": True, "objective": "decoupled",
