@@ -206,7 +206,7 @@ def ppo_update(
                 grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             # A non-finite loss or gradient would make the weights NaN for good: refuse the step, keep the
             # weights and the optimizer state as they are, and let the caller count it.
-            if not bool(torch.isfinite(loss + grad_norm)):  # NaN or inf in either
+            if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 continue
