@@ -164,3 +164,67 @@ async def poll_or_pause(poll: Callable[[], Awaitable[T]], *, what: str, health: 
         await asyncio.sleep(pause_s)
         return None
 
+
+
+class Retrier:
+    """A service's one retry binding: :func:`retry_transient` with its health, log and stop event bound.
+
+    ``stop_event`` may be replaced (``retrier.stop_event = ...``) when ``run`` receives the real one."""
+
+    def __init__(self, health: Health, log: Any, stop_event: asyncio.Event | None = None) -> None:
+        self.health = health
+        self.log = log
+        self.stop_event = stop_event or asyncio.Event()
+
+    async def __call__(self, op: Callable[[], Awaitable[T]], what: str, component: str,
+                       timeout_s: float | None = None) -> T:
+        return await retry_transient(op, what=what, component=component, health=self.health, log=self.log,
+                                     stop_event=self.stop_event, timeout_s=timeout_s)
+
+
+async def every(interval_s: Callable[[], float], job: Callable[[], Awaitable[None]], *, name: str, log: Any,
+                stop_event: asyncio.Event, wake: asyncio.Event | None = None) -> None:
+    """Run ``job`` every ``interval_s()`` seconds (re-read each time: runtime settings may change it), or
+    as soon as ``wake`` is set, until ``stop_event`` is set: one named periodic task instead of a
+    ``_maybe_*`` guard in a loop. A transient error is logged and the job runs again next time; a fatal
+    one ends the task (the owner sees it done and stops, loudly)."""
+    while not stop_event.is_set():
+        try:
+            await job()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            log.warning("periodic_job_failed", job=name, error=describe(exc))
+        try:
+            if wake is None:
+                await asyncio.wait_for(stop_event.wait(), interval_s())
+            else:
+                waiter = asyncio.ensure_future(wake.wait())
+                stopper = asyncio.ensure_future(stop_event.wait())
+                try:
+                    await asyncio.wait({waiter, stopper}, timeout=interval_s(), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+                    stopper.cancel()
+                wake.clear()
+        except TimeoutError:
+            pass
+
+
+async def read_forever(tail: Any, handle: Callable[[Any], Awaitable[None] | None], *, name: str, log: Any,
+                       timeout_ms: int = 1000, pause_s: float = 1.0) -> None:
+    """The one "read a topic forever" loop: poll ``tail`` and hand each record to ``handle``; a read
+    error is logged and retried after ``pause_s`` (the owner cancels the task to stop it)."""
+    while True:
+        try:
+            records = await tail.poll(timeout_ms=timeout_ms)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("topic_read_failed", reader=name, error=describe(exc))
+            await asyncio.sleep(pause_s)
+            continue
+        for rec in records:
+            result = handle(rec)
+            if result is not None:
+                await result

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,6 +112,7 @@ class Learner:
         )
         self.counters = LearnerCounters(recent_returns=deque(maxlen=cfg.return_window))
         self.cfg = cfg
+        self.restored_ledger: dict[str, Any] = {}  # the ledger of the checkpoint last restored
 
     def record_returns(self, frag: Fragment) -> None:
         self.counters.recent_returns.extend(float(r) for r in frag.episode_returns)
@@ -167,8 +169,9 @@ class Learner:
         self.cfg = cfg
         self.update_cfg = dataclasses.replace(self.update_cfg, target_kl=cfg.target_kl)
 
-    def state_bytes(self, offsets: dict[str, int]) -> bytes:
-        """A full checkpoint, loadable with ``torch.load(weights_only=True)``."""
+    def state_bytes(self, offsets: dict[str, int], ledger: dict[str, Any] | None = None) -> bytes:
+        """A full checkpoint, loadable with ``torch.load(weights_only=True)``: the weights with the offsets
+        and the per-partition ledger (``services.trainer.ledger``) they reflect, in one blob."""
         c = self.counters
         state: dict[str, Any] = {
             "model": self.model.state_dict(),
@@ -179,6 +182,7 @@ class Learner:
             "policy_version": c.policy_version,
             "recent_returns": list(c.recent_returns),
             "offsets": dict(offsets),
+            "ledger": json.dumps(ledger or {}, sort_keys=True),
             "torch_rng": torch.get_rng_state(),
             "generator_rng": self.generator.get_state(),
         }
@@ -207,4 +211,5 @@ class Learner:
         # Checkpoints from before reward scaling (or from a run without it) have none: start fresh.
         if self.return_scaler is not None and "reward_rms" in state:
             self.return_scaler.load_state_dict(state["reward_rms"])
+        self.restored_ledger = json.loads(state.get("ledger") or "{}")
         return {str(k): int(v) for k, v in state["offsets"].items()}

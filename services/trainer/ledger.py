@@ -1,64 +1,221 @@
-"""Which offsets may be committed: everything consumed up to the first record not yet finished.
+"""What the model reflects, per partition, and which offsets may be committed.
 
-A record is *finished* once it was trained (after the optimizer step), dropped as stale, or
-dead-lettered (after the dead-letter send was acknowledged). Committing ``min(pending)`` per
-partition — or one past the last consumed offset when nothing is pending — never skips a record
-that was not finished, so a crash re-delivers exactly the unfinished tail.
+Every consumed record ends in exactly one outcome: ``trained`` (after the optimizer step), ``dropped``
+(stale) or ``dead`` (dead-lettered, after the dead-letter send was acknowledged). Per partition the
+ledger keeps a *frontier*: every offset in ``[start, frontier)`` has an outcome, and those outcomes
+are folded into order-independent digests (a count and a 64-bit multiset hash of the offsets, one per
+outcome) and into run-length ranges (which name offsets when a check fails). Offsets the log does not
+hold (a gap in the consumed sequence) are folded as ``gap``.
+
+Invariants:
+- The frontier is the commit position and the checkpoint's resume offset: committing it never skips a
+  record without an outcome, so a crash re-delivers exactly the unfinished tail.
+- ``trained + dropped + dead + gap`` digests equal :func:`range_digest` of ``[start, frontier)``:
+  every offset exactly once. :mod:`services.trainer.verify` checks this from a checkpoint alone, and
+  checks the dead-lettered and gap offsets against the topics.
+- The ledger is saved in the same checkpoint blob as the weights (``Learner.state_bytes``), taken while
+  no update runs, so the ``trained`` digest covers exactly the records whose gradients are in them.
+- A revoked partition keeps its frontier and digests (the model still reflects them); its unfinished
+  records are forgotten (the next owner, or this member after a re-assignment, reads them again from the
+  frontier: :meth:`OffsetLedger.resume_offset`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import numpy as np
 from aiokafka import TopicPartition
+
+Outcome = Literal["trained", "dropped", "dead", "gap"]
+OUTCOMES: tuple[Outcome, ...] = ("trained", "dropped", "dead", "gap")
+_MASK = (1 << 64) - 1
+
+
+def mix64(offset: int) -> int:
+    """SplitMix64's finaliser: a well-spread 64-bit hash of one offset."""
+    z = (offset + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def range_digest(lo: int, hi: int) -> Digest:
+    """The digest of every offset in ``[lo, hi)`` exactly once (vectorised: ~20 ms per million)."""
+    d = Digest()
+    with np.errstate(over="ignore"):
+        for a in range(lo, hi, 1 << 20):
+            z = np.arange(a, min(hi, a + (1 << 20)), dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            z = z ^ (z >> np.uint64(31))
+            d.count += int(z.size)
+            d.hash = (d.hash + int(z.sum(dtype=np.uint64))) & _MASK
+    return d
+
+
+@dataclasses.dataclass
+class Digest:
+    """A multiset of offsets: how many, and the sum of their hashes mod 2^64 (order-independent)."""
+
+    count: int = 0
+    hash: int = 0
+
+    def add(self, offset: int) -> None:
+        self.count += 1
+        self.hash = (self.hash + mix64(offset)) & _MASK
+
+    def __add__(self, other: Digest) -> Digest:
+        return Digest(self.count + other.count, (self.hash + other.hash) & _MASK)
+
+    def __sub__(self, other: Digest) -> Digest:
+        return Digest(self.count - other.count, (self.hash - other.hash) & _MASK)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"count": self.count, "hash": f"{self.hash:016x}"}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Digest:
+        return cls(int(d["count"]), int(str(d["hash"]), 16))
+
+
+def _extend(ranges: list[list[int]], offset: int) -> None:
+    if ranges and ranges[-1][1] == offset:
+        ranges[-1][1] = offset + 1
+    else:
+        ranges.append([offset, offset + 1])
+
+
+@dataclasses.dataclass
+class PartitionLedger:
+    start: int
+    frontier: int
+    next: int  # one past the highest consumed offset (== frontier when nothing is in flight)
+    digests: dict[str, Digest] = dataclasses.field(default_factory=lambda: {k: Digest() for k in OUTCOMES})
+    ranges: dict[str, list[list[int]]] = dataclasses.field(default_factory=lambda: {k: [] for k in OUTCOMES})
+    pending: set[int] = dataclasses.field(default_factory=set)
+    done: dict[int, Outcome] = dataclasses.field(default_factory=dict)  # finished, above the frontier
+
+    def fold(self, offset: int, outcome: Outcome) -> None:
+        self.digests[outcome].add(offset)
+        _extend(self.ranges[outcome], offset)
+
+    def advance(self) -> None:
+        while self.frontier < self.next and self.frontier not in self.pending:
+            outcome = self.done.pop(self.frontier, "gap")
+            self.fold(self.frontier, outcome)
+            self.frontier += 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"start": self.start, "end": self.frontier,
+                "digests": {k: d.to_json() for k, d in self.digests.items()},
+                "ranges": {k: [list(r) for r in v] for k, v in self.ranges.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PartitionLedger:
+        end = int(d["end"])
+        p = cls(start=int(d["start"]), frontier=end, next=end)
+        for k in OUTCOMES:
+            if k in (d.get("digests") or {}):
+                p.digests[k] = Digest.from_json(d["digests"][k])
+            p.ranges[k] = [[int(a), int(b)] for a, b in (d.get("ranges") or {}).get(k, [])]
+        return p
+
+
+def tp_key(tp: TopicPartition) -> str:
+    return f"{tp.topic}:{tp.partition}"
+
+
+def parse_tp(key: str) -> TopicPartition:
+    topic, _, part = key.rpartition(":")
+    return TopicPartition(topic, int(part))
 
 
 class OffsetLedger:
     def __init__(self) -> None:
-        self._next: dict[TopicPartition, int] = {}  # one past the highest consumed offset
-        self._pending: dict[TopicPartition, set[int]] = {}
+        self._parts: dict[TopicPartition, PartitionLedger] = {}
         self._committed: dict[TopicPartition, int] = {}
 
-    def consumed(self, tp: TopicPartition, offset: int, pending: bool) -> None:
-        """Note a consumed record; ``pending`` if it still has to be trained."""
-        self._next[tp] = max(self._next.get(tp, 0), offset + 1)
-        if pending:
-            self._pending.setdefault(tp, set()).add(offset)
+    def _part(self, tp: TopicPartition, offset: int) -> PartitionLedger:
+        p = self._parts.get(tp)
+        if p is None:  # first record of a partition this model never saw: its ledger starts here
+            p = self._parts[tp] = PartitionLedger(start=offset, frontier=offset, next=offset)
+            self._committed.setdefault(tp, offset)  # nothing to commit until the frontier moves
+        return p
 
-    def finished(self, tp: TopicPartition, offset: int) -> None:
-        """A pending record was trained (or otherwise disposed of)."""
-        self._pending.get(tp, set()).discard(offset)
+    def consumed(self, tp: TopicPartition, offset: int) -> bool:
+        """Note a consumed record; it is pending until :meth:`finished` gives it an outcome. False (and
+        nothing noted) for an offset that already has an outcome or is pending: a re-delivery to skip."""
+        p = self._part(tp, offset)
+        if offset < p.frontier or offset in p.pending or offset in p.done:
+            return False
+        p.pending.add(offset)
+        p.next = max(p.next, offset + 1)
+        return True
+
+    def finished(self, tp: TopicPartition, offset: int, outcome: Outcome) -> None:
+        """A pending record was trained, dropped as stale or dead-lettered."""
+        p = self._parts.get(tp)
+        if p is None or offset not in p.pending:
+            return  # forgotten by a revoke meanwhile: the next reader gives it its outcome
+        p.pending.discard(offset)
+        p.done[offset] = outcome
+        p.advance()
 
     def committable(self) -> dict[TopicPartition, int]:
         """Offsets to commit now: only partitions that moved past their last commit."""
-        out = {}
-        for tp, nxt in self._next.items():
-            pending = self._pending.get(tp)
-            pos = min(pending) if pending else nxt
-            if pos > self._committed.get(tp, -1):
-                out[tp] = pos
-        return out
+        return {tp: p.frontier for tp, p in self._parts.items() if p.frontier > self._committed.get(tp, -1)}
 
     def mark_committed(self, offsets: dict[TopicPartition, int]) -> None:
         for tp, off in offsets.items():
             self._committed[tp] = max(self._committed.get(tp, -1), off)
 
+    def resume_offset(self, tp: TopicPartition) -> int | None:
+        """Where this model reads ``tp`` from when it is assigned: its frontier (None: never seen)."""
+        p = self._parts.get(tp)
+        return None if p is None else p.frontier
+
     def seeked(self, tp: TopicPartition, offset: int) -> None:
-        """The consumer was moved to ``offset`` (a restore): nothing before it is pending, and the next
-        commit names ``offset`` even when the group's committed offset is further on."""
-        self._next[tp] = offset
-        self._pending.pop(tp, None)
+        """The consumer was moved to ``offset``: the next commit names it even when the group's committed
+        offset is further on. Seeking ahead of the frontier records the skipped offsets as a gap."""
+        p = self._part(tp, offset)
+        p.pending.clear()
+        p.done.clear()
+        p.next = max(p.frontier, offset)
+        p.advance()
         self._committed.pop(tp, None)
 
-    def forget(self, partitions: set[TopicPartition]) -> None:
-        """Partitions were revoked: their unfinished records will go to the new owner."""
+    def forget(self, partitions: Iterable[TopicPartition]) -> None:
+        """Partitions were revoked: their unfinished records go to the next reader; what the model reflects
+        (frontier and digests) stays, for checkpoints and for a later re-assignment."""
         for tp in partitions:
-            self._next.pop(tp, None)
-            self._pending.pop(tp, None)
+            p = self._parts.get(tp)
+            if p is not None:
+                p.pending.clear()
+                p.done.clear()
+                p.next = p.frontier
             self._committed.pop(tp, None)
 
     def snapshot(self) -> dict[str, int]:
-        """Committable positions as ``"topic:partition" -> offset`` (for checkpoints and logs)."""
-        out = {}
-        for tp, nxt in self._next.items():
-            pending = self._pending.get(tp)
-            out[f"{tp.topic}:{tp.partition}"] = min(pending) if pending else nxt
-        return out
+        """Frontiers as ``"topic:partition" -> offset`` (checkpoint offsets, logs)."""
+        return {tp_key(tp): p.frontier for tp, p in self._parts.items()}
+
+    def state(self) -> dict[str, dict[str, Any]]:
+        """The per-partition ledger a checkpoint stores beside the weights."""
+        return {tp_key(tp): p.to_json() for tp, p in self._parts.items()}
+
+    def restore(self, state: dict[str, dict[str, Any]], offsets: dict[str, int]) -> None:
+        """Load a checkpoint's ledger; partitions it names only by offset (older checkpoints) start there."""
+        self._parts.clear()
+        self._committed.clear()
+        for key, d in state.items():
+            self._parts[parse_tp(key)] = PartitionLedger.from_json(d)
+        for key, off in offsets.items():
+            tp = parse_tp(key)
+            if tp not in self._parts:
+                self._parts[tp] = PartitionLedger(start=int(off), frontier=int(off), next=int(off))
+
+    def partitions(self) -> set[TopicPartition]:
+        return set(self._parts)

@@ -83,7 +83,7 @@ def test_trainer_killed_and_restarted_loses_nothing(make_stack: Any, run_name: s
 
     # Seen twice: only records at or after where run 2 resumed: the offsets of the checkpoint it restored
     # (records after them are in no checkpointed model, so they are trained again), else the committed ones.
-    resumed = {e["partition"]: e["offset"] for e in events[run1_len:] if e["event"] == "resumed_from_checkpoint_offset"}
+    resumed = {e["partition"]: e["offset"] for e in events[run1_len:] if e["event"] == "resumed_from_ledger_offset"}
     twice = {(e["partition"], e["offset"]) for e in first} & {(e["partition"], e["offset"]) for e in second}
     for p, off in twice:
         assert off >= min(resumed.get(p, committed_at_kill.get(p, 0)), committed_at_kill.get(p, 0)), \

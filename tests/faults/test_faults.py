@@ -131,7 +131,7 @@ def _kill_trainer_at_random_points(env: FaultEnv, kills: int) -> None:
     for run in runs[-kills:]:
         events = [e.get("event") for e in run]
         assert "checkpoint_restored" in events, "a restarted trainer did not restore its checkpoint (silent reset)"
-        assert "resumed_from_checkpoint_offset" in events, "a restarted trainer did not seek to its checkpoint"
+        assert "resumed_from_ledger_offset" in events, "a restarted trainer did not seek to its checkpoint"
     env.check_accounting(f"trainer kill -9 at {kills} random points", round(worst, 1),
                          "restarted by the supervisor; resumes from the checkpoint's offsets")
 

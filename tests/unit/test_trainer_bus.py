@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,7 @@ async def test_trains_then_commits_only_what_was_trained(tmp_path: Path) -> None
     put(mem, TP1, 3)
     await run_until(t, lambda: trained(t) == 6 and mem.committed.get(TP0) == 3 and mem.committed.get(TP1) == 3)
     # A fresh run checkpoints before its first commit: nothing counts as consumed without being in a checkpoint.
-    marker = t.checkpoints.read_marker()
+    marker = t.checkpoints.store.read_marker()
     assert marker is not None and marker[0].version >= 1
 
 
@@ -148,23 +149,29 @@ async def test_revoke_while_an_update_runs_commits_that_update_first(tmp_path: P
     assert trained(t) == 2
 
 
-async def test_redelivered_records_are_not_trained_twice(tmp_path: Path) -> None:
+async def test_a_reassigned_partition_is_read_from_the_models_frontier(tmp_path: Path) -> None:
     t, mem = make(tmp_path)
     put(mem, TP0, 2)
     source: Any = t.source
-    # Every commit fails (e.g. a coordinator that keeps moving): after a revoke and a re-assignment the
-    # same records come again from the last committed offset.
+    # Every commit fails (e.g. a coordinator that keeps moving): the group's offset stays at 0. After a revoke
+    # and a re-assignment the member reads from where its model's ledger ends, not from the group's offset,
+    # so nothing it trained comes again (before the ledger kept revoked partitions, both came back and were
+    # dead-lettered as duplicates).
     mem.commit_errors.extend(CommitFailedError("rebalanced") for _ in range(1000))
+    reassigned: list[bool] = []
 
     async def driver() -> None:
         while trained(t) < 2:
             await asyncio.sleep(0.01)
         await source.rebalance(set())
         await source.rebalance({TP0, TP1})
+        reassigned.append(True)
+        put(mem, TP0, 2)
 
     drive = asyncio.create_task(driver())
-    await run_until(t, lambda: drive.done() and dlq_reasons(mem).count("duplicate") == 2)
-    assert trained(t) == 2
+    await run_until(t, lambda: drive.done() and trained(t) == 4)
+    assert reassigned and trained(t) == 4 and dlq_reasons(mem) == []
+    assert t.group.ledger.state()[f"{T.samples}:0"]["digests"]["trained"]["count"] == 4
 
 
 async def test_a_stall_is_reported_and_the_candidate_resent(tmp_path: Path) -> None:
@@ -185,7 +192,7 @@ async def test_a_stall_is_reported_and_the_candidate_resent(tmp_path: Path) -> N
             rec = VersionRecord(version=20, blob="b", sha256="0" * 64, size=1, trainer_step=20)
             mem.append(T.policy, PolicyMessage.of("announce", rec).to_bytes(), key=KEY_ANNOUNCE)
             feeder = asyncio.get_event_loop().create_task(feed_stale())
-        return t.health()["stalled"] is not None and t.candidates_resent >= 1
+        return t.health()["stalled"] is not None and t.publication.resent >= 1
 
     try:
         await run_until(t, stalled_and_resent)
@@ -193,7 +200,7 @@ async def test_a_stall_is_reported_and_the_candidate_resent(tmp_path: Path) -> N
         if feeder is not None:
             feeder.cancel()
     assert "dropped as stale" in t.health()["stalled"]
-    assert trained(t) == 0 and t.dropped > 0
+    assert trained(t) == 0 and t.stats.dropped > 0
 
 
 @pytest.mark.parametrize("error", [CommitFailedError("moved")])
@@ -208,7 +215,7 @@ async def test_staleness_is_reported_per_sampler(tmp_path: Path) -> None:
     t, mem = make(tmp_path, max_staleness=1)
     put(mem, TP0, 4)
     await run_until(t, lambda: trained(t) == 4)
-    report = t._lag_report()
+    report = t.stats.lags.report(time.monotonic())
     # Two updates of 2 fragments, all made by version 0: the second batch is one version old.
     assert report["s0"]["max"] == 1 and report["s0"]["dropped"] == 0 and report["s0"]["dropped_fraction"] == 0
     assert report["s0"]["mean"] == 0.5
@@ -220,8 +227,8 @@ async def test_a_restore_rewinds_the_group_before_anything_is_consumed(tmp_path:
     t, mem = make(tmp_path, batch_fragments=100, batch_timeout_s=30)
     put(mem, TP0, 6)
     mem.committed[TP0] = 6
-    t._resume = {f"{T.samples}:0": 2}
-    t._last_checkpoint = 0  # as after a restore
+    t.group.restore({}, {f"{T.samples}:0": 2})  # as after a restore
+    t.checkpoints.last = 0
     source: Any = t.source
 
     async def driver() -> None:
@@ -236,8 +243,7 @@ async def test_a_restore_rewinds_the_group_before_anything_is_consumed(tmp_path:
 
 async def test_an_oversize_record_is_dead_lettered_as_headers(tmp_path: Path) -> None:
     t, mem = make(tmp_path)
-    t.settings = t.settings.model_copy(update={"kafka": t.settings.kafka.model_copy(
-        update={"max_message_bytes": 65536})})
+    t.group.max_message_bytes = 65536
     t.spec = dataclasses.replace(t.spec, max_bytes=65536)
     headers, _ = fragment()
     mem.append(T.samples, b"\x00" * 70_000, headers=headers, partition=0)
@@ -266,7 +272,7 @@ async def test_grants_credits_for_what_it_consumed_and_reports_lag_per_sampler(t
     await run_until(t, lambda: trained(t) == 4 and any(g.consumed.get("s0/inc1") == 4 for g in grants()))
     g = grants()[-1]
     assert g.consumed == {"s0/inc1": 4} and g.window == 6 and g.live_samplers == 1  # one live sampler: all of it
-    report = t._lag_report()["s0"]
+    report = t.stats.lags.report(time.monotonic())["s0"]
     assert report["max"] in (0, 1) and report["dropped"] == 0  # the second batch trains on version 0 from 1
     assert REGISTRY.get_sample_value("flywheel_trainer_sampler_staleness_versions",
                                      {"sampler": "s0", "stat": "max"}) == report["max"]
@@ -296,7 +302,7 @@ async def test_a_deferred_publish_is_retried_while_the_trainer_waits_for_publica
             rec = VersionRecord(version=0, blob="b", sha256="0" * 64, size=1, trainer_step=0)
             mem.append(T.policy, PolicyMessage.of("announce", rec).to_bytes(), key=KEY_ANNOUNCE)
             put(mem, TP0, 12, version=0)
-        return fed and t.intake.published == 0 and t.learner.counters.policy_version == 2 and t._deferred is not None
+        return fed and t.intake.published == 0 and t.learner.counters.policy_version == 2 and t.publication.deferred is not None
 
     stop = asyncio.Event()
     await t.start()
@@ -306,16 +312,16 @@ async def test_a_deferred_publish_is_retried_while_the_trainer_waits_for_publica
             while not waiting():
                 assert not task.done()
                 await asyncio.sleep(0.01)
-            assert t._candidate is None or t._candidate[0].version < 2  # version 2 was never sent
+            assert t.publication.candidate is None or t.publication.candidate[0].version < 2  # version 2 was never sent
             store_down = False
-            while t._candidate is None or t._candidate[0].version < 2:  # retried without a new update
+            while t.publication.candidate is None or t.publication.candidate[0].version < 2:  # retried without a new update
                 assert not task.done()
                 await asyncio.sleep(0.01)
     finally:
         stop.set()
         await task
         await t.stop()
-    assert t.learner.counters.policy_version == 2 and t._deferred is None
+    assert t.learner.counters.policy_version == 2 and t.publication.deferred is None
     sent = [PolicyMessage.model_validate_json(r.value or b"").version for r in mem.records(T.policy)
             if r.key == KEY_CANDIDATE]
     assert 2 in sent

@@ -8,8 +8,10 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaConnectionError, RequestTimedOutError, TopicAuthorizationFailedError
 
-from services.trainer.service import Trainer
-from shared.settings import Settings, StoreSettings
+from services.trainer.group import ConsumerGroup
+from shared.bus import MemoryBus
+from shared.logging import get_logger
+from shared.retry import Health, Retrier
 
 TP = TopicPartition("r.samples", 0)
 
@@ -29,29 +31,31 @@ class CommitTwin:
         self.committed.append(dict(offsets))
 
 
-def _trainer(tmp_path: Path, twin: Any) -> Trainer:
-    t = Trainer(Settings(run="r", store=StoreSettings(backend="local", local_root=tmp_path)))
-    t.source = twin
+def _trainer(tmp_path: Path, twin: Any) -> ConsumerGroup:
+    health = Health("trainer")
+    g = ConsumerGroup(twin, MemoryBus().bus().publisher, samples_topic="r.samples", dlq_topic="r.samples.dlq",
+                      max_message_bytes=1 << 20, kafka_timeout_s=5.0, health=health,
+                      retry=Retrier(health, get_logger()), log=get_logger())
     for offset in range(3):
-        t.ledger.consumed(TP, offset, pending=True)
-        t.ledger.finished(TP, offset)
-    return t
+        assert g.consumed(TP, offset)
+        g.finished(TP, offset, "trained")
+    return g
 
 
 @pytest.mark.parametrize("error", [RequestTimedOutError(), KafkaConnectionError(), CommitFailedError("rebalanced")])
 async def test_a_retriable_commit_failure_is_retried_by_the_next_commit(tmp_path: Path, error: Exception) -> None:
     twin = CommitTwin([error])
     t = _trainer(tmp_path, twin)
-    await t._commit()  # fails, logged, nothing marked committed
+    await t.commit()  # fails, logged, nothing marked committed
     assert twin.committed == [] and t.ledger.committable() == {TP: 3}
-    await t._commit()  # the next commit carries the same offsets
+    await t.commit()  # the next commit carries the same offsets
     assert twin.committed == [{TP: 3}] and t.ledger.committable() == {}
 
 
 async def test_a_fatal_commit_error_stops_the_trainer(tmp_path: Path) -> None:
     t = _trainer(tmp_path, CommitTwin([TopicAuthorizationFailedError()]))
     with pytest.raises(TopicAuthorizationFailedError):
-        await t._commit()
+        await t.commit()
     assert t.ledger.committable() == {TP: 3}
 
 
@@ -61,6 +65,7 @@ async def test_commits_name_only_owned_partitions(tmp_path: Path) -> None:
     other = TopicPartition("r.samples", 1)
     twin = CommitTwin([], owned={TP})
     t = _trainer(tmp_path, twin)
-    t.ledger.consumed(other, 7, pending=False)
-    await t._commit()
+    t.consumed(other, 7)
+    t.finished(other, 7, "dead")
+    await t.commit()
     assert twin.committed == [{TP: 3}]

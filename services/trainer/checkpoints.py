@@ -1,0 +1,129 @@
+"""Checkpoints: the model, its optimizer and the ledger of what it reflects, behind ``checkpoints/LATEST``.
+
+A checkpoint is one content-addressed blob (weights, optimizer, counters, offsets and the per-partition
+ledger, written by ``Learner.state_bytes``) and a marker record naming it, whose ``extra`` repeats the
+offsets and ledger for readers without torch (``flywheel verify``) plus the lineage, abandoned versions
+and the fresh-start stamp. The marker moves by a conditional write; a retried PUT that had in fact
+succeeded is recognised by its sha256.
+
+Restore: the newest usable checkpoint, falling back to older ones (each refusal audited); never from
+scratch while checkpoints exist, unless ``trainer.fresh_start``, which is honoured once: the checkpoints
+it writes carry its stamp, so a setting left on does not wipe the run again at every restart.
+
+Explicit inputs only; it never calls back into the trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import time
+from typing import Any
+
+from services.trainer.telemetry import CHECKPOINTS, Auditor
+from shared.marker import BadPayload, MarkerConflict, VersionedStore, VersionRecord
+from shared.retry import Health, Retrier, describe
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What a restore found: the checkpoint's record and what the model reflects."""
+
+    step: int
+    offsets: dict[str, int]
+    ledger: dict[str, Any]
+    lineage: int
+    abandoned: list[tuple[int, int]]
+    fresh_start_at: float | None
+
+
+class Checkpoints:
+    def __init__(self, store: VersionedStore, *, keep: int, health: Health, retry: Retrier, audit: Auditor,
+                 log: Any) -> None:
+        self.store = store
+        self.keep = keep
+        self.health = health
+        self.retry = retry
+        self.audit = audit
+        self.log = log
+        self.last: int | None = None  # the step of the newest checkpoint written or restored
+        self.fresh_start_at: float | None = None  # carried by every checkpoint after a deliberate fresh start
+
+    async def write(self, step: int, data: bytes, extra: dict[str, Any]) -> str:
+        """Store ``data`` (``Learner.state_bytes``) as the checkpoint of ``step`` and move the marker."""
+        extra = dict(extra)
+        if self.fresh_start_at is not None:
+            extra["fresh_start_at"] = self.fresh_start_at
+
+        def write() -> str:
+            current = self.store.read_marker()
+            # Content-addressed under the step: a key never holds two different contents, so a blob left by a
+            # crash before its marker write can never be mistaken for a later checkpoint.
+            sha = hashlib.sha256(data).hexdigest()
+            key, _ = self.store.put_blob(data, f"{self.store.prefix}/{step}/{sha}.pt")
+            rec = VersionRecord(version=step, blob=key, sha256=sha, size=len(data), trainer_step=step, extra=extra)
+            try:
+                self.store.publish(rec, None if current is None else current[1])
+            except MarkerConflict:
+                # A retried conditional PUT that had in fact succeeded answers 412: the marker is ours then.
+                now = self.store.read_marker()
+                if now is None or now[0].sha256 != sha:
+                    raise
+            return key
+
+        key = await asyncio.to_thread(write)
+        self.last = step
+        CHECKPOINTS.inc()
+        try:
+            pruned = await asyncio.to_thread(self.store.prune, self.keep)
+        except Exception as exc:  # pruning is housekeeping: retried with the next checkpoint
+            pruned = []
+            self.log.warning("checkpoint_prune_failed", error=describe(exc))
+        self.health.recovered("store")
+        self.log.info("checkpoint_written", update=step, policy_version=extra.get("policy_version"), key=key,
+                      offsets=extra.get("offsets"), pruned=pruned or None)
+        return key
+
+    async def restore(self, load: Any, fresh_start: bool) -> Restored | None:
+        """Load the newest usable checkpoint with ``load`` (``Learner.restore``, which raises to refuse one).
+
+        None: start from scratch (nothing was ever checkpointed here, or a deliberate fresh start)."""
+        try:
+            found = await self.retry(lambda: asyncio.to_thread(self.store.load_latest_good, load),
+                                     "read checkpoint", "store")
+        except BadPayload as exc:
+            if not fresh_start:
+                raise RuntimeError(f"no usable checkpoint ({exc}); refusing to start from scratch over an existing "
+                                   "run: set trainer.fresh_start=true to do so deliberately") from None
+            self.log.error("checkpoints_unusable_fresh_start", reason=str(exc)[:500])
+            self._fresh()
+            return None
+        if found is None:
+            if fresh_start:
+                self._fresh()
+            return None
+        record, _data, refused = found
+        stamp = record.extra.get("fresh_start_at")
+        if fresh_start and stamp is None:
+            self.log.warning("fresh_start_ignoring_checkpoint", update=record.version)
+            self._fresh()
+            return None
+        if fresh_start:
+            self.log.warning("fresh_start_already_done", update=record.version, fresh_start_at=stamp,
+                             hint="this run started fresh once; it resumes now. Unset trainer.fresh_start")
+        self.fresh_start_at = None if stamp is None else float(stamp)
+        self.last = record.version
+        offsets = {str(k): int(v) for k, v in dict(record.extra.get("offsets") or {}).items()}
+        if refused:
+            await self.audit("checkpoint_fallback", {"restored": record.version, "refused": refused[:3]},
+                             "restored an older checkpoint")
+        self.log.info("checkpoint_restored", update=record.version, fell_back=bool(refused), checkpoint_offsets=offsets)
+        return Restored(step=record.version, offsets=offsets, ledger=dict(record.extra.get("ledger") or {}),
+                        lineage=int(record.extra.get("lineage") or 0),
+                        abandoned=[(int(lo), int(hi)) for lo, hi in record.extra.get("abandoned") or []],
+                        fresh_start_at=self.fresh_start_at)
+
+    def _fresh(self) -> None:
+        self.fresh_start_at = time.time()
+        self.log.warning("fresh_start", fresh_start_at=self.fresh_start_at)

@@ -1,0 +1,179 @@
+"""The trainer's side of the consumer group: which partitions it owns, what each record's outcome is
+(the :class:`~services.trainer.ledger.OffsetLedger`), committing, dead-lettering, and where a partition
+is read from when it is assigned.
+
+Explicit inputs only (a record source, a publisher, settings, a health object): it never calls back
+into the trainer. The trainer serialises it with the update: the revoke path
+(:meth:`ConsumerGroup.revoked`) runs under the trainer's update lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from aiokafka import TopicPartition
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError, RebalanceInProgressError
+
+from services.trainer.ledger import OffsetLedger, Outcome, tp_key
+from services.trainer.telemetry import COMMIT_FAILURES
+from shared.bus import Publisher, Record, RecordSource
+from shared.fragment import header_dict
+from shared.retry import Health, Retrier, describe
+
+DLQ_HEADER_BUDGET = 16_384
+"""Bytes of the original record's headers a dead-letter copy keeps (the rest are summarised), so the copy
+always fits the topic's message limit."""
+
+
+class ConsumerGroup:
+    def __init__(self, source: RecordSource, producer: Publisher, *, samples_topic: str, dlq_topic: str,
+                 max_message_bytes: int, kafka_timeout_s: float, health: Health, retry: Retrier, log: Any) -> None:
+        self.source = source
+        self.producer = producer
+        self.samples_topic = samples_topic
+        self.dlq_topic = dlq_topic
+        self.max_message_bytes = max_message_bytes
+        self.kafka_timeout_s = kafka_timeout_s
+        self.health = health
+        self.retry = retry
+        self.log = log
+        self.ledger = OffsetLedger()
+        # Partitions being revoked: aiokafka's assignment() still lists them until the rejoin completes,
+        # so this set (filled first thing in the revoke callback) is what says "no longer ours".
+        self.revoking: set[TopicPartition] = set()
+        self.hold_commits = False  # a fresh run commits nothing until its first checkpoint holds what it trained
+        self._commit_lock = asyncio.Lock()
+
+    # ---- ownership ------------------------------------------------------------------------
+    def owned(self, tp: TopicPartition) -> bool:
+        return tp not in self.revoking and tp in self.source.assignment()
+
+    def assigned(self, partitions: set[TopicPartition]) -> None:
+        """Read every assigned partition from where this model's ledger ends (the checkpoint's offsets
+        after a restore, the frontier after a revoke): records after it are in no model of this run, so
+        they are trained (again) exactly once. Partitions the model never saw start at the group's offset."""
+        self.revoking -= partitions
+        for tp in sorted(partitions, key=lambda t: (t.topic, t.partition)):
+            off = self.ledger.resume_offset(tp)
+            if off is not None:
+                self.source.seek(tp, off)
+                # The next commit moves the group here too: a rebalance before this partition's first record
+                # must not hand the next owner the (later) offsets a crashed run committed.
+                self.ledger.seeked(tp, off)
+                self.log.info("resumed_from_ledger_offset", partition=tp.partition, offset=off)
+
+    def forget(self, partitions: set[TopicPartition]) -> None:
+        self.ledger.forget(partitions)
+
+    # ---- outcomes -------------------------------------------------------------------------
+    def consumed(self, tp: TopicPartition, offset: int) -> bool:
+        """False for a re-delivered record that already has an outcome in this model (skip it)."""
+        return self.ledger.consumed(tp, offset)
+
+    def finished(self, tp: TopicPartition, offset: int, outcome: Outcome) -> None:
+        self.ledger.finished(tp, offset, outcome)
+
+    async def dead_letter(self, tp: TopicPartition, rec: Record, reason: str, error: str) -> bool:
+        """Copy ``rec`` to the dead-letter topic with the reason, then mark it finished. Only once the topic
+        has it is the record done (until then it is not committed). False if the partition was revoked
+        meanwhile (the next owner handles it again)."""
+        headers, value = dead_letter_copy(tp, rec, reason, error, self.max_message_bytes)
+        await self.retry(lambda: self.producer.send_and_wait(self.dlq_topic, value, key=rec.key, headers=headers),
+                         "dead-letter send", "kafka", timeout_s=self.kafka_timeout_s)
+        if not self.owned(tp):
+            return False
+        self.ledger.finished(tp, rec.offset, "dead")
+        return True
+
+    # ---- commits --------------------------------------------------------------------------
+    async def commit(self, include: set[TopicPartition] | None = None) -> None:
+        """Commit every frontier that moved, on partitions this member owns. A retriable failure (coordinator
+        moved, timeout, connection) or a rebalance in progress is logged and left for the next commit, which
+        carries the same offsets (commits are cumulative): not committing only means re-delivery after a
+        crash, never loss. Restarts resume from the checkpoint's offsets anyway."""
+        if self.hold_commits:
+            return
+        async with self._commit_lock:  # in order: a later commit never lands before an earlier one
+            owned = {tp for tp in self.source.assignment() if tp not in self.revoking} | (include or set())
+            offsets = {tp: off for tp, off in self.ledger.committable().items() if tp in owned}
+            if not offsets:
+                return
+            try:
+                # aiokafka retries retriable errors itself, without end: bound the wait, so an unreachable
+                # coordinator delays commits (logged, counted) instead of stalling updates and stop.
+                await asyncio.wait_for(self.source.commit(offsets), self.kafka_timeout_s)
+            except (KafkaError, TimeoutError) as exc:
+                # IllegalStateError: the assignment changed between the snapshot above and the commit.
+                retriable = isinstance(exc, (TimeoutError, CommitFailedError, RebalanceInProgressError,
+                                             IllegalStateError)) or bool(getattr(exc, "retriable", False))
+                if not retriable:
+                    raise
+                COMMIT_FAILURES.inc()
+                self.health.degraded("kafka", f"commit failed: {describe(exc)}")
+                self.log.warning("commit_failed", error=describe(exc),
+                                 offsets={f"{tp.partition}": o for tp, o in offsets.items()})
+                return
+            self.ledger.mark_committed(offsets)
+            self.health.recovered("kafka")
+        self.log.debug("offsets_committed", offsets={f"{tp.partition}": o for tp, o in offsets.items()})
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    async def checkpoint_state(self) -> tuple[dict[str, int], dict[str, Any]]:
+        """What the model reflects: every partition it ever read (revoked ones included: the model still
+        holds their records) at its frontier, plus assigned partitions it has not read yet at the consumer's
+        position. Raises TimeoutError (the checkpoint is deferred) rather than forget a partition."""
+        offsets = self.ledger.snapshot()
+        for tp in self.source.assignment():
+            if tp_key(tp) not in offsets:
+                offsets[tp_key(tp)] = await asyncio.wait_for(self.source.position(tp), 5)
+        return offsets, self.ledger.state()
+
+    def restore(self, ledger_state: dict[str, Any], offsets: dict[str, int]) -> None:
+        self.ledger.restore(ledger_state, offsets)
+
+
+def dead_letter_copy(tp: TopicPartition, rec: Record, reason: str, error: str,
+                     max_message_bytes: int) -> tuple[list[tuple[str, bytes]], bytes]:
+    """The dead-letter record for ``rec``: its headers (cut to a budget) plus ``dlq-*`` ones, and its value
+    unless the copy would exceed the topic's message limit (then the payload stays on the samples topic,
+    named by ``dlq-source``): a dead-letter send must never fail for size, or the record comes back after
+    every restart."""
+    original = list(rec.headers or [])
+    kept: list[tuple[str, bytes]] = []
+    used = 0
+    for k, v in original:
+        size = len(k) + len(v) + 16
+        if used + size > DLQ_HEADER_BUDGET:
+            break
+        kept.append((k, v))
+        used += size
+    headers = kept + [
+        ("dlq-reason", reason.encode()),
+        ("dlq-error", error[:1000].encode("utf-8", "replace")),
+        ("dlq-source", f"{tp.topic}:{tp.partition}:{rec.offset}".encode()),
+        ("dlq-at", repr(time.time()).encode()),
+    ]
+    if len(kept) < len(original):
+        dropped = len(original) - len(kept)
+        headers.append(("dlq-headers-truncated", f"{dropped} of {len(original)} headers not copied".encode()))
+    value = rec.value
+    overhead = sum(len(k) + len(v) + 16 for k, v in headers) + len(rec.key or b"") + 512
+    if value is not None and len(value) + overhead > max_message_bytes:
+        headers.append(("dlq-truncated", f"payload of {len(value)} bytes not copied".encode()))
+        value = b""  # not None: a record needs a key or a value
+    return headers, value if value is not None else b""
+
+
+def source_of(rec: Record) -> tuple[str, int, int] | None:
+    """``(topic, partition, offset)`` a dead-letter copy names, or None."""
+    raw = header_dict(rec.headers).get("dlq-source")
+    if not raw:
+        return None
+    topic, _, rest = raw.rpartition(":")
+    topic, _, part = topic.rpartition(":")
+    try:
+        return topic, int(part), int(rest)
+    except ValueError:
+        return None

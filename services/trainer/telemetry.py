@@ -1,0 +1,158 @@
+"""What the trainer tells the world: Prometheus metrics, per-sampler lag, heartbeats, audit records.
+
+Pure bookkeeping with explicit inputs: nothing here reads Kafka or steers training. The heartbeat is
+built from a :class:`TrainerStats` and the parts' own state, and sent by the service's heartbeat task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections import deque
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from shared.retry import describe
+from shared.runtime import AuditLog
+from shared.service import RateMeter, percentile
+
+CONSUMED = Counter("flywheel_trainer_fragments_consumed_total", "Records pulled from the samples topic")
+TRAINED = Counter("flywheel_trainer_fragments_trained_total", "Fragments used in an update")
+STEPS_TRAINED = Counter("flywheel_trainer_env_steps_trained_total", "Env steps used in updates")
+DROPPED = Counter("flywheel_trainer_fragments_dropped_stale_total", "Fragments older than max_staleness")
+DEAD = Counter("flywheel_trainer_fragments_dead_lettered_total", "Invalid records sent to the DLQ", ["reason"])
+UPDATES = Counter("flywheel_trainer_updates_total", "Optimizer updates")
+SAMPLE_PASSES = Counter("flywheel_trainer_sample_passes_total",
+                        "Samples through a gradient step (sgd steps x minibatch size): the update work done")
+BUSY = Counter("flywheel_trainer_busy_seconds_total", "Seconds spent in updates")
+UPDATE_SECONDS = Histogram("flywheel_trainer_update_seconds", "Duration of one update",
+                           buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+STALENESS = Histogram("flywheel_trainer_fragment_staleness_versions", "Policy lag of trained fragments, at batch time",
+                      buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32))
+VERSION = Gauge("flywheel_trainer_policy_version", "Latest policy version the trainer sent")
+RETURN_MEAN = Gauge("flywheel_trainer_episode_return_mean", "Mean return of the recent episodes")
+COMMIT_FAILURES = Counter("flywheel_trainer_commit_failures_total",
+                          "Offset commits that failed retriably (retried with the next commit)")
+CHECKPOINTS = Counter("flywheel_trainer_checkpoints_total", "Checkpoints written")
+NONFINITE = Counter("flywheel_trainer_nonfinite_steps_skipped_total",
+                    "Gradient steps refused because the loss or gradient was not finite")
+STALLED = Gauge("flywheel_trainer_stalled", "1 while records arrive but no update happens (see /status for why)")
+RECOVERIES = Counter("flywheel_trainer_recovery_actions_total", "Automatic recovery actions", ["action"])
+DEFERRED = Counter("flywheel_trainer_deferred_total", "Publishes or checkpoints deferred by a transient fault",
+                   ["what"])
+LEARNING_RATE = Gauge("flywheel_trainer_learning_rate",
+                      "Learning rate of the last update (schedule and runtime settings)")
+PUBLICATION_WAITS = Counter("flywheel_trainer_publication_waits_total",
+                            "Loop passes that held a batch because the trainer was max_staleness versions ahead "
+                            "of the published policy")
+SAMPLER_LAG = Gauge("flywheel_trainer_sampler_staleness_versions",
+                    "Per sampler: lag at training time of its last 200 trained fragments", ["sampler", "stat"])
+SAMPLER_DROPPED = Gauge("flywheel_trainer_sampler_dropped_fraction",
+                        "Per sampler: its fragments dropped as stale / (trained + dropped)", ["sampler"])
+GRANTS = Counter("flywheel_trainer_credit_grants_total", "Flow-control grants sent to the samplers")
+CREDIT_WINDOW = Gauge("flywheel_trainer_credit_window", "Fragments each live sampler may have in flight")
+AUTO_ROLLBACKS = Counter("flywheel_trainer_auto_rollbacks_total",
+                         "Rollbacks the guard made by itself after a collapse", ["reason"])
+GUARD_EXHAUSTED = Gauge("flywheel_trainer_guard_exhausted",
+                        "1 while the rollback guard has used up its rollbacks for the hour (a human is needed)")
+
+SAMPLER_LAG_FORGET_S = 600.0
+
+
+@dataclasses.dataclass
+class SamplerLag:
+    trained: deque[int] = dataclasses.field(default_factory=lambda: deque(maxlen=200))
+    trained_count: int = 0
+    dropped: int = 0
+    seen: float = 0.0
+
+
+class SamplerLags:
+    """Per sampler: staleness of its last trained fragments and its dropped fraction; samplers silent for
+    ``forget_s`` are forgotten with their metric series (restarts add ids)."""
+
+    def __init__(self, forget_s: float = SAMPLER_LAG_FORGET_S) -> None:
+        self.forget_s = forget_s
+        self.by_sampler: dict[str, SamplerLag] = {}
+
+    def of(self, sampler_id: str, now: float) -> SamplerLag:
+        lag = self.by_sampler.get(sampler_id)
+        if lag is None:
+            lag = self.by_sampler[sampler_id] = SamplerLag()
+        lag.seen = now
+        return lag
+
+    def trained(self, sampler_id: str, staleness: int, now: float) -> None:
+        lag = self.of(sampler_id, now)
+        lag.trained.append(staleness)
+        lag.trained_count += 1
+
+    def dropped(self, sampler_id: str, now: float) -> None:
+        self.of(sampler_id, now).dropped += 1
+
+    def report(self, now: float) -> dict[str, dict[str, Any]]:
+        for sid in [sid for sid, lag in self.by_sampler.items() if now - lag.seen > self.forget_s]:
+            del self.by_sampler[sid]
+            for stat in ("mean", "p95", "max"):
+                with contextlib.suppress(KeyError):
+                    SAMPLER_LAG.remove(sid, stat)
+            with contextlib.suppress(KeyError):
+                SAMPLER_DROPPED.remove(sid)
+        out = {}
+        for sid, lag in sorted(self.by_sampler.items()):
+            st = list(lag.trained)
+            total = lag.dropped + lag.trained_count
+            out[sid] = {"mean": round(sum(st) / len(st), 3) if st else None,
+                        "p95": percentile(st, 0.95) if st else None, "max": max(st) if st else None,
+                        "dropped": lag.dropped,
+                        "dropped_fraction": round(lag.dropped / total, 4) if total else None}
+            if st:
+                SAMPLER_LAG.labels(sid, "mean").set(sum(st) / len(st))
+                SAMPLER_LAG.labels(sid, "p95").set(percentile(st, 0.95) or 0.0)
+                SAMPLER_LAG.labels(sid, "max").set(max(st))
+            if total:
+                SAMPLER_DROPPED.labels(sid).set(lag.dropped / total)
+        return out
+
+
+@dataclasses.dataclass
+class TrainerStats:
+    """This process's counts (the checkpointed ones live in ``LearnerCounters``)."""
+
+    started_at: float = dataclasses.field(default_factory=time.time)
+    staleness: deque[int] = dataclasses.field(default_factory=lambda: deque(maxlen=1000))
+    lags: SamplerLags = dataclasses.field(default_factory=SamplerLags)
+    rate: RateMeter = dataclasses.field(default_factory=RateMeter)
+    dropped: int = 0
+    trained_run: int = 0  # fragments trained by this process (the dropped fraction's denominator)
+    dead_lettered: int = 0
+    nonfinite_skipped: int = 0
+    last_update_at: float | None = None
+    config_revision: int = 0
+
+    def staleness_summary(self) -> dict[str, Any]:
+        st = list(self.staleness)
+        return {"staleness_mean": sum(st) / len(st) if st else None, "staleness_max": max(st) if st else None,
+                "staleness_p95": percentile(st, 0.95) if st else None}
+
+    def dropped_fraction(self) -> float | None:
+        total = self.dropped + self.trained_run
+        return round(self.dropped / total, 4) if total else None
+
+
+class Auditor:
+    """Automatic actions into the run's audit trail, best effort: an audit write never stops training."""
+
+    def __init__(self, audit: AuditLog, log: Any, actor: str = "trainer") -> None:
+        self.audit = audit
+        self.log = log
+        self.actor = actor
+
+    async def __call__(self, action: str, params: dict[str, Any], outcome: str) -> None:
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.audit.append, self.actor, action, params, outcome), 10)
+        except Exception as exc:
+            self.log.warning("audit_write_failed", action=action, error=describe(exc))
