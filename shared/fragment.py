@@ -4,6 +4,12 @@ A fragment is ``T`` steps of ``N`` vectorised envs made by one sampler with one 
 :func:`encode_fragment` turns it into ``(headers, payload)``; :func:`decode_fragment` validates a
 record and raises one typed error, :class:`FragmentError`, whose ``reason`` is a short code (it
 goes into the dead-letter header) and whose message names what is wrong.
+
+Reason codes: ``ambiguous_header`` (a required header twice, or another Flywheel header twice with
+different values), ``missing_header``, ``unknown_schema``, ``bad_header`` (a header value out of its
+format: policy-version, created-at, a sample id that is not 1-64 ASCII letters and digits),
+``env_mismatch``, ``oversize``, ``undecodable``, ``missing_tensor``, ``bad_shape``, ``bad_dtype``,
+``non_finite``, ``out_of_range``, ``bad_value``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from shared.credits import H_SAMPLER_SEQ
+
 SCHEMA_VERSION = "2"
 """2: the action space is part of the schema (continuous actions are float32 ``[T, N, *A]``). Schema 1
 fragments (discrete only) come from samplers older than the trainer that reads them."""
@@ -31,6 +39,13 @@ H_ENV_ID = "env-id"
 H_CREATED_AT = "created-at"
 H_CONTENT_TYPE = "content-type"
 REQUIRED_HEADERS = (H_SCHEMA, H_SAMPLE_ID, H_SAMPLER_ID, H_POLICY_VERSION, H_ENV_ID, H_CREATED_AT)
+FLYWHEEL_HEADERS = frozenset((*REQUIRED_HEADERS, H_CONTENT_TYPE, H_SAMPLER_SEQ))
+"""Headers whose meaning Flywheel defines: one value each (a required one may appear only once; another
+may repeat only with the same value). Headers of other names are ignored."""
+MAX_SAMPLE_ID_BYTES = 64
+"""Longest sample id accepted. Sample ids are ASCII letters and digits (samplers write 32 hex digits):
+within what ``GET /trace/{sample_id}`` accepts (alphanumeric, at most 64), so every fragment can be traced."""
+_SAMPLE_ID_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
 Headers = list[tuple[str, bytes]]
 
@@ -134,8 +149,38 @@ def encode_fragment(frag: Fragment) -> tuple[Headers, bytes]:
 
 
 def header_dict(headers: Headers | None) -> dict[str, str]:
-    """Headers as text; undecodable values become a replacement-marked string."""
+    """Headers as text; undecodable values become a replacement-marked string. A repeated name keeps its
+    last value: for logging only; :func:`decode_fragment` refuses records whose identity is ambiguous."""
     return {k: v.decode("utf-8", "replace") if v is not None else "" for k, v in (headers or [])}
+
+
+def check_unambiguous(headers: Headers | None) -> None:
+    """Raise ``FragmentError("ambiguous_header")`` naming the header if a required header appears more
+    than once (even with the same value: which copy is the identity must never depend on the reader), or
+    another Flywheel header appears more than once with different values."""
+    first: dict[str, bytes | None] = {}
+    for name, value in headers or []:
+        if name not in FLYWHEEL_HEADERS:
+            continue
+        if name in first and (name in REQUIRED_HEADERS or first[name] != value):
+            raise FragmentError("ambiguous_header", f"header {name!r} appears more than once "
+                                f"({_short(first[name])} and {_short(value)}); a fragment has one identity")
+        first.setdefault(name, value)
+
+
+def _short(value: bytes | None, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_sample_id(sample_id: str) -> None:
+    """Raise ``FragmentError("bad_header")`` unless ``sample_id`` is 1 to :data:`MAX_SAMPLE_ID_BYTES` ASCII
+    letters and digits."""
+    if len(sample_id.encode("utf-8", "replace")) > MAX_SAMPLE_ID_BYTES:
+        raise FragmentError("bad_header", f"sample-id is {len(sample_id.encode('utf-8', 'replace'))} bytes long, "
+                            f"the limit is {MAX_SAMPLE_ID_BYTES}")
+    if not sample_id or not set(sample_id) <= _SAMPLE_ID_CHARS:
+        raise FragmentError("bad_header", f"sample-id {sample_id!r} must be ASCII letters and digits only")
 
 
 def decode_fragment(headers: Headers | None, payload: bytes | None, spec: FragmentSpec) -> Fragment:
@@ -150,6 +195,7 @@ def decode_fragment(headers: Headers | None, payload: bytes | None, spec: Fragme
 
 
 def _decode(headers: Headers | None, payload: bytes | None, spec: FragmentSpec) -> Fragment:
+    check_unambiguous(headers)
     h = header_dict(headers)
     schema = h.get(H_SCHEMA)
     if schema is None:
@@ -164,6 +210,7 @@ def _decode(headers: Headers | None, payload: bytes | None, spec: FragmentSpec) 
     for name in REQUIRED_HEADERS:
         if not h.get(name):
             raise FragmentError("missing_header", f"header {name!r} is missing or empty")
+    check_sample_id(h[H_SAMPLE_ID])
     try:
         version = int(h[H_POLICY_VERSION])
         created_at = float(h[H_CREATED_AT])

@@ -1,10 +1,13 @@
 """Which fragments train, and when: the trainer's rules as pure classes (no I/O; the clock is passed in).
 
-:class:`Intake` (DESIGN.md, the loop, 3):
+:class:`Intake` (docs/architecture.md, "What trains, and when"):
 
 - **admit** a decoded fragment: a policy version newer than any that exists is poison
-  (``future_version``); a sample id already admitted in this trainer run is a ``duplicate`` (so no
-  record is trained twice within a run, whatever Kafka re-delivers); otherwise it waits.
+  (``future_version``); a ``duplicate`` is a record at an offset of its partition already admitted in
+  this trainer run (Kafka re-delivering it after a lost commit: remembered for the whole run, as offset
+  ranges, a few bytes each) or a sample id among the last ``dedup_window`` admitted (a sampler sending
+  the same fragment twice: two records, two offsets); otherwise it waits. Memory is bounded either way
+  (:class:`OffsetSet`, :class:`RecentIds`).
 - **staleness is checked when the batch is formed**, not when the fragment arrived: against the
   *reference* version, the older of the trainer's own version and the newest *published* one
   (samplers can only act on published versions: measured against the trainer's counter alone, an
@@ -16,8 +19,11 @@
 - **publication lead** (async): no batch while the trainer is ``max_staleness`` versions ahead of the
   newest published version (a slow publish); else, when it lands, the reference jumps and everything
   samplers made meanwhile is dropped at once.
-- **revoke**: fragments of revoked partitions leave the buffer and their sample ids are forgotten
-  (the new owner, or this member after a re-assignment, gets them again).
+- **revoke**: fragments of revoked partitions leave the buffer and their offsets and sample ids are
+  forgotten (the new owner, or this member after a re-assignment, gets them again); what was trained
+  stays remembered, so its re-delivery after a re-assignment is refused.
+- **seeked**: a restore moved the consumer back; the offsets from there on are forgotten, because the
+  checkpointed model does not hold them and they are to be trained again.
 
 :class:`StallWatch`: training has stalled when records keep arriving but no update happened for
 ``after_s`` seconds; it says why (all dropped as stale, all dead-lettered, waiting for a batch).
@@ -25,17 +31,23 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 from aiokafka import TopicPartition
 
 from shared.fragment import Fragment
 
-DEDUP_WINDOW = 200_000
-"""Sample ids remembered for de-duplication (a few MB); far more than one run's re-delivery window."""
+DEDUP_WINDOW = 100_000
+"""Sample ids remembered for de-duplication (~9 MB when full, :class:`RecentIds`). A sampler re-sending a
+fragment does so within seconds, thousands of fragments at most; Kafka's re-deliveries are caught by
+offset, for the whole run, whatever this window holds."""
+MAX_OFFSET_RANGES = 4096
+"""Ranges of admitted offsets kept per partition (:class:`OffsetSet`): each gap (a dead-lettered record,
+a released one) starts a new range; past this many the oldest are forgotten."""
 
 
 @dataclass
@@ -59,6 +71,147 @@ class Batch:
     stale: list[tuple[Pending, int]] = field(default_factory=list)  # dropped at formation, with their staleness
     waiting_publication: bool = False  # a batch could form, but the trainer is too far ahead of publication
 
+
+
+class OffsetSet:
+    """A set of offsets as sorted, disjoint, half-open ranges ``[start, end)``: consecutive offsets cost
+    one range (tens of bytes), not one entry each.
+
+    Invariants: ``starts`` is strictly increasing, ``starts[i] < ends[i] < starts[i + 1]`` (ranges never
+    touch: adjacent ones are merged); at most ``max_ranges`` ranges, the lowest dropped first (dropping
+    only ever forgets, it never adds an offset).
+    """
+
+    def __init__(self, max_ranges: int = MAX_OFFSET_RANGES) -> None:
+        if max_ranges < 1:
+            raise ValueError(f"max_ranges must be >= 1, got {max_ranges}")
+        self.max_ranges = max_ranges
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def __contains__(self, offset: object) -> bool:
+        if not isinstance(offset, int):
+            return False
+        i = bisect_right(self.starts, offset) - 1
+        return i >= 0 and offset < self.ends[i]
+
+    def __len__(self) -> int:
+        """How many ranges (not offsets)."""
+        return len(self.starts)
+
+    def add(self, offset: int) -> None:
+        i = bisect_right(self.starts, offset) - 1  # the range starting at or before offset, if any
+        if i >= 0 and offset < self.ends[i]:
+            return
+        joins_left = i >= 0 and self.ends[i] == offset
+        joins_right = i + 1 < len(self.starts) and self.starts[i + 1] == offset + 1
+        if joins_left and joins_right:
+            self.ends[i] = self.ends[i + 1]
+            del self.starts[i + 1], self.ends[i + 1]
+        elif joins_left:
+            self.ends[i] = offset + 1
+        elif joins_right:
+            self.starts[i + 1] = offset
+        else:
+            self.starts.insert(i + 1, offset)
+            self.ends.insert(i + 1, offset + 1)
+            if len(self.starts) > self.max_ranges:
+                del self.starts[0], self.ends[0]
+
+    def discard(self, offset: int) -> None:
+        i = bisect_right(self.starts, offset) - 1
+        if i < 0 or offset >= self.ends[i]:
+            return
+        start, end = self.starts[i], self.ends[i]
+        if start == offset and end == offset + 1:
+            del self.starts[i], self.ends[i]
+        elif start == offset:
+            self.starts[i] = offset + 1
+        elif end == offset + 1:
+            self.ends[i] = offset
+        else:
+            self.ends[i] = offset
+            self.starts.insert(i + 1, offset + 1)
+            self.ends.insert(i + 1, end)
+            if len(self.starts) > self.max_ranges:
+                del self.starts[0], self.ends[0]
+
+    def discard_from(self, offset: int) -> None:
+        """Forget ``offset`` and every later one."""
+        i = bisect_left(self.starts, offset)
+        del self.starts[i:], self.ends[i:]
+        if i and self.ends[i - 1] > offset:
+            self.ends[i - 1] = offset
+
+
+_DIGEST_MASK = (1 << 60) - 1  # Python ints below 2**60 take 32 bytes; above, 36
+
+
+class RecentIds:
+    """The last ``capacity`` sample ids admitted, oldest evicted first, each with the record it came in.
+
+    Ids are kept as 60-bit digests (the process's string hash, SipHash with a per-process key: a chance
+    collision among 100k ids is ~4e-9, and nobody outside can aim for one), in a set for lookups and a
+    ring of numpy arrays (digest, partition, offset) for the order; ~90 bytes an id instead of ~170 for
+    the strings in an ordered dict. Invariants: ``len(self) <= capacity``; a digest is in the set iff
+    exactly one live ring slot holds it (a slot is live while ``_part >= 0``).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"dedup_window must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._ids: set[int] = set()
+        self._digest = np.zeros(capacity, np.int64)
+        self._part = np.full(capacity, -1, np.int32)  # index into _tps; -1: empty or released
+        self._offset = np.zeros(capacity, np.int64)
+        self._next = 0  # the ring slot written next (the oldest, once the ring is full)
+        self._tps: list[TopicPartition] = []
+        self._tp_index: dict[TopicPartition, int] = {}
+
+    @staticmethod
+    def digest(sample_id: str) -> int:
+        return hash(sample_id) & _DIGEST_MASK
+
+    def __contains__(self, sample_id: object) -> bool:
+        return isinstance(sample_id, str) and self.digest(sample_id) in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, sample_id: str, tp: TopicPartition, offset: int) -> None:
+        """Remember ``sample_id`` (not already held) as read at ``tp``/``offset``; evicts the oldest."""
+        d = self.digest(sample_id)
+        slot = self._next
+        if self._part[slot] >= 0:
+            self._ids.discard(int(self._digest[slot]))
+        if tp not in self._tp_index:
+            self._tp_index[tp] = len(self._tps)
+            self._tps.append(tp)
+        self._digest[slot], self._part[slot], self._offset[slot] = d, self._tp_index[tp], offset
+        self._ids.add(d)
+        self._next = (slot + 1) % self.capacity
+
+    def pop(self, sample_ids: Iterable[str]) -> list[tuple[TopicPartition, int]]:
+        """Forget ``sample_ids``; where each of those still held was read."""
+        wanted = {self.digest(sid) for sid in sample_ids} & self._ids
+        if not wanted:
+            return []
+        hit = np.flatnonzero((self._part >= 0) & np.isin(self._digest, np.fromiter(wanted, np.int64)))
+        return self._release(hit)
+
+    def pop_from(self, tp: TopicPartition, offset: int) -> None:
+        """Forget the ids read at ``tp`` at ``offset`` or later."""
+        if tp in self._tp_index:
+            self._release(np.flatnonzero((self._part == self._tp_index[tp]) & (self._offset >= offset)))
+
+    def _release(self, slots: np.ndarray) -> list[tuple[TopicPartition, int]]:
+        out = []
+        for slot in slots.tolist():
+            self._ids.discard(int(self._digest[slot]))
+            out.append((self._tps[int(self._part[slot])], int(self._offset[slot])))
+            self._part[slot] = -1
+        return out
 
 
 class AsyncBatches:
@@ -147,8 +300,8 @@ class Intake:
         self.model_version = 0  # the version of the trainer's current weights
         self.published: int | None = None  # newest version behind the marker, as last seen
         self.abandoned: list[tuple[int, int]] = []  # version ranges a rollback abandoned: never trained
-        self._seen: OrderedDict[str, None] = OrderedDict()
-        self._window = dedup_window
+        self._recent = RecentIds(dedup_window)  # sample ids: a fragment sent twice
+        self._offsets: dict[TopicPartition, OffsetSet] = {}  # admitted offsets: a record delivered twice
 
     # ---- versions ---------------------------------------------------------------------------
     def saw_published(self, version: int) -> None:
@@ -185,11 +338,16 @@ class Intake:
         if frag.policy_version > self.newest:
             return Rejected("future_version", f"policy version {frag.policy_version} is newer than any that exists "
                                               f"(newest {self.newest})")
-        if frag.sample_id in self._seen:
+        offsets = self._offsets.get(item.tp)
+        if offsets is None:
+            offsets = self._offsets[item.tp] = OffsetSet()
+        if item.offset in offsets:
+            return Rejected("duplicate", f"offset {item.offset} of partition {item.tp.partition} was already "
+                                         f"admitted in this trainer run (a re-delivery)")
+        if frag.sample_id in self._recent:
             return Rejected("duplicate", f"sample id {frag.sample_id} was already admitted in this trainer run")
-        self._seen[frag.sample_id] = None
-        if len(self._seen) > self._window:
-            self._seen.popitem(last=False)
+        self._recent.add(frag.sample_id, item.tp, item.offset)
+        offsets.add(item.offset)
         self.buffer.append(item)
         return None
 
@@ -229,18 +387,37 @@ class Intake:
 
     # ---- rebalances -------------------------------------------------------------------------
     def forget_ids(self, sample_ids: Iterable[str]) -> None:
-        """These fragments were not trained after all (their partition left): they may come again."""
-        for sid in sample_ids:
-            self._seen.pop(sid, None)
+        """These fragments were not trained after all (their partition left): they may come again. Their
+        offsets are found through the id window; :meth:`release` needs no lookup."""
+        for tp, offset in self._recent.pop(sample_ids):
+            self._forget_offset(tp, offset)
+
+    def release(self, items: Iterable[Pending]) -> None:
+        """These admitted fragments were not trained after all: their records may come again."""
+        items = list(items)
+        self._recent.pop(p.frag.sample_id for p in items)
+        for p in items:
+            self._forget_offset(p.tp, p.offset)
 
     def revoke(self, partitions: Iterable[TopicPartition]) -> list[Pending]:
-        """Remove the buffered fragments of ``partitions``; they will be delivered again."""
+        """Remove the buffered fragments of ``partitions``; they will be delivered again. What was
+        trained stays remembered: re-delivered to this member after a re-assignment, it is a duplicate."""
         gone = set(partitions)
         removed = [p for p in self.buffer if p.tp in gone]
         self.buffer = [p for p in self.buffer if p.tp not in gone]
-        for p in removed:
-            self._seen.pop(p.frag.sample_id, None)
+        self.release(removed)
         return removed
+
+    def seeked(self, tp: TopicPartition, offset: int) -> None:
+        """The consumer was moved back to ``offset`` of ``tp`` (a restore): the records from there on are
+        read again and trained again, not duplicates."""
+        if tp in self._offsets:
+            self._offsets[tp].discard_from(offset)
+        self._recent.pop_from(tp, offset)
+
+    def _forget_offset(self, tp: TopicPartition, offset: int) -> None:
+        if tp in self._offsets:
+            self._offsets[tp].discard(offset)
 
 
 @dataclass

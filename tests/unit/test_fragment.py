@@ -259,3 +259,62 @@ def _with_dtypes(frag: Fragment, **changes: np.ndarray) -> bytes:
                                         "last_obs", "episode_returns", "episode_lengths")}
     t.update(changes)
     return st_save({k: np.ascontiguousarray(v) for k, v in t.items()})
+
+
+# ---- identity: one unambiguous, bounded sample id -----------------------------------------------------
+
+@pytest.mark.parametrize("name", ["flywheel-schema", "sample-id", "sampler-id", "policy-version", "env-id",
+                                  "created-at"])
+def test_a_required_header_twice_is_ambiguous_even_with_the_same_value(name: str) -> None:
+    headers, payload = encode_fragment(make_fragment())
+    value = dict(headers)[name]
+    for second in (value, b"1" + value):  # an identical copy, then a second identity
+        with pytest.raises(FragmentError, match=f"header '{name}' appears more than once") as e:
+            decode_fragment([*headers, (name, second)], payload, SPEC)
+        assert e.value.reason == "ambiguous_header"
+
+
+def test_a_second_sample_id_cannot_hide_behind_the_first() -> None:
+    # The record a review trained: a valid fragment with a second sample-id header appended. A reader
+    # keeping one value would de-duplicate on whichever copy it kept.
+    first, _ = encode_fragment(make_fragment())
+    headers, payload = encode_fragment(make_fragment())
+    sid = dict(first)["sample-id"]
+    with pytest.raises(FragmentError) as e:
+        decode_fragment([(k, v) for k, v in headers] + [("sample-id", sid)], payload, SPEC)
+    assert e.value.reason == "ambiguous_header" and "sample-id" in str(e.value)
+
+
+def test_optional_flywheel_headers_may_repeat_only_with_the_same_value() -> None:
+    headers, payload = encode_fragment(make_fragment())
+    ok = [*headers, ("content-type", dict(headers)["content-type"]), ("sampler-seq", b"ab.1"), ("sampler-seq", b"ab.1")]
+    assert decode_fragment(ok, payload, SPEC).policy_version == 3
+    with pytest.raises(FragmentError, match="'sampler-seq' appears more than once") as e:
+        decode_fragment([*headers, ("sampler-seq", b"ab.1"), ("sampler-seq", b"ab.2")], payload, SPEC)
+    assert e.value.reason == "ambiguous_header"
+    # Headers Flywheel does not define are not its business (tracing, brokers' own).
+    assert decode_fragment([*headers, ("traceparent", b"a"), ("traceparent", b"b")], payload, SPEC)
+
+
+@pytest.mark.parametrize(("sample_id", "match"), [
+    ("a" * 65, "65 bytes long, the limit is 64"),
+    ("f" * 10_000, "10000 bytes long"),
+    ("abc-def", "ASCII letters and digits only"),
+    ("abc def", "ASCII letters and digits only"),
+    ("ab\u00e9c", "ASCII letters and digits only"),
+    ("../../etc", "ASCII letters and digits only"),
+])
+def test_sample_ids_are_bounded_and_plain(sample_id: str, match: str) -> None:
+    frag = make_fragment()
+    frag.sample_id = sample_id
+    headers, payload = encode_fragment(frag)
+    with pytest.raises(FragmentError, match=match) as e:
+        decode_fragment(headers, payload, SPEC)
+    assert e.value.reason == "bad_header"
+
+
+@pytest.mark.parametrize("sample_id", ["a" * 64, "0", "DeadBeef42"])
+def test_sample_ids_up_to_64_letters_and_digits_pass(sample_id: str) -> None:
+    frag = make_fragment()
+    frag.sample_id = sample_id
+    assert decode_fragment(*encode_fragment(frag), SPEC).sample_id == sample_id

@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import random
+import tracemalloc
+import uuid
+from typing import cast
+
 from aiokafka import TopicPartition
 
-from services.trainer.intake import AsyncBatches, Intake, Pending, StallWatch, SyncBatches, strategy_for
+from services.trainer.intake import (
+    DEDUP_WINDOW,
+    AsyncBatches,
+    Intake,
+    OffsetSet,
+    Pending,
+    RecentIds,
+    StallWatch,
+    SyncBatches,
+    strategy_for,
+)
 from shared.fragment import Fragment
 from tests.fragments import blank_fragment
 
@@ -16,9 +33,13 @@ def frag(version: int, sample_id: str, sampler: str = "s0") -> Fragment:
     return blank_fragment(version, steps=2, envs=1, sampler_id=sampler, sample_id=sample_id)
 
 
-def pending(version: int, sid: str, offset: int = 0, tp: TopicPartition = TP0, at: float = 0.0,
+_OFFSETS = itertools.count(10_000)
+
+
+def pending(version: int, sid: str, offset: int | None = None, tp: TopicPartition = TP0, at: float = 0.0,
             sampler: str = "s0") -> Pending:
-    return Pending(tp, offset, frag(version, sid, sampler), at)
+    """A consumed record: a fresh offset unless one is given (one offset is one record)."""
+    return Pending(tp, next(_OFFSETS) if offset is None else offset, frag(version, sid, sampler), at)
 
 
 def make(max_staleness: int = 2, batch_fragments: int = 2, batch_timeout_s: float = 5.0, sync: bool = False,
@@ -99,6 +120,135 @@ def test_revoke_removes_buffered_fragments_and_forgets_their_ids() -> None:
     assert [p.frag.sample_id for p in intake.buffer] == ["p0"]
     # Re-delivered after a re-assignment: not a duplicate, it was never trained here.
     assert intake.admit(pending(0, "p1", 0, TP1)) is None
+
+
+def train_all(intake: Intake) -> list[Pending]:
+    """Form a batch of everything buffered (the trainer trains it)."""
+    batch = intake.form_batch(now=1e9)  # long past every batch timeout
+    assert not intake.buffer
+    return batch.train
+
+
+def test_a_redelivered_record_is_refused_by_offset_long_after_its_id_left_the_window() -> None:
+    intake = make(batch_fragments=1, dedup_window=2)
+    for i in range(50):
+        assert intake.admit(pending(0, f"id{i}", i)) is None
+        train_all(intake)
+    # Kafka hands offset 3 out again (a commit lost in a rebalance): same record, same id, long evicted.
+    rejected = intake.admit(pending(0, "id3", 3))
+    assert rejected is not None and rejected.reason == "duplicate"
+    assert "offset 3 of partition 0" in rejected.message and "re-delivery" in rejected.message
+    # Offsets are per partition: offset 3 of partition 1 is another record.
+    assert intake.admit(pending(0, "other", 3, TP1)) is None
+    # A sampler re-sending a recent fragment: a new record (offset), a known sample id.
+    rejected = intake.admit(pending(0, "id49", 50))
+    assert rejected is not None and rejected.reason == "duplicate" and "sample id id49" in rejected.message
+
+
+def test_revoke_keeps_trained_offsets_and_releases_buffered_ones() -> None:
+    intake = make(batch_fragments=100, dedup_window=1)
+    for i in range(3):
+        intake.admit(pending(0, f"t{i}", i))
+    train_all(intake)  # offsets 0-2 trained
+    intake.admit(pending(0, "b3", 3))
+    intake.admit(pending(0, "b4", 4))  # buffered, not trained
+    assert [p.offset for p in intake.revoke({TP0})] == [3, 4]
+    # Re-assigned with every commit lost: Kafka re-delivers from offset 0.
+    assert [intake.admit(pending(0, f"t{i}", i)) is None for i in range(3)] == [False] * 3
+    assert intake.admit(pending(0, "b3", 3)) is None and intake.admit(pending(0, "b4", 4)) is None
+
+
+def test_forget_ids_and_release_let_a_revoked_batch_come_again() -> None:
+    intake = make(batch_fragments=100)
+    for i in range(4):
+        intake.admit(pending(0, f"f{i}", i))
+    batch = train_all(intake)
+    intake.forget_ids(p.frag.sample_id for p in batch[:2])  # the trainer's call for a batch formed before a revoke
+    intake.release(batch[2:3])
+    for i in range(3):
+        assert intake.admit(pending(0, f"f{i}", i)) is None, f"f{i} is not a duplicate: it was never trained"
+    rejected = intake.admit(pending(0, "f3", 3))
+    assert rejected is not None and rejected.reason == "duplicate"
+
+
+def test_a_seek_back_to_a_checkpoint_lets_the_records_after_it_train_again() -> None:
+    intake = make(batch_fragments=100)
+    for i in range(10):
+        intake.admit(pending(0, f"s{i}", i))
+        intake.admit(pending(0, f"q{i}", i, TP1))
+    train_all(intake)
+    intake.seeked(TP0, 6)  # the restored model holds offsets 0-5 of partition 0
+    assert [intake.admit(pending(0, f"s{i}", i)) is None for i in range(10)] == [False] * 6 + [True] * 4
+    assert intake.admit(pending(0, "q7", 7, TP1)) is not None  # partition 1 did not move
+
+
+def test_offset_set_matches_a_plain_set() -> None:
+    rng = random.Random(7)
+    for trial in range(200):
+        ours, plain = OffsetSet(max_ranges=10_000), set()
+        for _ in range(200):
+            x, op = rng.randrange(60), rng.random()
+            if op < 0.6:
+                ours.add(x)
+                plain.add(x)
+            elif op < 0.95:
+                ours.discard(x)
+                plain.discard(x)
+            else:
+                ours.discard_from(x)
+                plain = {y for y in plain if y < x}
+            assert {y for y in range(62) if y in ours} == plain, f"trial {trial}"
+            assert all(a < b for a, b in zip(ours.ends, ours.starts[1:], strict=False)), "ranges touch or overlap"
+            assert all(a < b for a, b in zip(ours.starts, ours.ends, strict=True)), "an empty range"
+
+
+def test_offset_set_stays_compact_and_bounded() -> None:
+    offsets = OffsetSet(max_ranges=3)
+    for i in range(100_000):
+        offsets.add(i)
+    assert len(offsets) == 1  # consecutive offsets: one range
+    for gap in (10, 20, 30, 40):  # dead-lettered records leave gaps
+        offsets.discard(gap)
+    assert len(offsets) == 3 and 5 not in offsets and 15 not in offsets  # the lowest ranges were forgotten
+    assert 25 in offsets and 35 in offsets and 99_999 in offsets and 40 not in offsets
+
+
+def test_recent_ids_evict_the_oldest_first() -> None:
+    ids = RecentIds(3)
+    for i in range(5):
+        ids.add(f"x{i}", TP0, i)
+    assert len(ids) == 3 and "x1" not in ids and all(f"x{i}" in ids for i in (2, 3, 4))
+    assert ids.pop(["x3", "x1", "nope"]) == [(TP0, 3)]
+    ids.add("x5", TP1, 5)  # overwrites x2's slot
+    assert "x2" not in ids and "x5" in ids and len(ids) == 2  # x4, x5 (x3 was popped)
+
+
+def test_dedupe_memory_is_bounded_for_200k_ids() -> None:
+    # 200k ids through the default window (100k): ~9 MiB stay, ~94 bytes an id held. The ordered dict of
+    # id strings this replaced kept all 200k, ~33 MiB.
+    items = [Pending(TP0 if i % 2 else TP1, i // 2, cast(Fragment, _Ident(0, uuid.UUID(int=i).hex)), 0.0)
+             for i in range(200_000)]  # only what admit keeps is measured: the records are the caller's
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        intake = make(batch_fragments=1)
+        for p in items:
+            assert intake.admit(p) is None
+            intake.buffer.clear()  # trained
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(intake._recent) == DEDUP_WINDOW == 100_000
+    assert sum(len(o) for o in intake._offsets.values()) == 2  # one range of offsets per partition
+    assert used < 11 * 1024 * 1024, f"{used / 2**20:.1f} MiB for 200k sample ids"
+
+
+@dataclasses.dataclass
+class _Ident:
+    """What admission reads of a fragment."""
+
+    policy_version: int
+    sample_id: str
 
 
 def test_partial_batch_after_timeout_and_poll_bound() -> None:
