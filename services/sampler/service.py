@@ -34,13 +34,13 @@ from shared.credits import H_SAMPLER_SEQ, CreditGate, seq_value
 from shared.fragment import encode_fragment
 from shared.kafka import LagProbe, Topics, ensure_topics, make_consumer, make_producer, trainer_group
 from shared.logging import fragment_fields, get_logger
-from shared.marker import VersionedStore
+from shared.marker import BadPayload, VersionedStore
 from shared.messages import ControlCommand, CreditGrant, PolicyMessage, SamplerBeat
 from shared.retry import CLIENT_STOP_TIMEOUT_S, Health, describe, is_transient, retry_transient, stop_clients
 from shared.rl.policy_np import WeightsError
-from shared.runtime import RuntimeConfig, RuntimeWatcher, apply_runtime, paused_since, read_paused, runtime_values
+from shared.runtime import RuntimeApplier, RuntimeConfig, RuntimeWatcher, paused_since, read_paused, runtime_values
 from shared.service import RateMeter
-from shared.settings import ConfigError, Settings
+from shared.settings import Settings
 from shared.store import open_store
 
 ENV_STEPS = Counter("flywheel_sampler_env_steps_total", "Env steps taken", ["sampler"])
@@ -90,7 +90,10 @@ class Sampler:
         self.store = store
         self.policies = VersionedStore(store, settings.run, "policy")
         self.base_settings = settings
-        self.runtime = RuntimeWatcher(RuntimeConfig(store, settings.run))
+        # Runtime settings: the latest revision's overrides on this sampler's own settings; a revision
+        # that does not validate here is refused, and the heartbeat reports the last one applied.
+        self.runtime = RuntimeApplier(RuntimeWatcher(RuntimeConfig(store, settings.run)), settings,
+                                      self._apply_runtime, self.log, "sampler")
         self._paused_since: float | None = None
         self._last_command_at = 0.0  # issued_at of the last pause/resume command applied
         self._poll_now = asyncio.Event()
@@ -420,18 +423,25 @@ class Sampler:
                 self._resume("durable state")
             else:
                 self._pause(since, "durable state")
-        rev = await asyncio.to_thread(self.runtime.poll)
-        if rev is not None:
-            old = runtime_values(self.settings)
-            try:
-                self.settings = apply_runtime(self.base_settings, rev.settings)
-            except ConfigError as exc:  # does not validate against this sampler's settings: skip it
-                self.log.error("runtime_config_refused", revision=rev.revision, error=str(exc)[:300])
-            self.runtime.ack(rev)
-            new = runtime_values(self.settings)
-            changed = {k: {"old": old[k], "new": new[k]} for k in new if k.startswith("sampler.") and old[k] != new[k]}
-            self.log.info("runtime_config_applied", revision=rev.revision, changes=changed or None)
-            self._wake.set()
+        try:
+            handled = await asyncio.to_thread(self.runtime.poll_once)
+        except BadPayload as exc:  # no readable revision (nor history to repair from): keep the settings we have
+            if "config" not in self.health_state.reasons:  # logged once per episode, not every poll
+                self.log.error("runtime_config_unreadable", applied_revision=self.runtime.revision,
+                               error=describe(exc))
+            self.health_state.degraded("config", f"runtime settings unreadable: {describe(exc)}")
+            return
+        if "config" in self.health_state.reasons:
+            self.health_state.recovered("config")
+        if handled is not None:
+            self._wake.set()  # a paused loop re-checks its limits now
+
+    def _apply_runtime(self, settings: Settings, revision: int) -> dict[str, Any]:
+        """Install validated runtime settings (called by :class:`RuntimeApplier`); the sampler's changes."""
+        old = runtime_values(self.settings)
+        self.settings = settings  # one reference swap: the loop sees the old or the new settings whole
+        new = runtime_values(settings)
+        return {k: {"old": old[k], "new": new[k]} for k in new if k.startswith("sampler.") and old[k] != new[k]}
 
     def _handle_inbox(self, topic: str, key: bytes | None, value: bytes | None) -> None:
         try:
