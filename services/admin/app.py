@@ -8,10 +8,12 @@ from typing import Annotated, Any
 
 from aiokafka.errors import KafkaError
 from fastapi import Depends, FastAPI, HTTPException, Query, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from pydantic import BaseModel, Field
 
 from services.admin.deps import State, require_token
+from services.admin.errors import declare_errors
 from services.admin.ops import router as ops_router
 from services.admin.pages import mount_pages
 from services.admin.state import SAMPLER_FORGET_S, AdminState
@@ -119,20 +121,27 @@ class SyncAccepted(BaseModel):
     samplers: dict[str, int | None] = Field(description="Live samplers and their versions at reply time")
 
 
+class HealthBody(BaseModel):
+    ok: bool
+
+
 def create_app(state: AdminState) -> FastAPI:
     app = FastAPI(title="Flywheel admin", version="1", docs_url=None,
                   description="Status of a Flywheel run and manual policy sync. See docs/api.md.")
     app.state.admin = state
 
-    @app.get("/healthz")
+    @app.get("/healthz", response_model=HealthBody,
+             responses={503: {"model": HealthBody, "description": "Not started yet (Kafka unreachable at start)"}})
     def healthz(s: State) -> Response:
         ok = s.health()["ok"]
         return Response('{"ok": %s}' % ("true" if ok else "false"), status_code=200 if ok else 503,
                         media_type="application/json")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text exposition format 0.0.4",
+        "content": {CONTENT_TYPE_PLAIN_0_0_4: {"schema": {"type": "string"}}}}})
     def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     @app.get("/status", response_model=Status)
     async def status(s: State) -> Status:
@@ -218,4 +227,5 @@ def create_app(state: AdminState) -> FastAPI:
 
     app.include_router(ops_router)
     mount_pages(app)
+    declare_errors(app)
     return app

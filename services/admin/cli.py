@@ -190,9 +190,14 @@ def cmd_versions(api: Api, args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_PENDING = 3
+"""``flywheel rollback``: the request is stored but paramsync did not apply it in time (down or busy)."""
+
+
 def cmd_rollback(api: Api, args: argparse.Namespace) -> int:
-    out(render_rollback(api.call("POST", "/policy/rollback", body={"version": args.version}, auth=True)))
-    return 0
+    body = api.call("POST", "/policy/rollback", body={"version": args.version}, auth=True)
+    out(render_rollback(body))
+    return EXIT_PENDING if body.get("status") == "pending" or body.get("new_version") is None else 0
 
 
 def cmd_config(api: Api, args: argparse.Namespace) -> int:
@@ -268,7 +273,8 @@ def positive(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flywheel", description="Operate a Flywheel run via its admin API.",
                                      epilog="exit status: 0 done, 1 refused by the API or not found, "
-                                            "2 the API cannot be reached or bad usage")
+                                            "2 the API cannot be reached or bad usage, 3 rollback stored but "
+                                            "still pending (paramsync not running or not answering)")
     parser.add_argument("--url", default=os.environ.get("FLYWHEEL_ADMIN_URL", DEFAULT_URL),
                         help=f"admin API (default: $FLYWHEEL_ADMIN_URL or {DEFAULT_URL})")
     parser.add_argument("--token", help="bearer token (default: $FLYWHEEL_ADMIN_TOKEN or $FLYWHEEL_HOME/admin-token)")

@@ -158,7 +158,11 @@ def render_pause(body: dict[str, Any]) -> str:
 
 def render_rollback(body: dict[str, Any]) -> str:
     new = body.get("new_version")
-    then = f"published as v{new}" if new is not None else "paramsync publishes it as a new version"
+    if body.get("status") == "pending" or new is None:
+        then = (f"pending: {body.get('reason') or 'not applied yet'}; paramsync applies it when it runs "
+                f"(flywheel versions lists pending rollbacks)")
+    else:
+        then = f"published as v{new}"
     return f"rollback to v{body.get('version')} requested (request {body.get('request_id')}): {then}"
 
 
@@ -175,6 +179,9 @@ def render_versions(body: dict[str, Any]) -> str:
         lines.append(f"{mark} {fmt(v.get('version'), 'd'):>7}  {when(v.get('published_at')):<19}"
                      f"  {fmt(v.get('trainer_step'), 'd'):>7}  {(v.get('sha256') or '-')[:12]:<12}"
                      f"  {fmt(v.get('return_mean'), '.1f'):>7}{note}")
+    for p in body.get("pending_rollbacks") or []:
+        lines.append(f"  pending rollback to v{p.get('version')} (request {p.get('request_id')}, "
+                     f"requested {when(p.get('requested_at'))})")
     return "\n".join(lines)
 
 

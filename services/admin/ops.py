@@ -9,22 +9,24 @@ import asyncio
 import time
 import uuid
 from dataclasses import asdict
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from aiokafka.errors import KafkaError
-from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.admin.deps import State, actor, require_token
+from services.admin.rollbacks import new_request_id
 from shared.marker import VersionRecord
 from shared.messages import ControlCommand
 from shared.retry import is_transient
-from shared.runtime import apply_runtime, read_paused, runtime_values, write_paused
+from shared.runtime import PauseStateConflict, apply_runtime, runtime_values, update_paused
 from shared.settings import ConfigError
 
 router = APIRouter()
 AUTH: dict[int | str, dict[str, Any]] = {401: {"description": "Missing or wrong bearer token"}}
 ROLLBACK_WAIT_S = 5.0
+"""How long ``POST /policy/rollback`` waits for paramsync to apply the request before answering pending."""
 
 
 class _Body(BaseModel):
@@ -55,6 +57,8 @@ class VersionInfo(BaseModel):
 class Versions(BaseModel):
     current: int | None
     versions: list[VersionInfo] = Field(description="The kept versions (paramsync.keep_versions), oldest first")
+    pending_rollbacks: list[PendingRollback] = Field(
+        default_factory=list, description="Rollback requests paramsync has not applied yet, oldest first")
 
 
 class RollbackRequest(_Body):
@@ -62,9 +66,21 @@ class RollbackRequest(_Body):
 
 
 class RollbackAccepted(BaseModel):
+    request_id: str = Field(description="Names the stored request, <run>/ops/rollback/<request_id>.json")
+    version: int
+    status: Literal["applied", "pending"] = Field(
+        description="applied: paramsync published it as new_version; pending: not applied within the wait "
+                    "(paramsync down or busy); the stored request is applied when paramsync runs")
+    new_version: int | None = Field(description="The version that now carries its weights (null: pending)")
+    reason: str | None = Field(None, description="With status pending: why (paramsync not running / not answering)")
+    command_sent: bool = Field(True, description="False: Kafka was unreachable; paramsync finds the request in "
+                                                 "the store at its next poll")
+
+
+class PendingRollback(BaseModel):
     request_id: str
     version: int
-    new_version: int | None = Field(description="The version that now carries its weights (null: not yet seen)")
+    requested_at: float
 
 
 class ConfigView(BaseModel):
@@ -138,19 +154,18 @@ async def _send(s: State, cmd: ControlCommand) -> None:
 
 
 # ---- pause / resume -------------------------------------------------------------------------
+class _AllPaused(Exception):
+    """Resuming one sampler while every sampler is paused: refused (409)."""
+
+
 async def _pause_resume(s: State, request: Request, action: str, target: SamplerTarget) -> PauseAccepted:
     sid = target.sampler
     if sid is not None and sid not in s.view.samplers:
         raise HTTPException(status_code=404, detail=f"unknown sampler {sid!r}; known: {sorted(s.view.samplers)}")
     now = time.time()
-    if action == "resume" and sid is not None:
-        state = await _store(s, "pause state", read_paused, s.store, s.settings.run)
-        if state.get("all"):
-            raise HTTPException(status_code=409, detail="every sampler is paused: resume all (no sampler) first, "
-                                                        "then pause the ones to keep paused")
 
-    def update() -> None:
-        state = read_paused(s.store, s.settings.run)
+    def change(state: dict[str, Any]) -> dict[str, Any]:
+        """The new pause state from the current one (run again if another writer won the race)."""
         if action == "pause":
             if sid is None:
                 state["all"] = state.get("all") or now
@@ -158,11 +173,19 @@ async def _pause_resume(s: State, request: Request, action: str, target: Sampler
                 state["samplers"].setdefault(sid, now)
         elif sid is None:
             state = {"all": None, "samplers": {}}
+        elif state.get("all"):
+            raise _AllPaused
         else:
             state["samplers"].pop(sid, None)
-        write_paused(s.store, s.settings.run, state)
+        return state
 
-    await _store(s, f"{action} state", update)
+    try:
+        await _store(s, f"{action} state", update_paused, s.store, s.settings.run, change)
+    except _AllPaused:
+        raise HTTPException(status_code=409, detail="every sampler is paused: resume all (no sampler) first, "
+                                                    "then pause the ones to keep paused") from None
+    except PauseStateConflict as exc:
+        raise HTTPException(status_code=409, detail=str(exc)) from None
     cmd = ControlCommand(command=action, request_id=uuid.uuid4().hex, sampler=sid,
                          issued_at=now)
     try:
@@ -198,8 +221,10 @@ async def resume(s: State, request: Request,
 @router.get("/policy/versions", response_model=Versions, responses={503: {"description": "Object store down"}})
 async def versions(s: State) -> Versions:
     records: list[VersionRecord] = await _store(s, "history", s.policies.records)
+    pending: list[dict[str, Any]] = await _store(s, "rollback requests", s.rollbacks.pending)
     current = await s.published()
-    return Versions(current=current.version if current else None, versions=[
+    return Versions(current=current.version if current else None,
+                    pending_rollbacks=[PendingRollback(**p) for p in pending], versions=[
         VersionInfo(version=r.version, sha256=r.sha256, published_at=r.created_at, trainer_step=r.trainer_step,
                     rollback_of=r.extra.get("rollback_of"), return_mean=s.version_returns.get(r.version))
         for r in records])
@@ -207,13 +232,17 @@ async def versions(s: State) -> Versions:
 
 @router.post("/policy/rollback", response_model=RollbackAccepted, status_code=202,
              dependencies=[Depends(require_token)],
-             responses={**AUTH, 404: {"description": "Version not kept"}, 409: {"description": "Already current"},
-                        503: {"description": "Kafka or S3 down"}})
+             responses={**AUTH, 404: {"description": "Version not kept"},
+                        409: {"description": "Already current, or refused by paramsync (the reason is in detail)"},
+                        503: {"description": "Object store down: the request could not be stored"}})
 async def rollback(s: State, request: Request, body: RollbackRequest) -> RollbackAccepted:
     """Make ``version``'s weights the newest version (versions never go backwards; its record says
     ``rollback_of``). paramsync republishes them, samplers act on them within a second, and the trainer
     continues from them with a fresh optimizer; fragments of the abandoned versions are dropped as
-    stale, and candidates trained from the abandoned weights are refused. See docs/api.md."""
+    stale, and candidates trained from the abandoned weights are refused. The request is stored
+    (``<run>/ops/rollback/<request_id>.json``, ``pending``) before the command is sent, so paramsync applies
+    it even if it is down now; the reply waits up to ``ROLLBACK_WAIT_S`` for the outcome and otherwise
+    says ``pending`` and why. See docs/api.md."""
     records: list[VersionRecord] = await _store(s, "history", s.policies.records)
     target = next((r for r in records if r.version == body.version), None)
     if target is None:
@@ -225,20 +254,42 @@ async def rollback(s: State, request: Request, body: RollbackRequest) -> Rollbac
     if current is not None and current.sha256 == target.sha256:
         raise HTTPException(status_code=409, detail=f"version {current.version} already has version "
                                                     f"{body.version}'s weights")
-    cmd = ControlCommand(command="rollback", request_id=uuid.uuid4().hex, version=body.version)
-    await _send(s, cmd)
-    new_version = None
+    request_id = new_request_id()
+    await _store(s, "rollback request", s.rollbacks.create, request_id, body.version, actor(request))
+    cmd = ControlCommand(command="rollback", request_id=request_id, version=body.version)
+    try:
+        await s.command(cmd)
+        sent = True
+    except (KafkaError, TimeoutError) as exc:  # stored: paramsync finds it at its next poll of the store
+        s.log.warning("operator_command_not_sent", command="rollback", error=f"{type(exc).__name__}: {exc}"[:200])
+        sent = False
+    decided: dict[str, Any] | None = None
     deadline = time.monotonic() + ROLLBACK_WAIT_S
     while time.monotonic() < deadline:
-        rec = await s.published()
-        if rec is not None and rec.extra.get("rollback_of") == body.version and \
-                (current is None or rec.version > current.version):
-            new_version = rec.version
+        try:
+            got = await asyncio.to_thread(s.rollbacks.get, request_id)
+        except Exception as exc:  # a blip while waiting: the request is stored, keep waiting
+            if not is_transient(exc):
+                raise
+            got = None
+        if got is not None and got.get("status") != "pending":
+            decided = got
             break
-        await asyncio.sleep(0.05)
-    await _audit(s, request, "rollback", {"version": body.version},
-                 f"published as version {new_version}" if new_version is not None else "sent; not seen within 5 s")
-    return RollbackAccepted(request_id=cmd.request_id, version=body.version, new_version=new_version)
+        await asyncio.sleep(0.1)
+    params = {"version": body.version, "request_id": request_id}
+    if decided is not None and decided.get("status") == "refused":
+        await _audit(s, request, "rollback", params, f"refused by paramsync: {decided.get('reason')}")
+        raise HTTPException(status_code=409, detail=f"rollback to version {body.version} refused by paramsync: "
+                                                    f"{decided.get('reason')}")
+    if decided is not None:
+        new_version = int(decided["new_version"])
+        await _audit(s, request, "rollback", params, f"published as version {new_version}")
+        return RollbackAccepted(request_id=request_id, version=body.version, status="applied",
+                                new_version=new_version, command_sent=sent)
+    reason = "paramsync not answering" if s.alive(s.view.paramsync, time.time()) else "paramsync not running"
+    await _audit(s, request, "rollback", params, f"pending: {reason}; applied when paramsync runs")
+    return RollbackAccepted(request_id=request_id, version=body.version, status="pending", new_version=None,
+                            reason=reason, command_sent=sent)
 
 
 # ---- runtime settings ---------------------------------------------------------------------
@@ -276,14 +327,13 @@ async def _write_config(s: State, request: Request, values: dict[str, Any], reve
               responses={**AUTH, 422: {"description": "A value is invalid or not a runtime setting (names it)"},
                          503: {"description": "Object store down"}})
 async def patch_config(s: State, request: Request,
-                       values: Annotated[dict[str, Any], Body(examples=[{"trainer.learning_rate": 0.0005}])]
+                       values: Annotated[dict[str, Any], Body(min_length=1, description="At least one setting",
+                                                              examples=[{"trainer.learning_rate": 0.0005}])]
                        ) -> ConfigChange:
     """Change runtime settings, validated like the config file; the services apply the new revision
     within a few seconds. Keys: sampler.max_backlog, sampler.sync_interval_s, trainer.learning_rate,
     trainer.learning_rate_end, trainer.clip_coef_end, trainer.max_staleness, trainer.target_kl, trainer.publish_every,
     trainer.flow_window (``shared.runtime.RUNTIME_KEYS``)."""
-    if not values:
-        raise HTTPException(status_code=422, detail="no settings given")
     return await _write_config(s, request, values, None)
 
 
@@ -321,8 +371,13 @@ async def status_history(s: State) -> dict[str, Any]:
     return {"points": list(s.history)}
 
 
+SAMPLE_ID_PATTERN = "^[0-9A-Za-z]{1,64}$"
+
+
 @router.get("/trace/{sample_id}", responses={404: {"description": "Not found, or the logs are not reachable"}})
-async def trace(s: State, sample_id: str) -> dict[str, Any]:
+async def trace(s: State, sample_id: Annotated[str, Path(pattern=SAMPLE_ID_PATTERN,
+                                                          description="The hex id from the logs")]
+                ) -> dict[str, Any]:
     """One sample's path: produced by which sampler on which version into which partition and offset,
     consumed, trained in which update (or dropped as stale, or dead-lettered and why), from the
     services' log files (``admin.log_dir``; the local stack sets it). Elsewhere use the CLI on piped
@@ -333,8 +388,6 @@ async def trace(s: State, sample_id: str) -> dict[str, Any]:
     if log_dir is None or not log_dir.is_dir():
         raise HTTPException(status_code=404, detail="the services' logs are not reachable from the admin "
                             "(admin.log_dir unset); use: docker compose logs --no-color | flywheel trace ID -")
-    if not sample_id.isalnum() or len(sample_id) > 64:
-        raise HTTPException(status_code=422, detail="sample_id: expected the hex id from the logs")
     result: dict[str, Any] = await asyncio.to_thread(lambda: trace_json(sample_id, log_lines(log_dir)))
     if not result.get("found"):
         raise HTTPException(status_code=404, detail=f"sample {sample_id} is not in the logs under {log_dir}")

@@ -12,6 +12,7 @@ from typing import Any
 from aiokafka import TopicPartition
 from prometheus_client import Gauge
 
+from services.admin.rollbacks import RollbackRequests
 from shared.kafka import Topics, consumer_lag, ensure_topics, make_consumer, make_producer, trainer_group
 from shared.logging import get_logger
 from shared.marker import VersionedStore, VersionRecord
@@ -63,6 +64,7 @@ class AdminState:
         self.policies = VersionedStore(store, settings.run, "policy")
         self.runtime_config = RuntimeConfig(store, settings.run)
         self.audit = AuditLog(store, settings.run)
+        self.rollbacks = RollbackRequests(store, settings.run)
         self.version_returns: dict[int, float] = {}
         """Mean return the trainer reported while each published version was current (last value)."""
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POINTS)

@@ -5,11 +5,17 @@ one is handled). Each is verified — blob present, sha256 and size match, weigh
 model — then the marker is moved conditionally and the version announced on the same topic.
 Heartbeats tell which samplers are live and on which version (sync latency); ``sync`` commands
 on ``<run>.control`` re-announce the current version.
+
+Rollbacks are durable requests in the store (``<run>/ops/rollback/``, :mod:`services.paramsync.rollbacks`):
+paramsync applies the pending ones in request order at start, every ``ROLLBACK_POLL_S`` and at once
+on a ``rollback`` command, and records each as ``applied`` (with its new version) or ``refused``
+(with the reason), so a rollback requested while paramsync was down is applied when it comes back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -19,6 +25,7 @@ from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.paramsync.rollbacks import RollbackQueue, RollbackRequest, Status
 from services.paramsync.tracker import SyncTracker
 from shared.kafka import Topics, ensure_topics, make_consumer, make_producer
 from shared.logging import get_logger
@@ -37,6 +44,12 @@ SYNC_LATENCY = Histogram("flywheel_paramsync_sync_latency_seconds",
 PUBLISHED = Gauge("flywheel_paramsync_published_version", "Version behind the marker")
 CANDIDATES = Counter("flywheel_paramsync_candidates_total", "Candidates handled", ["outcome"])
 LIVE = Gauge("flywheel_paramsync_live_samplers", "Samplers with a recent heartbeat")
+SAMPLER_VERSION = Gauge("flywheel_paramsync_sampler_policy_version",
+                        "Policy version each sampler last reported (series removed once the tracker forgets it)",
+                        ["sampler"])
+ROLLBACKS = Counter("flywheel_paramsync_rollbacks_total", "Rollback requests decided", ["outcome"])
+ROLLBACK_POLL_S = 2.0
+"""How often paramsync looks for pending rollback requests in the store (besides the command)."""
 PRUNE_EVERY = 10
 PUBLISH_SECONDS = Histogram("flywheel_paramsync_publish_seconds", "Verify + marker write + announce")
 REANNOUNCED = Counter("flywheel_paramsync_reannouncements_total", "Periodic re-announcements of the published version")
@@ -50,7 +63,10 @@ class Paramsync:
         self.id = f"paramsync-{socket.gethostname()}-{os.getpid()}"
         self.topics = Topics.for_run(settings.run)
         self.log = get_logger()
-        self.policies = VersionedStore(open_store(settings), settings.run, "policy")
+        store = open_store(settings)
+        self.policies = VersionedStore(store, settings.run, "policy")
+        self.rollbacks = RollbackQueue(store, settings.run)
+        self._rollback_wanted = asyncio.Event()
         spec = fragment_spec(settings.env.id, settings.kafka.max_message_bytes)
         self.model = ActorCritic.for_spec(spec, settings.trainer.hidden,
                                           normalize_observations=settings.trainer.normalize_observations,
@@ -91,7 +107,8 @@ class Paramsync:
     async def run(self, stop_event: asyncio.Event) -> None:
         self._stop = stop_event
         await run_until_first_error(
-            self._candidate_loop(stop_event), self._inbox_loop(stop_event), self._beat_loop(stop_event)
+            self._candidate_loop(stop_event), self._inbox_loop(stop_event), self._beat_loop(stop_event),
+            self._rollback_loop(stop_event),
         )
 
     async def stop(self) -> None:
@@ -237,6 +254,8 @@ class Paramsync:
             return
         if not isinstance(beat, SamplerBeat):
             return
+        if beat.policy_version is not None:
+            SAMPLER_VERSION.labels(sampler=beat.id).set(beat.policy_version)
         for version, latency in self.tracker.heartbeat(beat.id, beat.policy_version, time.monotonic()):
             SYNC_LATENCY.observe(latency)
             self.log.info("policy_synced", policy_version=version, latency_s=round(latency, 4),
@@ -248,8 +267,8 @@ class Paramsync:
         except ValueError as exc:
             self.log.warning("control_malformed", reason=str(exc)[:300])
             return
-        if cmd.command == "rollback" and cmd.version is not None:
-            await self._rollback(cmd.version, cmd.request_id)
+        if cmd.command == "rollback":
+            self._rollback_wanted.set()  # the request itself is in the store: apply it now
             return
         if cmd.command != "sync":
             return  # pause, resume, config: the samplers' and trainer's business
@@ -267,44 +286,105 @@ class Paramsync:
         await self._announce(rec)
         self.log.info("manual_sync_announced", request_id=cmd.request_id, policy_version=rec.version)
 
-    async def _rollback(self, version: int, request_id: str) -> None:
-        """Republish ``version``'s weights as the newest version (versions never go backwards). Its
-        record names what it rolls back to, and starts a new lineage: candidates trained from the
-        abandoned weights are refused from now on."""
-        try:
-            def republish() -> VersionRecord:
-                old = self.policies.store.get(f"{self.policies.prefix}/versions/{version}.json")
-                if old is None:
-                    raise LookupError(f"version {version} is not kept (pruned, or never published)")
-                try:
-                    target = VersionRecord.from_json(old.data)
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise LookupError(f"version {version}'s record is unreadable: {exc}") from exc
-                load_weights(self.model, self.policies.fetch(target))  # present, intact, loadable
-                current = self.policies.read_marker()
-                new_version = (current[0].version if current else 0) + 1
-                record = VersionRecord(version=new_version, blob=target.blob, sha256=target.sha256, size=target.size,
-                                       trainer_step=target.trainer_step,
-                                       extra={"rollback_of": version, "lineage": new_version})
-                self.policies.publish(record, None if current is None else current[1])
-                return record
+    # ---- rollbacks ---------------------------------------------------------------------------
+    async def _rollback_loop(self, stop_event: asyncio.Event) -> None:
+        """Apply pending rollback requests at start, every ``ROLLBACK_POLL_S``, and at once on a command."""
+        while not stop_event.is_set():
+            self._rollback_wanted.clear()
+            try:  # retried while the store is down (paramsync reports itself degraded meanwhile)
+                pending = await self._retry(lambda: asyncio.to_thread(self.rollbacks.pending),
+                                            "read rollback requests", "store", timeout_s=60)
+            except Exception as exc:  # only when stopping: the last transient error
+                if not is_transient(exc) and not stop_event.is_set():
+                    raise
+                return
+            for req, etag in pending:
+                if stop_event.is_set():
+                    return
+                await self._apply_rollback(req, etag)
+            waits = [asyncio.ensure_future(stop_event.wait()), asyncio.ensure_future(self._rollback_wanted.wait())]
+            try:
+                await asyncio.wait(waits, timeout=ROLLBACK_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
 
+    def _republish(self, req: RollbackRequest) -> VersionRecord:
+        """Publish ``req.version``'s weights as the newest version, from a pinned copy of its payload (a
+        concurrent prune cannot delete the blob the new marker names). Idempotent per request: a version
+        already published for this request (paramsync stopped before recording it) is returned as is.
+        Raises LookupError (refused: not kept, already current), BadPayload, WeightsError, MarkerConflict."""
+        version = req.version
+        current = self.policies.read_marker()
+        for rec in ([current[0]] if current else []) + self.policies.records()[::-1]:
+            if rec.extra.get("rollback_request") == req.request_id:
+                return rec
+        old = self.policies.store.get(f"{self.policies.prefix}/versions/{version}.json")
+        if old is None:
+            raise LookupError(f"version {version} is not kept (pruned, or never published)")
+        try:
+            target = VersionRecord.from_json(old.data)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise LookupError(f"version {version}'s record is unreadable: {exc}") from exc
+        if current is not None and current[0].sha256 == target.sha256:
+            raise LookupError(f"version {current[0].version} already has version {version}'s weights")
+        load_weights(self.model, self.policies.fetch(target))  # present, intact, loadable
+        pinned = self.policies.pin_copy(target)
+        new_version = (current[0].version if current else 0) + 1
+        record = VersionRecord(version=new_version, blob=pinned.blob, sha256=target.sha256, size=target.size,
+                               trainer_step=target.trainer_step,
+                               extra={"rollback_of": version, "lineage": new_version,
+                                      "rollback_request": req.request_id})
+        self.policies.publish(record, None if current is None else current[1])
+        return record
+
+    async def _apply_rollback(self, req: RollbackRequest, etag: str) -> None:
+        """Apply one pending request and record the outcome (``applied`` or ``refused``) on it. Records
+        keep the lineage semantics: the new version starts lineage N, so candidates trained from the
+        abandoned weights are refused from now on. A store outage leaves the request pending."""
+        try:
             async with self._marker_lock:
                 for attempt in range(3):
                     try:
-                        record = await self._retry(lambda: asyncio.to_thread(republish), "rollback", "store")
+                        record = await self._retry(lambda: asyncio.to_thread(self._republish, req), "rollback",
+                                                   "store", timeout_s=60)
                         break
                     except MarkerConflict:  # another writer (a second paramsync?) moved it: read again
                         if attempt == 2:
                             raise
         except (LookupError, BadPayload, WeightsError, MarkerConflict) as exc:
-            self.log.warning("rollback_refused", request_id=request_id, version=version, reason=str(exc)[:300])
+            reason = str(exc)[:300]
+            self.log.warning("rollback_refused", request_id=req.request_id, version=req.version, reason=reason)
+            await self._decide(req, etag, "refused", reason=reason)
             return
+        except Exception as exc:  # transient and stopping: still pending, applied at the next start
+            if not is_transient(exc):
+                raise
+            self.log.warning("rollback_deferred", request_id=req.request_id, error=describe(exc))
+            return
+        await self._decide(req, etag, "applied", new_version=record.version)
+        if self.published_version is not None and record.version <= self.published_version:
+            return  # applied before (the marker says so): nothing new to announce
         self._set_published(record)
         self.tracker.published(record.version, time.monotonic())
         await self._announce(record)
-        self.log.warning("policy_rolled_back", request_id=request_id, rollback_of=version,
+        self.log.warning("policy_rolled_back", request_id=req.request_id, rollback_of=req.version,
                          policy_version=record.version, sha256=record.sha256[:12])
+
+    async def _decide(self, req: RollbackRequest, etag: str, status: Status, *, new_version: int | None = None,
+                      reason: str | None = None) -> None:
+        ROLLBACKS.labels(outcome=status).inc()
+        try:
+            won = await self._retry(lambda: asyncio.to_thread(
+                self.rollbacks.decide, req, etag, status, new_version=new_version, reason=reason),
+                "record rollback outcome", "store", timeout_s=60)
+        except Exception as exc:  # transient and stopping: the next start finds it applied (idempotent)
+            if not is_transient(exc):
+                raise
+            self.log.warning("rollback_outcome_unrecorded", request_id=req.request_id, error=describe(exc))
+            return
+        if not won:
+            self.log.info("rollback_decided_elsewhere", request_id=req.request_id)
 
     async def _beat_loop(self, stop_event: asyncio.Event) -> None:
         """Heartbeats, and now and then a re-announcement of the published version: a sampler or a
@@ -312,6 +392,9 @@ class Paramsync:
         interval = self.settings.paramsync.heartbeat_interval_s
         last_announce = time.monotonic()
         while not stop_event.is_set():
+            for sid in self.tracker.forget(time.monotonic()):
+                with contextlib.suppress(KeyError):  # never reported a version
+                    SAMPLER_VERSION.remove(sid)
             live = self.tracker.live(time.monotonic())
             LIVE.set(len(live))
             beat = ParamsyncBeat(id=self.id, published_version=self.published_version,

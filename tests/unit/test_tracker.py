@@ -42,3 +42,21 @@ def test_sampler_seeds_differ_per_sampler_and_repeat_per_id() -> None:
     assert sampler_seed(1, "sampler-0") == sampler_seed(1, "sampler-0")
     assert sampler_seed(1, "sampler-0") != sampler_seed(1, "sampler-1")
     assert sampler_seed(1, "sampler-0") != sampler_seed(2, "sampler-0")
+
+
+def test_silent_samplers_are_forgotten_after_ten_timeouts() -> None:
+    t = SyncTracker(sampler_timeout_s=2)
+    t.heartbeat("old", 0, at=0.0)
+    t.heartbeat("a", 0, at=0.0)
+    assert t.forget(20.0) == []  # 10 x timeout: not yet
+    assert set(t.samplers) == {"old", "a"} and t.live(20.0) == {}
+    t.heartbeat("a", 1, at=20.5)  # a heartbeat forgets the long-silent ones too
+    assert set(t.samplers) == {"a"}
+    assert t.forget(41.0) == ["a"] and t.samplers == {}
+
+
+def test_sampler_churn_keeps_the_tracker_bounded() -> None:
+    t = SyncTracker(sampler_timeout_s=1)
+    for i in range(10_000):  # a sampler restarting under a new id every second
+        t.heartbeat(f"s-{i}", i, at=float(i))
+    assert len(t.samplers) <= 11

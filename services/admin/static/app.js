@@ -345,7 +345,8 @@
     if (res === null) return;
     const now = num(res.new_version);
     notify("ok", now !== null ? `Rolled back to version ${version}: its weights are now version ${now}.`
-      : `Rollback to version ${version} sent; not published yet.`);
+      : `Rollback to version ${version} stored, pending: ${res.reason || "not applied yet"}; ` +
+        "paramsync applies it when it runs.");
     await loadVersions();
     poll(false);
   }

@@ -1,0 +1,61 @@
+"""Durable rollback requests, admin's side: create one (``pending``), read it back, list the pending.
+
+The layout and the writer rules are the contract in docs/api.md ("Rollback requests"):
+``<run>/ops/rollback/<request_id>.json``; admin creates with ``If-None-Match`` (a request is never
+overwritten by admin), paramsync alone records ``applied`` / ``refused`` on it. Request ids sort by
+request time (``<unix ns, 20 digits>-<8 hex>``), the order paramsync applies them in.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from shared.store import ObjectStore
+
+ROLLBACK_PREFIX = "ops/rollback/"
+
+
+def new_request_id() -> str:
+    """Unique, and sorting by creation time."""
+    return f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+
+
+class RollbackRequests:
+    """The run's rollback requests in the object store. Store errors propagate (the route makes them 503)."""
+
+    def __init__(self, store: ObjectStore, run: str) -> None:
+        self.store = store
+        self.prefix = f"{run}/{ROLLBACK_PREFIX}"
+
+    def create(self, request_id: str, version: int, actor: str) -> dict[str, Any]:
+        req = {"request_id": request_id, "version": version, "status": "pending", "requested_at": time.time(),
+               "actor": actor, "new_version": None, "reason": None, "decided_at": None}
+        self.store.put(f"{self.prefix}{request_id}.json", json.dumps(req, sort_keys=True).encode(),
+                       if_none_match=True)
+        return req
+
+    def get(self, request_id: str) -> dict[str, Any] | None:
+        obj = self.store.get(f"{self.prefix}{request_id}.json")
+        if obj is None:
+            return None
+        data: dict[str, Any] = json.loads(obj.data)
+        return data
+
+    def pending(self) -> list[dict[str, Any]]:
+        """Requests paramsync has not decided yet, oldest first (unreadable objects are skipped)."""
+        out = []
+        for key in self.store.list(self.prefix):
+            obj = self.store.get(key)
+            if obj is None:
+                continue
+            try:
+                req = json.loads(obj.data)
+                if req.get("status") == "pending":
+                    out.append({"request_id": str(req["request_id"]), "version": int(req["version"]),
+                                "requested_at": float(req.get("requested_at") or 0.0)})
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+        return out
