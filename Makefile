@@ -8,7 +8,7 @@ CONFIG ?= configs/cartpole.yaml
 PYTEST_ARGS ?=
 ONLY ?=
 
-.PHONY: help install up down status infra-up infra-down test test-faults test-unit bench lint clean
+.PHONY: help install up down status infra-up infra-down test test-faults test-unit bench lint k8s-check clean
 
 help:
 	@echo "make up        run the whole stack (docker compose if a Docker engine answers, else local processes)"
@@ -19,6 +19,7 @@ help:
 	@echo "make test-faults  the whole fault-injection suite (~10 min) -> docs/reliability.md"
 	@echo "make bench     the benchmark suite (ONLY=name for one figure) -> docs/benchmarks.md"
 	@echo "make lint      ruff + mypy --strict on shared/, services/ and devstack/"
+	@echo "make k8s-check build every deploy/k8s overlay (kustomize, in-process) and check it (needs Go)"
 	@echo "make infra-up / infra-down   just Kafka + S3 as local processes"
 
 $(STAMP): pyproject.toml
@@ -68,6 +69,21 @@ lint: install
 	$(PY) -m pip install --quiet -e '.[test,dev]'
 	$(PY) -m ruff check shared services devstack tests bench
 	$(PY) -m mypy
+
+# Kubernetes manifests: tools/k8s-check builds each overlay with kustomize's Go API and decodes every
+# object strictly into the k8s.io/api types, then applies the project's rules (docs/kubernetes.md).
+# The binary is rebuilt only when its sources change; tests/unit/test_k8s_check.py runs this target.
+K8S_CHECK := .flywheel/bin/k8s-check
+K8S_OVERLAYS := deploy/k8s/overlays/local deploy/k8s/overlays/gpu deploy/k8s/overlays/cluster
+
+$(K8S_CHECK): tools/k8s-check/go.mod tools/k8s-check/go.sum $(wildcard tools/k8s-check/*.go)
+	@command -v go >/dev/null || { echo "make k8s-check needs Go on PATH (https://go.dev/dl/)" >&2; exit 1; }
+	@mkdir -p $(dir $@)
+	cd tools/k8s-check && GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false" \
+		go build -trimpath -o ../../$@.$$$$.partial . && mv ../../$@.$$$$.partial ../../$@
+
+k8s-check: $(K8S_CHECK)
+	$(K8S_CHECK) $(K8S_OVERLAYS)
 
 clean:
 	rm -rf .pytest_cache build *.egg-info

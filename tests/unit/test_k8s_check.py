@@ -1,0 +1,335 @@
+"""The Kubernetes manifests (deploy/k8s) as `make k8s-check` builds and checks them.
+
+`make k8s-check` builds tools/k8s-check (a Go program around kustomize's krusty API and the
+k8s.io/api types) into .flywheel/bin once, then builds every overlay in-process, decodes every object
+strictly and applies the project's rules (docs/kubernetes.md, "What k8s-check enforces"). These tests
+run it over the real overlays (they pass) and over temporary copies with one rule broken (each is
+refused, naming that rule and the object). Go is required: without it the first test fails rather
+than skips (CI machines have Go). The first build downloads the modules and compiles for minutes; later
+runs reuse the binary (make rebuilds it only when tools/k8s-check changes).
+
+The other tests read what the overlays deploy (`k8s-check -dump`): the settings every container gets
+are ones the services accept (shared.settings.load_settings), the cluster overlay's KafkaTopics are
+exactly the topics the services would create, and each role reads only its own credentials.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from shared.kafka import topic_specs
+from shared.settings import load_settings
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "k8s"
+OVERLAYS = ("local", "gpu", "cluster")
+BINARY = REPO / ".flywheel" / "bin" / "k8s-check"
+ROLES = ("sampler", "trainer", "paramsync", "admin")
+BUILD_TIMEOUT_S = 560  # a cold Go cache downloads kustomize and k8s.io/api and compiles them
+# Whichever test runs first builds the checker inside its own timeout.
+pytestmark = pytest.mark.timeout(BUILD_TIMEOUT_S + 60)
+
+Doc = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def checker() -> Path:
+    """`make k8s-check` over the real overlays: it must pass (and leaves the binary built)."""
+    for tool in ("go", "make"):  # fail, never skip: CI machines have both
+        if shutil.which(tool) is None:
+            pytest.fail(f"`make k8s-check` needs {tool} on PATH (Go: https://go.dev/dl/)")
+    proc = subprocess.run(["make", "--no-print-directory", "k8s-check"], cwd=REPO, capture_output=True, text=True,
+                          timeout=BUILD_TIMEOUT_S, check=False)
+    assert proc.returncode == 0, f"make k8s-check failed (Go is required):\n{proc.stdout}\n{proc.stderr}"
+    for overlay in OVERLAYS:
+        assert f"ok  deploy/k8s/overlays/{overlay}: " in proc.stdout, proc.stdout
+    assert BINARY.is_file()
+    return BINARY
+
+
+def test_make_k8s_check_passes_on_every_overlay(checker: Path) -> None:
+    assert checker.is_file()
+
+
+def _dump(checker: Path, overlay: str) -> list[Doc]:
+    proc = subprocess.run([str(checker), "-dump", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def _workload(docs: list[Doc], role: str) -> Doc:
+    [found] = [d for d in docs
+               if d["kind"] in ("Deployment", "StatefulSet") and d["metadata"]["name"] == f"flywheel-{role}"]
+    return found
+
+
+def _container(docs: list[Doc], role: str) -> Doc:
+    [c] = _workload(docs, role)["spec"]["template"]["spec"]["containers"]
+    container: Doc = c
+    return container
+
+
+# ---- broken copies: each is refused, naming the rule -------------------------------------------------
+
+def _edit(root: Path, relpath: str, kind: str, name: str, change: Callable[[Doc], None]) -> None:
+    """Apply ``change`` to the object ``kind``/``name`` of the YAML file ``relpath`` under ``root``."""
+    path = root / relpath
+    docs = list(yaml.safe_load_all(path.read_text()))
+    matches = [d for d in docs if d and d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(matches) == 1, f"{kind}/{name} not in {relpath}"
+    change(matches[0])
+    path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+
+
+def _pod(d: Doc) -> Doc:
+    spec: Doc = d["spec"]["template"]["spec"]
+    return spec
+
+
+def _first(d: Doc) -> Doc:
+    c: Doc = _pod(d)["containers"][0]
+    return c
+
+
+def _drop_pdb(root: Path) -> None:
+    path = root / "base" / "paramsync.yaml"
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d["kind"] != "PodDisruptionBudget"]
+    path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+
+
+def _drop_netpol(root: Path) -> None:
+    path = root / "base" / "trainer.yaml"
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d["kind"] != "NetworkPolicy"]
+    path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+
+
+def _add_secret(root: Path) -> None:
+    path = root / "overlays" / "cluster" / "users.yaml"
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "flywheel-sampler-s3"},
+              "stringData": {"AWS_SECRET_ACCESS_KEY": "committed-by-mistake"}}
+    path.write_text(path.read_text() + "---\n" + yaml.safe_dump(secret))
+
+
+CLUSTER_KAFKA = "overlays/cluster/kafka.yaml"
+SAMPLER, TRAINER, ADMIN = "base/sampler.yaml", "base/trainer.yaml", "base/admin.yaml"
+SAMPLER_DEPLOYMENT, TRAINER_STS = "Deployment/flywheel/flywheel-sampler", "StatefulSet/flywheel/flywheel-trainer"
+ADMIN_DEPLOYMENT = "Deployment/flywheel/flywheel-admin"
+
+
+@dataclass(frozen=True)
+class Broken:
+    """One rule broken in a copy of deploy/k8s: ``overlay`` must refuse it with one finding kind."""
+
+    id: str
+    overlay: str
+    rule: str  # the rule every finding names
+    ref: str  # the object every finding names
+    text: str  # in at least one finding
+    breakage: Callable[[Path], None]  # edits the copy rooted at its argument
+
+
+def _sampler(change: Callable[[Doc], None]) -> Callable[[Path], None]:
+    return lambda root: _edit(root, SAMPLER, "Deployment", "flywheel-sampler", change)
+
+
+def _trainer(change: Callable[[Doc], None]) -> Callable[[Path], None]:
+    return lambda root: _edit(root, TRAINER, "StatefulSet", "flywheel-trainer", change)
+
+
+def _admin(change: Callable[[Doc], None]) -> Callable[[Path], None]:
+    return lambda root: _edit(root, ADMIN, "Deployment", "flywheel-admin", change)
+
+
+def _kafka_listener(change: Callable[[Doc], None]) -> Callable[[Path], None]:
+    return lambda root: _edit(root, CLUSTER_KAFKA, "Kafka", "flywheel",
+                              lambda d: change(d["spec"]["kafka"]["listeners"][0]))
+
+
+BROKEN = [
+    Broken("hostpath", "local", "no-host-access", SAMPLER_DEPLOYMENT, 'volume "host" is a hostPath',
+           _sampler(lambda d: _pod(d)["volumes"].append({"name": "host", "hostPath": {"path": "/var/run"}}))),
+    Broken("unknown-field", "local", "strict-decode", SAMPLER_DEPLOYMENT, 'unknown field "spec.replica"',
+           _sampler(lambda d: d["spec"].update(replica=3))),
+    Broken("missing-probe", "gpu", "probes", TRAINER_STS, 'container "trainer" has no readinessProbe',
+           _trainer(lambda d: _first(d).pop("readinessProbe"))),
+    Broken("probe-path", "local", "probes", ADMIN_DEPLOYMENT, "livenessProbe must be an HTTP GET of /healthz",
+           _admin(lambda d: _first(d)["livenessProbe"]["httpGet"].update(path="/metrics"))),
+    Broken("no-limits", "cluster", "resources", ADMIN_DEPLOYMENT, "memory request and limit must both be set",
+           _admin(lambda d: _first(d)["resources"].pop("limits"))),
+    Broken("writable-root", "local", "security-context", SAMPLER_DEPLOYMENT, "readOnlyRootFilesystem must be true",
+           _sampler(lambda d: _first(d)["securityContext"].update(readOnlyRootFilesystem=False))),
+    Broken("root", "local", "security-context", SAMPLER_DEPLOYMENT, "runAsNonRoot must be true",
+           _sampler(lambda d: _pod(d)["securityContext"].pop("runAsNonRoot"))),
+    Broken("privilege-escalation", "local", "security-context", TRAINER_STS, "allowPrivilegeEscalation must be false",
+           _trainer(lambda d: _first(d)["securityContext"].pop("allowPrivilegeEscalation"))),
+    Broken("inline-secret", "local", "secret-by-reference", ADMIN_DEPLOYMENT,
+           "env FLYWHEEL_ADMIN_TOKEN has an inline value",
+           _admin(lambda d: _first(d)["env"].__setitem__(1, {"name": "FLYWHEEL_ADMIN_TOKEN", "value": "x" * 40}))),
+    Broken("secret-object", "cluster", "secret-by-reference", "Secret/flywheel/flywheel-sampler-s3",
+           "a Secret with inline data", _add_secret),
+    Broken("no-pdb", "local", "pdb", "Deployment/flywheel/flywheel-paramsync", "no PodDisruptionBudget selects",
+           _drop_pdb),
+    Broken("no-netpol", "cluster", "network-policy", TRAINER_STS, "no NetworkPolicy selects", _drop_netpol),
+    Broken("hpa-target", "local", "references", "HorizontalPodAutoscaler/flywheel/flywheel-sampler",
+           "scaleTargetRef Deployment/flywheel-samplers is not a workload",
+           lambda root: _edit(root, SAMPLER, "HorizontalPodAutoscaler", "flywheel-sampler",
+                              lambda d: d["spec"]["scaleTargetRef"].update(name="flywheel-samplers"))),
+    Broken("strimzi-unknown-field", "cluster", "strict-decode", "Kafka/flywheel/flywheel",
+           'unknown field "spec.kafka.listeners[0].authentification"',
+           _kafka_listener(lambda listener: listener.update(authentification={"type": "scram-sha-512"}))),
+    Broken("strimzi-enum", "cluster", "strict-decode", "Kafka/flywheel/flywheel",
+           'type "internel": not a Strimzi listener type',
+           _kafka_listener(lambda listener: listener.update(type="internel"))),
+]
+
+
+@pytest.mark.parametrize("broken", BROKEN, ids=[b.id for b in BROKEN])
+def test_a_broken_copy_is_refused_naming_the_rule(checker: Path, tmp_path: Path, broken: Broken) -> None:
+    root = tmp_path / "k8s"
+    shutil.copytree(K8S, root)
+    overlay = str(root / "overlays" / broken.overlay)
+    intact = subprocess.run([str(checker), overlay], capture_output=True, text=True, timeout=120, check=False)
+    assert intact.returncode == 0, f"the unbroken copy must pass:\n{intact.stderr}"
+    broken.breakage(root)
+    proc = subprocess.run([str(checker), overlay], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    findings = proc.stderr.strip().splitlines()
+    assert findings, "refused without a finding"
+    # Exactly the broken rule, on the broken object, with the reason.
+    assert all(f": {broken.ref}: [{broken.rule}] " in f for f in findings), findings
+    assert any(broken.text in f for f in findings), findings
+
+
+def test_usage_errors_exit_2(checker: Path) -> None:
+    proc = subprocess.run([str(checker)], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "usage: k8s-check" in proc.stderr
+
+
+# ---- what the overlays deploy ---------------------------------------------------------------------------
+
+def _resolved_env(docs: list[Doc], container: Doc, secret_value: str) -> dict[str, str]:
+    """The environment a container starts with; Secrets (external or generated) read as secret_value."""
+    config_maps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            env.update(config_maps[source["configMapRef"]["name"]])
+        else:
+            env.update(AWS_ACCESS_KEY_ID=secret_value, AWS_SECRET_ACCESS_KEY=secret_value)
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        elif "secretKeyRef" in var["valueFrom"]:
+            env[var["name"]] = secret_value
+        else:
+            env[var["name"]] = "flywheel-trainer-0"  # fieldRef metadata.name
+    return env
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_gets_settings_the_services_accept(checker: Path, tmp_path: Path, overlay: str) -> None:
+    docs = _dump(checker, overlay)
+    ca = tmp_path / "ca.crt"
+    ca.write_text("not read by load_settings beyond existing\n")
+    for role in ROLES:
+        container = _container(docs, role)
+        env = _resolved_env(docs, container, secret_value="s" * 40)
+        config = REPO / env.pop("FLYWHEEL_CONFIG").removeprefix("/app/")
+        if "FLYWHEEL_KAFKA_SSL_CAFILE" in env:
+            mounts = [m["mountPath"] for m in container["volumeMounts"]]
+            assert any(env["FLYWHEEL_KAFKA_SSL_CAFILE"].startswith(m + "/") for m in mounts), (role, mounts)
+            env["FLYWHEEL_KAFKA_SSL_CAFILE"] = str(ca)
+        settings = load_settings(config, environ=env)  # refuses unknown FLYWHEEL_* variables
+        port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+        assert settings.http.port == port and settings.http.host == "0.0.0.0", role
+        for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+            assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, (role, probe)
+        if overlay == "cluster":
+            assert settings.kafka.security_protocol == "SASL_SSL" and settings.kafka.sasl_username == f"flywheel-{role}"
+            assert settings.kafka.replication_factor == 3
+        if role == "admin":
+            assert settings.admin.token is not None
+
+
+def test_each_role_reads_only_its_own_secrets(checker: Path) -> None:
+    docs = _dump(checker, "cluster")
+    users = {d["metadata"]["name"] for d in docs if d["kind"] == "KafkaUser"}
+    assert not [d for d in docs if d["kind"] == "Secret"], "the cluster overlay carries no Secret objects"
+    for role in ROLES:
+        container = _container(docs, role)
+        secrets = {s["secretRef"]["name"] for s in container["envFrom"] if "secretRef" in s}
+        secrets |= {v["valueFrom"]["secretKeyRef"]["name"] for v in container["env"]
+                    if "valueFrom" in v and "secretKeyRef" in v["valueFrom"]}
+        expected = {f"flywheel-{role}-s3", f"flywheel-{role}"}
+        if role == "admin":
+            expected.add("flywheel-admin-token")
+        assert secrets == expected, role
+        assert f"flywheel-{role}" in users  # Strimzi writes that Secret for this KafkaUser
+
+
+def test_images_cuda_only_for_the_gpu_trainer(checker: Path) -> None:
+    local, gpu, cluster = (_dump(checker, o) for o in OVERLAYS)
+    for role in ROLES:
+        assert _container(local, role)["image"] == "flywheel-sampler:dev", role
+    for docs in (gpu, cluster):
+        trainer = _container(docs, "trainer")
+        assert trainer["image"].endswith("flywheel-trainer:dev")
+        assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert {"name": "FLYWHEEL_TRAINER_DEVICE", "value": "cuda"} in trainer["env"]
+        for role in ("sampler", "paramsync", "admin"):
+            assert _container(docs, role)["image"].endswith("flywheel-sampler:dev"), role
+    dockerfiles = {n: (REPO / "deploy" / f"Dockerfile.{n}").read_text() for n in ("sampler", "trainer")}
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu\n" in dockerfiles["sampler"]
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu" in dockerfiles["trainer"]
+    for text in dockerfiles.values():
+        assert "\nUSER 10001:10001\n" in text
+
+
+def test_trainer_ranks_have_stable_dns_names(checker: Path) -> None:
+    docs = _dump(checker, "cluster")
+    trainer = _workload(docs, "trainer")
+    [svc] = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == trainer["spec"]["serviceName"]]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert {"name": "rendezvous", "port": 29500, "targetPort": "rendezvous"} in svc["spec"]["ports"]
+
+
+def test_cluster_topics_are_the_ones_the_services_create(checker: Path) -> None:
+    docs = _dump(checker, "cluster")
+    [env] = [d["data"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("flywheel-env")]
+    settings = load_settings(REPO / env["FLYWHEEL_CONFIG"].removeprefix("/app/"),
+                             environ={"FLYWHEEL_KAFKA_REPLICATION_FACTOR": env["FLYWHEEL_KAFKA_REPLICATION_FACTOR"]})
+    declared = {d["metadata"]["name"]: (d["spec"]["partitions"], d["spec"]["replicas"], d["spec"].get("config", {}))
+                for d in docs if d["kind"] == "KafkaTopic"}
+    wanted = {t.name: (t.num_partitions, t.replication_factor, dict(t.topic_configs)) for t in topic_specs(settings)}
+    assert declared == wanted
+    prefix = f"{settings.run}."
+    for user in (d for d in docs if d["kind"] == "KafkaUser"):
+        assert {acl["resource"]["name"] for acl in user["spec"]["authorization"]["acls"]} == {prefix}
+
+
+def test_local_minio_policy_is_the_compose_one() -> None:
+    copy = K8S / "overlays" / "local" / "minio" / "flywheel-bucket-policy.json"
+    original = REPO / "deploy" / "minio" / "flywheel-bucket-policy.json"
+    assert json.loads(copy.read_text()) == json.loads(original.read_text())
+
+
+def test_sampler_autoscaler_metric_is_served_by_the_adapter_rules(checker: Path) -> None:
+    docs = _dump(checker, "local")
+    [hpa] = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    [metric] = hpa["spec"]["metrics"]
+    values = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())
+    [rule] = values["rules"]["custom"]
+    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == rule["name"]["as"]
+    series = rule["seriesQuery"].split("{")[0]
+    # The counter the sampler exports.
+    assert f'"{series}"' in (REPO / "services" / "sampler" / "service.py").read_text()
