@@ -251,7 +251,11 @@ class RuntimeApplier:
 
     def poll_once(self) -> Revision | None:
         """The new revision it handled (applied or refused), or None when there was none."""
-        rev = self.watcher.poll()
+        return self.handle(self.watcher.poll())
+
+    def handle(self, rev: Revision | None) -> Revision | None:
+        """Apply (or refuse) a revision the caller polled itself (no I/O here: a service may hold a lock
+        around this that it could not hold around a store read)."""
         if rev is None:
             return None
         try:

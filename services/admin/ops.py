@@ -320,7 +320,9 @@ async def _write_config(s: State, request: Request, values: dict[str, Any], reve
     if reverted_from is not None:
         params["revision"] = reverted_from
     await _audit(s, request, action, params, f"revision {rev.revision}")
-    return ConfigChange(revision=rev.revision, settings=rev.settings, changes=rev.changes)
+    # The revision stores the operators' overrides only; the response shows them applied on admin's settings.
+    return ConfigChange(revision=rev.revision, settings=runtime_values(apply_runtime(s.settings, rev.settings)),
+                        changes=rev.changes)
 
 
 @router.patch("/config", response_model=ConfigChange, dependencies=[Depends(require_token)],
@@ -347,14 +349,14 @@ async def config_history(s: State) -> ConfigHistory:
              responses={**AUTH, 404: {"description": "No such revision"}, 503: {"description": "Object store down"}})
 async def config_revert(s: State, request: Request, body: RevertRequest) -> ConfigChange:
     """Make revision ``revision``'s settings current again, as a new revision."""
-    if body.revision == 0:
-        return await _write_config(s, request, runtime_values(s.settings), 0)
+    if body.revision == 0:  # no overrides: every service on its own settings
+        return await _write_config(s, request, {}, 0)
     revisions = await _store(s, "config history", s.runtime_config.history)
     target = next((r for r in revisions if r.revision == body.revision), None)
     if target is None:
         raise HTTPException(status_code=404, detail=f"revision {body.revision} does not exist "
                                                     f"(have {[r.revision for r in revisions]})")
-    return await _write_config(s, request, target.settings, body.revision)
+    return await _write_config(s, request, target.overrides(s.settings), body.revision)
 
 
 # ---- audit, history ---------------------------------------------------------------------------

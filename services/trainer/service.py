@@ -40,7 +40,7 @@ from shared.marker import VersionedStore
 from shared.messages import PolicyMessage
 from shared.retry import Health, Retrier, describe, is_transient, poll_or_pause, stop_clients
 from shared.rl.envs import fragment_spec
-from shared.runtime import AuditLog, RuntimeConfig, RuntimeWatcher
+from shared.runtime import AuditLog, RuntimeApplier, RuntimeConfig, RuntimeWatcher
 from shared.settings import Settings
 from shared.store import open_store
 
@@ -60,11 +60,20 @@ class Trainer:
         self.learner = Learner(self.spec, self.cfg)
         store = open_store(settings)
         self.store = store
-        self.runtime = RuntimeWatcher(RuntimeConfig(store, settings.run))
         self.audit = m.Auditor(AuditLog(store, settings.run), self.log)
+        audit_log = AuditLog(store, settings.run)
+
+        def repaired(kind: str) -> Any:
+            def hook(rec: Any, reason: str) -> None:  # called from the store's thread: audit synchronously
+                audit_log.append("trainer", "marker_repaired", {"marker": kind, "restored": rec.version,
+                                                                "reason": reason[:300]}, "repaired from history")
+            return hook
+
+        self.runtime = RuntimeApplier(RuntimeWatcher(RuntimeConfig(store, settings.run, on_repair=repaired("config"))),
+                                      settings, lambda s, rev: self.tasks.apply_settings(s, rev), self.log, "trainer")
         self.lineage = 0  # the newest rollback the model descends from
         self.pending_rollback: PolicyMessage | None = None
-        self.policies = VersionedStore(store, settings.run, "policy")
+        self.policies = VersionedStore(store, settings.run, "policy", on_repair=repaired("policy"))
         self.health_state = Health("trainer")
         self.retry = Retrier(self.health_state, self.log)
         self._on_kafka = bus is None  # else an in-memory bus (unit tests): no topics to create
@@ -78,7 +87,8 @@ class Trainer:
         self.publication = Publication(self.policies, self.producer, policy_topic=self.topics.policy,
                                        kafka_timeout_s=kafka_timeout_s, health=self.health_state, retry=self.retry,
                                        audit=self.audit, log=self.log)
-        self.checkpoints = Checkpoints(VersionedStore(store, settings.run, "checkpoints"),
+        ckpt_store = VersionedStore(store, settings.run, "checkpoints", on_repair=repaired("checkpoints"))
+        self.checkpoints = Checkpoints(ckpt_store,
                                        keep=self.cfg.keep_checkpoints, health=self.health_state, retry=self.retry,
                                        audit=self.audit, log=self.log)
         # How batches form (async, or the synchronous baseline) is the one thing settings.mode changes here.
@@ -399,6 +409,9 @@ class Trainer:
             off = self.group.ledger.resume_offset(tp)
             if off is not None:
                 self.intake.seeked(tp, off)
+
+    def guard_config_changed(self, revision: int, old: dict[str, Any]) -> None:
+        """A runtime revision was applied (the rollback guard notes it as a possible cause of a fall)."""
 
     # ---- rollback ----------------------------------------------------------------------------
     def saw_announcement(self, rec: Record) -> None:

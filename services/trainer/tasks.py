@@ -18,10 +18,11 @@ from services.trainer.update import UpdateStats
 from shared.credits import auto_window
 from shared.fragment import Fragment
 from shared.logging import fragment_fields
+from shared.marker import BadPayload
 from shared.messages import SamplerBeat, TrainerBeat, parse_heartbeat
 from shared.retry import describe, every, is_transient, read_forever
-from shared.runtime import apply_runtime, runtime_values
-from shared.settings import ConfigError, Settings
+from shared.runtime import runtime_values
+from shared.settings import Settings
 
 if TYPE_CHECKING:
     from services.trainer.service import Trainer
@@ -137,25 +138,21 @@ class TrainerTasks:
 
     # ---- runtime config and the published marker --------------------------------------------------
     async def runtime_config(self) -> None:
+        """The newest runtime revision, applied on this trainer's own settings (``RuntimeApplier``), never
+        between an update's steps. An unreadable revision leaves the settings as they are (degraded)."""
         t = self.t
         try:
-            rev = await asyncio.wait_for(asyncio.to_thread(t.runtime.poll), 10)
+            rev = await asyncio.wait_for(asyncio.to_thread(t.runtime.watcher.poll), 10)
         except Exception as exc:
-            if not is_transient(exc):
+            if not (is_transient(exc) or isinstance(exc, BadPayload)):
                 raise
+            t.health_state.degraded("config", f"runtime config unreadable: {describe(exc)}")
             t.log.warning("runtime_config_unreadable", error=describe(exc))
             return
-        if rev is None:
-            return
-        try:
-            settings = apply_runtime(t.base_settings, rev.settings)
-        except ConfigError as exc:  # does not validate against this trainer's settings: skip it
-            t.log.error("runtime_config_refused", revision=rev.revision, error=str(exc)[:300])
-        else:
-            async with t._update_lock:  # never between an update's steps
-                changes = self.apply_settings(settings, rev.revision)
-            t.log.info("runtime_config_applied", revision=rev.revision, changes=changes or None)
-        t.runtime.ack(rev)
+        t.health_state.recovered("config")
+        if rev is not None:
+            async with t._update_lock:
+                t.runtime.handle(rev)
 
     def apply_settings(self, settings: Settings, revision: int) -> dict[str, Any]:
         t = self.t
@@ -165,6 +162,7 @@ class TrainerTasks:
         t.intake.max_staleness = settings.trainer.max_staleness
         t.consumption.total_window = auto_window(settings)
         t.stats.config_revision = revision
+        t.guard_config_changed(revision, old)
         m.LEARNING_RATE.set(t.learner.learning_rate())
         new = runtime_values(settings)
         return {k: {"old": old[k], "new": new[k]} for k in new if k.startswith("trainer.") and old[k] != new[k]}
