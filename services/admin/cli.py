@@ -317,12 +317,33 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--logs", type=Path, metavar="DIR",
                     help="directory of *.log and rotated *.log.N (default: $FLYWHEEL_HOME/logs)")
     tr.add_argument("--json", action="store_true", help="the timeline as JSON (as GET /trace/{id})")
+
+    ve = sub.add_parser("verify", help="prove from a checkpoint and the topics that every record is in the model "
+                        "exactly once (reads the store and Kafka directly; exit 0 ok, 1 not)")
+    ve.add_argument("--checkpoint", type=int, metavar="STEP", help="a kept checkpoint (default: the newest)")
+    ve.add_argument("--config", metavar="FILE", help="the run's config file (endpoints also from FLYWHEEL_* env)")
+    ve.add_argument("--no-log", action="store_true", help="check the ledger only, without reading the topics")
     return parser
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from services.admin.verify import verify  # imports Kafka and the store: only for this command
+    from shared.settings import ConfigError, load_settings
+
+    try:
+        code, lines = verify(load_settings(args.config), args.checkpoint, read_log=not args.no_log)
+    except (ConfigError, LookupError) as exc:
+        print(f"flywheel: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return code
 
 
 def run(args: argparse.Namespace, transport: httpx.BaseTransport | None, sleep: Callable[[float], None]) -> int:
     if args.command == "trace":
         return cmd_trace(args)
+    if args.command == "verify":
+        return cmd_verify(args)
     timeout = 10.0 + (args.wait if args.command == "sync" else 0.0)
     try:
         with httpx.Client(base_url=args.url, timeout=timeout, transport=transport) as client:

@@ -24,62 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
-import numpy as np
 from aiokafka import TopicPartition
 
-Outcome = Literal["trained", "dropped", "dead", "gap"]
-OUTCOMES: tuple[Outcome, ...] = ("trained", "dropped", "dead", "gap")
-_MASK = (1 << 64) - 1
+from shared.digest import OUTCOMES, Digest, Outcome, mix64, range_digest
 
-
-def mix64(offset: int) -> int:
-    """SplitMix64's finaliser: a well-spread 64-bit hash of one offset."""
-    z = (offset + 0x9E3779B97F4A7C15) & _MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return z ^ (z >> 31)
-
-
-def range_digest(lo: int, hi: int) -> Digest:
-    """The digest of every offset in ``[lo, hi)`` exactly once (vectorised: ~20 ms per million)."""
-    d = Digest()
-    with np.errstate(over="ignore"):
-        for a in range(lo, hi, 1 << 20):
-            z = np.arange(a, min(hi, a + (1 << 20)), dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-            z = z ^ (z >> np.uint64(31))
-            d.count += int(z.size)
-            d.hash = (d.hash + int(z.sum(dtype=np.uint64))) & _MASK
-    return d
-
-
-@dataclasses.dataclass
-class Digest:
-    """A multiset of offsets: how many, and the sum of their hashes mod 2^64 (order-independent)."""
-
-    count: int = 0
-    hash: int = 0
-
-    def add(self, offset: int) -> None:
-        self.count += 1
-        self.hash = (self.hash + mix64(offset)) & _MASK
-
-    def __add__(self, other: Digest) -> Digest:
-        return Digest(self.count + other.count, (self.hash + other.hash) & _MASK)
-
-    def __sub__(self, other: Digest) -> Digest:
-        return Digest(self.count - other.count, (self.hash - other.hash) & _MASK)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"count": self.count, "hash": f"{self.hash:016x}"}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Digest:
-        return cls(int(d["count"]), int(str(d["hash"]), 16))
-
+__all__ = ["OUTCOMES", "Digest", "OffsetLedger", "Outcome", "PartitionLedger", "mix64", "range_digest"]
 
 def _extend(ranges: list[list[int]], offset: int) -> None:
     if ranges and ranges[-1][1] == offset:

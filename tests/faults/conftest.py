@@ -15,6 +15,8 @@ import asyncio
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -93,12 +95,26 @@ class FaultEnv:
         return account_now(self.endpoints.kafka_bootstrap, topic, trainer_group(self.run),
                            self.stack.log_path("trainer"))
 
+    def verify(self) -> tuple[int, str]:
+        """``flywheel verify`` on the newest checkpoint, as an operator runs it: the proof from the artifact
+        (the checkpoint's ledger against the topics), independent of the trainer's log lines."""
+        env = self.stack.service_env("admin")
+        proc = subprocess.run([sys.executable, "-m", "services.admin.cli", "verify"], env=env, capture_output=True,
+                              text=True, timeout=180, cwd=Path(__file__).resolve().parents[2])
+        return proc.returncode, (proc.stdout + proc.stderr).strip()
+
     def check_accounting(self, fault: str, recover_s: float | None, note: str = "") -> Accounting:
         acc = self.account()
         self.say(f"[{fault}] accounting: {acc.summary()}")
-        self.rows.append(Row(fault, "ok" if not acc.problems() else "FAILED", recover_s, len(acc.missing),
-                             len(acc.trained_twice_in_a_run), self.restarts(), note))
+        code, out = self.verify()
+        self.say(f"[{fault}] flywheel verify exit {code}:\n{out}")
+        ok = not acc.problems() and code == 0
+        self.rows.append(Row(fault, "ok" if ok else "FAILED", recover_s, len(acc.missing),
+                             len(acc.trained_twice_in_a_run), self.restarts(),
+                             f"{note}; verify {'ok' if code == 0 else 'FAILED'}" if note else
+                             f"verify {'ok' if code == 0 else 'FAILED'}"))
         assert not acc.problems(), acc.problems()
+        assert code == 0, f"flywheel verify failed after {fault}:\n{out}"
         return acc
 
     # ---- faults ---------------------------------------------------------------------------
