@@ -27,15 +27,15 @@ from aiokafka import TopicPartition
 from services.trainer import telemetry as m
 from services.trainer.checkpoints import Checkpoints
 from services.trainer.group import ConsumerGroup
-from services.trainer.intake import Batch, BatchStrategy, Intake, Pending, StallWatch, strategy_for
+from services.trainer.intake import Batch, BatchStrategy, Intake, StallWatch, strategy_for
 from services.trainer.learner import Learner
+from services.trainer.outcomes import RecordOutcomes
 from services.trainer.publication import Publication, announcement
 from services.trainer.tasks import TrainerTasks
 from shared.bus import Bus, Record, kafka_bus
-from shared.credits import H_SAMPLER_SEQ, Consumption, auto_window
-from shared.fragment import H_SAMPLER_ID, FragmentError, decode_fragment, header_dict
+from shared.credits import Consumption, auto_window
 from shared.kafka import Topics, ensure_topics, trainer_group
-from shared.logging import fragment_fields, get_logger
+from shared.logging import get_logger
 from shared.marker import VersionedStore
 from shared.messages import PolicyMessage
 from shared.retry import Health, Retrier, describe, is_transient, poll_or_pause, stop_clients
@@ -61,14 +61,7 @@ class Trainer:
         store = open_store(settings)
         self.store = store
         self.audit = m.Auditor(AuditLog(store, settings.run), self.log)
-        audit_log = AuditLog(store, settings.run)
-
-        def repaired(kind: str) -> Any:
-            def hook(rec: Any, reason: str) -> None:  # called from the store's thread: audit synchronously
-                audit_log.append("trainer", "marker_repaired", {"marker": kind, "restored": rec.version,
-                                                                "reason": reason[:300]}, "repaired from history")
-            return hook
-
+        repaired = self.audit.repair_hook
         self.runtime = RuntimeApplier(RuntimeWatcher(RuntimeConfig(store, settings.run, on_repair=repaired("config"))),
                                       settings, lambda s, rev: self.tasks.apply_settings(s, rev), self.log, "trainer")
         self.lineage = 0  # the newest rollback the model descends from
@@ -101,6 +94,9 @@ class Trainer:
         # A strategy that waits for every live sampler (sync) learns who is live from their heartbeats.
         self.beats = bus.tail(self.topics.heartbeats) if strategy.needs_live_samplers else None
         self.tasks = TrainerTasks(self)
+        self.outcomes = RecordOutcomes(group=self.group, intake=self.intake, stall=self.stall,
+                                       consumption=self.consumption, stats=self.stats, spec=self.spec, log=self.log,
+                                       consumed=self.tasks.consumed, refresh_published=self.tasks.refresh_published)
         self._stop = asyncio.Event()
         self._started = False
         self._checkpoint_due = False
@@ -144,7 +140,7 @@ class Trainer:
                 await self.tasks.poll_live_samplers()
             while not stop_event.is_set():
                 batch = self.intake.form_batch(time.monotonic(), self.tasks.live_samplers())
-                self._drop_stale(batch)
+                self.outcomes.drop_stale(batch)
                 if batch.waiting_publication:
                     self.tasks.note_publication_wait()
                 if not batch.train:
@@ -168,7 +164,7 @@ class Trainer:
                 if not self.group.owned(tp):  # revoked while an earlier record was handled
                     self.log.info("revoked_records_skipped", partition=tp.partition, from_offset=rec.offset)
                     break
-                await self._intake(tp, rec)
+                await self.outcomes.take(tp, rec, self.learner)
 
     async def stop(self) -> None:
         try:
@@ -202,57 +198,6 @@ class Trainer:
         stall = self.stall.check(time.monotonic(), self.intake.reference)
         return {"ok": self._started, "updates": c.updates, "policy_version": c.policy_version,
                 **self.health_state.as_dict(), "stalled": None if stall is None else stall.reason}
-
-    # ---- intake: every record gets exactly one outcome ------------------------------------
-    async def _intake(self, tp: TopicPartition, rec: Record) -> None:
-        if not self.group.consumed(tp, rec.offset):
-            self.log.info("redelivered_record_skipped", partition=tp.partition, offset=rec.offset)
-            return
-        m.CONSUMED.inc()
-        now = time.monotonic()
-        self.stall.note("consumed", now)
-        try:
-            frag = decode_fragment(rec.headers, rec.value, self.spec)
-        except FragmentError as err:
-            await self._dead_letter(tp, rec, err.reason, str(err))
-            return
-        # Credits count valid fragments only: poison never takes a sampler's window.
-        h = header_dict(rec.headers)
-        self.consumption.saw(h.get(H_SAMPLER_ID) or "?", h.get(H_SAMPLER_SEQ), now)
-        self.tasks.consumed.set()
-        rejected = self.intake.admit(Pending(tp, rec.offset, frag, now))
-        if rejected is not None and rejected.reason == "future_version" and await self.tasks.refresh_published():
-            rejected = self.intake.admit(Pending(tp, rec.offset, frag, now))  # a version we had not heard of yet
-        if rejected is not None:
-            await self._dead_letter(tp, rec, rejected.reason, rejected.message)
-            return
-        self.learner.record_returns(frag)
-        self.log.info("fragment_consumed", **fragment_fields(frag.sample_id, frag.sampler_id, frag.policy_version,
-                                                              tp.partition, rec.offset))
-
-    def _drop_stale(self, batch: Batch) -> None:
-        now = time.monotonic()
-        for p, staleness in batch.stale:
-            self.group.finished(p.tp, p.offset, "dropped")
-            m.DROPPED.inc()
-            self.stats.dropped += 1
-            self.stats.lags.dropped(p.frag.sampler_id, now)
-            self.stall.note("dropped_stale", now)
-            f = p.frag
-            self.log.info("fragment_dropped_stale", outcome="dropped_stale", staleness=staleness,
-                          max_staleness=self.intake.bound, reference_version=self.intake.reference,
-                          **fragment_fields(f.sample_id, f.sampler_id, f.policy_version, p.tp.partition, p.offset))
-
-    async def _dead_letter(self, tp: TopicPartition, rec: Record, reason: str, error: str) -> None:
-        if not await self.group.dead_letter(tp, rec, reason, error):
-            return  # revoked meanwhile: the new owner handles it (again)
-        m.DEAD.labels(reason=reason).inc()
-        self.stats.dead_lettered += 1
-        self.stall.note("dead_lettered", time.monotonic())
-        h = header_dict(rec.headers)
-        self.log.warning("fragment_dead_lettered", outcome="dead_lettered", reason=reason, error=error[:500],
-                         sample_id=h.get("sample-id"), sampler_id=h.get("sampler-id"),
-                         policy_version=h.get("policy-version"), partition=tp.partition, offset=rec.offset)
 
     # ---- update, then commit ---------------------------------------------------------------
     async def _train(self, batch: Batch) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -156,3 +157,14 @@ class Auditor:
             await asyncio.wait_for(asyncio.to_thread(self.audit.append, self.actor, action, params, outcome), 10)
         except Exception as exc:
             self.log.warning("audit_write_failed", action=action, error=describe(exc))
+
+    def repair_hook(self, kind: str) -> Callable[[Any, str], None]:
+        """For ``VersionedStore(on_repair=...)``: audit a marker repaired from history (called in the store's
+        thread, so written synchronously; a failed write is logged, the repair stands)."""
+        def hook(rec: Any, reason: str) -> None:
+            try:
+                self.audit.append(self.actor, "marker_repaired", {"marker": kind, "restored": rec.version,
+                                                                  "reason": reason[:300]}, "repaired from history")
+            except Exception as exc:
+                self.log.warning("audit_write_failed", action="marker_repaired", error=describe(exc))
+        return hook

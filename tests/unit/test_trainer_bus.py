@@ -244,7 +244,7 @@ async def test_a_restore_rewinds_the_group_before_anything_is_consumed(tmp_path:
 async def test_an_oversize_record_is_dead_lettered_as_headers(tmp_path: Path) -> None:
     t, mem = make(tmp_path)
     t.group.max_message_bytes = 65536
-    t.spec = dataclasses.replace(t.spec, max_bytes=65536)
+    t.spec = t.outcomes.spec = dataclasses.replace(t.spec, max_bytes=65536)
     headers, _ = fragment()
     mem.append(T.samples, b"\x00" * 70_000, headers=headers, partition=0)
     put(mem, TP0, 2)
