@@ -37,6 +37,17 @@ S3_REGION = "us-east-1"
 KAFKA_SASL_MECHANISM = "SCRAM-SHA-512"
 KAFKA_SASL_USERNAME = "flywheel"
 KAFKA_SASL_PASSWORD = "flywheel-dev-scram-secret"
+KAFKA_ROLE_USERS = ("sampler", "trainer", "paramsync", "admin")
+"""With ``InfraConfig.kafka_authorizer``: one SCRAM user per role (shared.acl.ROLES), created at format time beside
+``KAFKA_SASL_USERNAME``, which becomes a super user (it creates the topics and the ACLs)."""
+KAFKA_AUTHORIZER = "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+
+
+def kafka_role_password(role: str) -> str:
+    """The development SCRAM password of a role's user (like the others here: for a laptop, not a secret)."""
+    return f"{role}-dev-scram-secret"
+
+
 _SCRAM_SAFE = re.compile(r"[A-Za-z0-9._@-]+")  # no ',', '=', ']', quotes: kafka-storage --add-scram's syntax
 
 HEALTHCHECK_TOPIC = "_flywheel_healthcheck"
@@ -70,6 +81,8 @@ class InfraEndpoints:
     """The broker's SASL_PLAINTEXT listener (SCRAM-SHA-512), when it has one; not in :meth:`as_env`."""
     kafka_sasl_username: str | None = None
     kafka_sasl_password: str | None = field(default=None, repr=False)
+    kafka_role_users: tuple[str, ...] = ()
+    """With the authorizer on: the per-role SCRAM users (``KAFKA_ROLE_USERS``); empty otherwise."""
 
     def as_env(self) -> dict[str, str]:
         """The environment variables that point Flywheel's services at these endpoints."""
@@ -82,16 +95,23 @@ class InfraEndpoints:
             "AWS_DEFAULT_REGION": self.region,
         }
 
-    def kafka_sasl_env(self) -> dict[str, str]:
-        """The FLYWHEEL_KAFKA_* variables that point Flywheel's clients at the SASL listener (SCRAM-SHA-512)."""
+    def kafka_sasl_env(self, role: str | None = None) -> dict[str, str]:
+        """The FLYWHEEL_KAFKA_* variables that point Flywheel's clients at the SASL listener (SCRAM-SHA-512), as
+        the stack's user (a super user when the authorizer is on) or, with ``role``, as that role's user."""
         if self.kafka_sasl_bootstrap is None or self.kafka_sasl_username is None or self.kafka_sasl_password is None:
             raise StackError("this broker has no SASL listener (start it with kafka_sasl_port)")
+        user, password = self.kafka_sasl_username, self.kafka_sasl_password
+        if role is not None:
+            if role not in self.kafka_role_users:
+                raise StackError(f"this broker has no SCRAM user {role!r} (users per role: "
+                                 f"{', '.join(self.kafka_role_users) or 'none; start it with kafka_authorizer'})")
+            user, password = role, kafka_role_password(role)
         return {
             "FLYWHEEL_KAFKA_BOOTSTRAP": self.kafka_sasl_bootstrap,
             "FLYWHEEL_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
             "FLYWHEEL_KAFKA_SASL_MECHANISM": KAFKA_SASL_MECHANISM,
-            "FLYWHEEL_KAFKA_SASL_USERNAME": self.kafka_sasl_username,
-            "FLYWHEEL_KAFKA_SASL_PASSWORD": self.kafka_sasl_password,
+            "FLYWHEEL_KAFKA_SASL_USERNAME": user,
+            "FLYWHEEL_KAFKA_SASL_PASSWORD": password,
         }
 
 
@@ -118,6 +138,10 @@ class InfraConfig:
     """An extra SASL_PLAINTEXT listener (SCRAM-SHA-512) on this port; None (the default): PLAINTEXT only."""
     kafka_sasl_username: str = KAFKA_SASL_USERNAME
     kafka_sasl_password: str = field(default=KAFKA_SASL_PASSWORD, repr=False)
+    kafka_authorizer: bool = False
+    """Run the StandardAuthorizer with a SCRAM user per role (needs ``kafka_sasl_port``): the SASL user
+    ``kafka_sasl_username`` and the PLAINTEXT listener's ``User:ANONYMOUS`` are super users, the role users get
+    only the ACLs that ``shared.acl.provision_run`` creates. Off by default."""
 
     @classmethod
     def resolve(
@@ -129,10 +153,12 @@ class InfraConfig:
         bucket: str | None = None,
         *,
         kafka_sasl_port: int | None = None,
+        kafka_authorizer: bool = False,
     ) -> InfraConfig:
         """Explicit arguments win, then FLYWHEEL_INFRA_*_PORT / FLYWHEEL_HOME, then defaults.
 
-        The SASL listener is off unless ``kafka_sasl_port`` is given (no environment variable turns it on).
+        The SASL listener is off unless ``kafka_sasl_port`` is given, the authorizer unless ``kafka_authorizer``
+        (no environment variable turns either on).
         """
         cfg = cls(
             home=Path(home).expanduser().resolve() if home else default_home(),
@@ -142,6 +168,7 @@ class InfraConfig:
             s3_port=s3_port or _env_port("FLYWHEEL_INFRA_S3_PORT", DEFAULT_S3_PORT),
             bucket=bucket or DEFAULT_BUCKET,
             kafka_sasl_port=kafka_sasl_port,
+            kafka_authorizer=kafka_authorizer,
         )
         cfg.validate()
         return cfg
@@ -160,6 +187,21 @@ class InfraConfig:
         for what, value in (("user name", self.kafka_sasl_username), ("password", self.kafka_sasl_password)):
             if not _SCRAM_SAFE.fullmatch(value):
                 raise StackError(f"the Kafka SASL {what} may hold only letters, digits and . _ @ -")
+        if self.kafka_authorizer and self.kafka_sasl_port is None:
+            raise StackError("the Kafka authorizer needs the SASL listener (kafka_sasl_port): its users are SCRAM")
+        if self.kafka_authorizer and self.kafka_sasl_username in KAFKA_ROLE_USERS:
+            raise StackError(f"the Kafka SASL user {self.kafka_sasl_username!r} is a super user with the authorizer "
+                             "on: it must not be named after a role")
+
+    @property
+    def kafka_scram_users(self) -> dict[str, str]:
+        """The SCRAM users to create when the storage is formatted: name -> password."""
+        if self.kafka_sasl_port is None:
+            return {}
+        users = {self.kafka_sasl_username: self.kafka_sasl_password}
+        if self.kafka_authorizer:
+            users |= {role: kafka_role_password(role) for role in KAFKA_ROLE_USERS}
+        return users
 
     @property
     def kafka_dir(self) -> Path:
@@ -191,6 +233,7 @@ class InfraConfig:
             kafka_sasl_bootstrap=f"127.0.0.1:{self.kafka_sasl_port}" if sasl else None,
             kafka_sasl_username=self.kafka_sasl_username if sasl else None,
             kafka_sasl_password=self.kafka_sasl_password if sasl else None,
+            kafka_role_users=KAFKA_ROLE_USERS if self.kafka_authorizer else (),
         )
 
 

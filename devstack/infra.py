@@ -30,6 +30,7 @@ def ensure_up(
     s3_port: int | None = None,
     bucket: str | None = None,
     kafka_sasl_port: int | None = None,
+    kafka_authorizer: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: Progress = say,
 ) -> InfraEndpoints:
@@ -40,8 +41,12 @@ def ensure_up(
     log tail) when anything fails or ``timeout_s`` passes while waiting. ``kafka_sasl_port`` adds a
     SASL_PLAINTEXT listener (SCRAM-SHA-512, user created when the storage is formatted, so use a fresh
     home); the endpoints then carry its address and credentials (``InfraEndpoints.kafka_sasl_env``).
+    ``kafka_authorizer`` (with ``kafka_sasl_port``) turns the StandardAuthorizer on and adds a SCRAM user per
+    role (``InfraEndpoints.kafka_sasl_env(role)``), who may do nothing until ``shared.acl.provision_run``
+    creates their ACLs; the stack's own SASL user is a super user.
     """
-    cfg = InfraConfig.resolve(home, kafka_port, controller_port, s3_port, bucket, kafka_sasl_port=kafka_sasl_port)
+    cfg = InfraConfig.resolve(home, kafka_port, controller_port, s3_port, bucket, kafka_sasl_port=kafka_sasl_port,
+                              kafka_authorizer=kafka_authorizer)
     cfg.home.mkdir(parents=True, exist_ok=True)
     with file_lock(cfg.home / ".infra.lock"):
         started = time.monotonic()

@@ -10,13 +10,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from devstack.config import HEALTHCHECK_TOPIC, KAFKA_LOG4J2, KAFKA_SASL_MECHANISM, InfraConfig, StackError
+from devstack.config import (
+    HEALTHCHECK_TOPIC,
+    KAFKA_AUTHORIZER,
+    KAFKA_LOG4J2,
+    KAFKA_SASL_MECHANISM,
+    InfraConfig,
+    StackError,
+)
 from devstack.procs import Proc, read_cmdline, tail
 
 NAME = "kafka"
 HEAP_OPTS = ["-Xms256m", "-Xmx768m"]
 _PORTS_FLAG = "-Dflywheel.infra.ports="
 _SASL_PORT_FLAG = "-Dflywheel.infra.sasl_port="
+_AUTHORIZER_FLAG = "-Dflywheel.infra.authorizer=on"
 SCRAM_USERS_FILE = "scram-users"
 """Beside the data dir: the SCRAM users added when the storage was formatted (names only)."""
 
@@ -42,6 +50,11 @@ def running_sasl_port(args: list[str]) -> int | None:
     return None
 
 
+def running_authorizer(args: list[str]) -> bool:
+    """Whether a running broker was started with the authorizer on (recorded on its command line)."""
+    return _AUTHORIZER_FLAG in args
+
+
 def server_properties(cfg: InfraConfig) -> str:
     """The broker's configuration: PLAINTEXT for clients and the controller; with ``cfg.kafka_sasl_port`` also a
     SASL_PLAINTEXT listener for clients that authenticates with SCRAM-SHA-512 (users in the cluster metadata,
@@ -62,6 +75,16 @@ def server_properties(cfg: InfraConfig) -> str:
 sasl.enabled.mechanisms={KAFKA_SASL_MECHANISM}
 listener.name.sasl_plaintext.sasl.enabled.mechanisms={KAFKA_SASL_MECHANISM}
 listener.name.sasl_plaintext.{mech}.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+"""
+    if cfg.kafka_authorizer:
+        # ACLs enforced for the role users; ANONYMOUS (the PLAINTEXT, controller and inter-broker listeners) and
+        # the stack's own SASL user are super users: the first so the node can talk to itself, the second to
+        # create topics and ACLs (shared.acl.provision_run).
+        sasl += f"""\
+# Authorizer (devstack kafka_authorizer): role users get only the ACLs shared.acl.provision_run creates.
+authorizer.class.name={KAFKA_AUTHORIZER}
+super.users=User:ANONYMOUS;User:{cfg.kafka_sasl_username}
+allow.everyone.if.no.acl.found=false
 """
     return f"""\
 # Written by `python -m devstack infra-up` / `up`; regenerated on every start. Single-node KRaft on 127.0.0.1.
@@ -100,37 +123,38 @@ def _new_cluster_id() -> str:
 
 
 def prepare(cfg: InfraConfig, java: str, libs: Path, progress: Callable[[str], None]) -> None:
-    """Write server.properties and format the log dir unless it already holds a formatted cluster."""
+    """Write server.properties and format the log dir unless it already holds a formatted cluster
+    (with every SCRAM user of ``cfg.kafka_scram_users``: users are added at format time only)."""
     cfg.kafka_dir.mkdir(parents=True, exist_ok=True)
     cfg.logs_dir.mkdir(parents=True, exist_ok=True)
     cfg.kafka_properties.write_text(server_properties(cfg))
     users_file = cfg.kafka_dir / SCRAM_USERS_FILE
+    wanted = cfg.kafka_scram_users
     if (cfg.kafka_data_dir / "meta.properties").is_file():
-        if cfg.kafka_sasl_port is not None:
-            users = users_file.read_text().split() if users_file.is_file() else []
-            if cfg.kafka_sasl_username not in users:
-                raise StackError(
-                    f"the Kafka storage in {cfg.kafka_data_dir} was formatted without the SCRAM user "
-                    f"{cfg.kafka_sasl_username!r} (users are added at format time): use another home for a SASL "
-                    "broker, or stop this one and delete its data dir"
-                )
+        users = users_file.read_text().split() if users_file.is_file() else []
+        missing = [name for name in wanted if name not in users]
+        if missing:
+            raise StackError(
+                f"the Kafka storage in {cfg.kafka_data_dir} was formatted without the SCRAM user "
+                f"{missing[0]!r} (users are added at format time): use another home for a SASL "
+                "broker, or stop this one and delete its data dir"
+            )
         return
     cluster_id = _new_cluster_id()
     progress(f"formatting Kafka storage in {cfg.kafka_data_dir} (cluster id {cluster_id})")
     cmd = [java, "-cp", f"{libs}/*", f"-Dlog4j2.configurationFile={KAFKA_LOG4J2}", "kafka.tools.StorageTool",
            "format", "-t", cluster_id, "-c", str(cfg.kafka_properties)]
     shown = list(cmd)
-    if cfg.kafka_sasl_port is not None:
-        scram = f"{KAFKA_SASL_MECHANISM}=[name={cfg.kafka_sasl_username},password={cfg.kafka_sasl_password}]"
-        cmd += ["--add-scram", scram]
-        shown += ["--add-scram", f"{KAFKA_SASL_MECHANISM}=[name={cfg.kafka_sasl_username},password=***]"]
+    for name, password in wanted.items():
+        cmd += ["--add-scram", f"{KAFKA_SASL_MECHANISM}=[name={name},password={password}]"]
+        shown += ["--add-scram", f"{KAFKA_SASL_MECHANISM}=[name={name},password=***]"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     log = proc(cfg).log
     with open(log, "a") as fh:
         fh.write(f"\n===== devstack: {' '.join(shown)}\n{out.stdout}{out.stderr}")
     if out.returncode != 0:
         raise StackError(f"formatting Kafka storage failed (exit {out.returncode}); last lines of {log}:\n{tail(log)}")
-    users_file.write_text(f"{cfg.kafka_sasl_username}\n" if cfg.kafka_sasl_port is not None else "")
+    users_file.write_text("".join(f"{name}\n" for name in wanted))
 
 
 def command(cfg: InfraConfig, java: str, libs: Path) -> list[str]:
@@ -143,6 +167,7 @@ def command(cfg: InfraConfig, java: str, libs: Path) -> list[str]:
         "-Djava.awt.headless=true",
         f"{_PORTS_FLAG}{cfg.kafka_port},{cfg.controller_port}",
         *([f"{_SASL_PORT_FLAG}{cfg.kafka_sasl_port}"] if cfg.kafka_sasl_port is not None else []),
+        *([_AUTHORIZER_FLAG] if cfg.kafka_authorizer else []),
         f"-Dlog4j2.configurationFile={KAFKA_LOG4J2}",
         f"-Dkafka.logs.dir={cfg.logs_dir}",
         "-cp",
@@ -155,12 +180,17 @@ def command(cfg: InfraConfig, java: str, libs: Path) -> list[str]:
 def check_ports(cfg: InfraConfig, pid: int) -> None:
     """A reused broker must listen where this call expects it."""
     args = read_cmdline(pid) or []
-    ports, sasl_port = running_ports(args), running_sasl_port(args)
+    ports, sasl_port, authorizer = running_ports(args), running_sasl_port(args), running_authorizer(args)
     if ports != (cfg.kafka_port, cfg.controller_port) or sasl_port != cfg.kafka_sasl_port:
         raise StackError(
             f"our Kafka in {cfg.home} (pid {pid}) already runs with (broker, controller) ports {ports} and SASL "
             f"port {sasl_port}, not {(cfg.kafka_port, cfg.controller_port)} and {cfg.kafka_sasl_port}; run "
             f"`python -m devstack infra-down --home {cfg.home}` first or use the same ports"
+        )
+    if authorizer != cfg.kafka_authorizer:
+        raise StackError(
+            f"our Kafka in {cfg.home} (pid {pid}) runs with the authorizer {'on' if authorizer else 'off'}, not "
+            f"{'on' if cfg.kafka_authorizer else 'off'}; run `python -m devstack infra-down --home {cfg.home}` first"
         )
 
 
