@@ -110,6 +110,7 @@ def _up(args: argparse.Namespace, home: Path) -> int:
     for st in stack.status():
         _out(f"  {st.name:<11} {st.log}")
     _out(f"admin API:  {stack.admin_url}    OpenAPI docs: {stack.admin_url}/docs")
+    _out(f"curves:     .venv/bin/tensorboard --logdir {home}/tb    (tracking.tensorboard_dir moves them)")
     source = stack.admin_token_source
     if source.startswith("/"):
         _out(f"token:      {source} (mode 0600): export FLYWHEEL_ADMIN_TOKEN=$(cat {source})")

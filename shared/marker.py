@@ -1,6 +1,7 @@
-"""The version-marker protocol of DESIGN.md, shared by policies and checkpoints.
+"""The version-marker protocol (docs/architecture.md, "Object store and the marker"), shared by policies,
+checkpoints and runtime config revisions.
 
-Layout under ``<run>/<kind>/`` (kind = ``policy`` or ``checkpoints``)::
+Layout under ``<run>/<kind>/`` (kind = ``policy``, ``checkpoints`` or ``config``)::
 
     blobs/<sha256>.safetensors   content-addressed payload, written first
     LATEST                       the marker: a JSON :class:`VersionRecord`, written last, conditionally
@@ -310,18 +311,47 @@ class VersionedStore:
                 self._log.warning("history_record_unreadable", key=key, reason=str(exc)[:200])
         return sorted(out, key=lambda r: r.version)
 
+    def pin(self, version: int, holder: str, ttl_s: float) -> None:
+        """Keep ``version`` from :meth:`prune` for ``ttl_s`` (a pin is renewed by pinning again; it expires so
+        that a holder that died leaves nothing pinned for good). The rollback guard pins the versions it may
+        restore."""
+        body = json.dumps({"version": version, "holder": holder, "until": self._clock() + ttl_s}).encode()
+        self.store.put(f"{self.prefix}/pins/{version}.json", body)
+
+    def unpin(self, version: int) -> None:
+        self.store.delete(f"{self.prefix}/pins/{version}.json")
+
+    def pinned(self) -> set[int]:
+        """Versions with a live pin (expired or unreadable pins are ignored)."""
+        out = set()
+        now = self._clock()
+        for key in self.store.list(f"{self.prefix}/pins/"):
+            obj = self.store.get(key)
+            if obj is None:
+                continue
+            try:
+                pin = json.loads(obj.data)
+                if float(pin["until"]) > now:
+                    out.add(int(pin["version"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return out
+
     def prune(self, keep: int) -> list[int]:
         """Delete history records and blobs beyond the ``keep`` most recently written; returns the
         versions removed, least recently written first.
 
         Recency is ``written_at`` (records without it count as older, by version), not the version
         number: after a fresh start the new run's lower numbers are the ones kept. Never deleted: the
-        marker's history record, a blob a kept record names, and a blob the marker names, the marker
+        marker's history record, a pinned version (:meth:`pin`), a blob a kept record names, and a blob the
+        marker names, the marker
         being re-read just before each delete (a rollback may republish an old version meanwhile).
         """
         history = sorted(self.records(), key=VersionRecord.recency)
         kept = history[-keep:] if keep > 0 else []
-        doomed = history[: len(history) - len(kept)]
+        pinned = self.pinned()
+        kept += [r for r in history[: len(history) - len(kept)] if r.version in pinned]
+        doomed = [r for r in history if r not in kept]
         live_blobs = {r.blob for r in kept}
         removed = []
         for rec in doomed:

@@ -24,6 +24,7 @@ The audit trail (``<run>/audit/``) is append-only: one object per entry, created
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import time
@@ -49,12 +50,18 @@ RUNTIME_KEYS = (
     "trainer.target_kl",
     "trainer.publish_every",
     "trainer.flow_window",
+    "trainer.guard.enabled",
+    "trainer.guard.drop",
+    "trainer.guard.window",
+    "trainer.guard.lr_factor",
+    "trainer.guard.max_per_hour",
+    "trainer.guard.cooldown_s",
 )
 """What can change while the services run (everything else needs a restart)."""
 
 
 def runtime_values(settings: Settings) -> dict[str, Any]:
-    return {key: getattr(getattr(settings, key.split(".")[0]), key.split(".")[1]) for key in RUNTIME_KEYS}
+    return {key: functools.reduce(getattr, key.split("."), settings) for key in RUNTIME_KEYS}
 
 
 def apply_runtime(settings: Settings, values: dict[str, Any]) -> Settings:
@@ -64,8 +71,11 @@ def apply_runtime(settings: Settings, values: dict[str, Any]) -> Settings:
         raise ConfigError(f"{unknown[0]}: not a runtime setting (runtime settings: {', '.join(RUNTIME_KEYS)})")
     data = settings.model_dump()
     for key, value in values.items():
-        section, name = key.split(".")
-        data[section][name] = value
+        *path, name = key.split(".")  # section.name, or section.sub.name (trainer.guard.drop)
+        node = data
+        for part in path:
+            node = node[part]
+        node[name] = value
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:

@@ -199,6 +199,58 @@ class SamplerSettings(_Section):
     sampler differs (None = random)."""
 
 
+class GuardSettings(_Section):
+    """The automatic rollback guard (``services/trainer/guard.py`` states the policy): when the last-100
+    return falls ``drop`` below its best for ``window`` episodes, or updates explode ``explode_updates``
+    times in a row, the trainer rolls back to the newest version that held the best and reverts the
+    runtime config change that preceded the fall, or else lowers the learning rate."""
+
+    enabled: bool = False
+    """Watch returns and updates and roll back automatically (off: the guard never decides)."""
+    drop: float = Field(100.0, gt=0)
+    """How far below its best the last-100 mean return must fall to count as fallen, in the env's return
+    units (absolute, not a fraction: returns may be negative, as Pendulum's are)."""
+    hold_tolerance: float = Field(25.0, ge=0)
+    """A policy version *holds the best* when it was the model version while the last-100 mean was at least
+    ``best - hold_tolerance``; a rollback restores the newest such version. Smaller than ``drop``."""
+    settle_updates: int = Field(8, ge=0)
+    """A rollback that no config revision marks the cause of restores the newest version that held the best
+    at least this many updates before the fall (or the explosion) began: the last-100 mean lags the weights
+    by the samplers' staleness (up to ``max_staleness`` versions) and the episodes then in progress, so the
+    versions seen just before a fall shows may already be bad."""
+    window: int = Field(20, ge=1)
+    """Episodes the fall must persist (every observation below ``best - drop``) before a rollback."""
+    min_episodes: int = Field(100, ge=1)
+    """Episodes since the guard started (or since its last rollback) before the best counts; at least
+    ``trainer.return_window``, so the best is a mean of episodes of the tracked policy only."""
+    blame_episodes: int = Field(100, ge=1)
+    """A runtime config revision noted at most this many episodes before the fall (or the explosion)
+    began is taken for its cause and reverted; the last-100 mean needs about ``return_window`` episodes
+    to show a change."""
+    explode_updates: int = Field(3, ge=1)
+    """Consecutive exploding updates that trigger a rollback: an update explodes when it refused a
+    non-finite step, or its loss or gradient norm is not finite or exceeds the limits below."""
+    explode_loss: float = Field(1e6, gt=0)
+    """An update whose value loss or absolute policy loss exceeds this explodes (the value loss scales with
+    the square of the returns: set it well above the largest one an untrained critic sees)."""
+    explode_grad_norm: float = Field(1e3, gt=0)
+    """An update whose gradient norm (before clipping) exceeds this explodes."""
+    lr_factor: float = Field(0.5, gt=0, lt=1)
+    """The learning rate is multiplied by this after a rollback no config change explains."""
+    max_per_hour: int = Field(3, ge=1)
+    """Rollbacks within any hour after which the guard stops trying and pages (``exhausted``) until the
+    oldest of them is an hour old."""
+    cooldown_s: float = Field(30.0, ge=0)
+    """After a rollback no decision for this long; the best is then tracked anew from the restored version."""
+
+    @model_validator(mode="after")
+    def _tolerance_below_drop(self) -> GuardSettings:
+        if self.hold_tolerance >= self.drop:
+            raise ValueError(f"trainer.guard.hold_tolerance must be below trainer.guard.drop, got "
+                             f"{self.hold_tolerance=}, {self.drop=}")
+        return self
+
+
 class TrainerSettings(_Section):
     batch_fragments: int = Field(4, ge=1)
     """Fragments per update."""
@@ -311,6 +363,8 @@ class TrainerSettings(_Section):
     fresh_start: bool = False
     """Start from scratch even though a checkpoint exists (the checkpoints are kept). Without it a
     trainer whose checkpoints are all unusable refuses to start rather than silently reset the run."""
+    guard: GuardSettings = GuardSettings()
+    """The automatic rollback guard (``trainer.guard.*``)."""
 
 
 class ParamsyncSettings(_Section):
@@ -354,6 +408,27 @@ class LogSettings(_Section):
     reads, so keep enough for the window you want to trace."""
 
 
+class TrackingSettings(_Section):
+    """Training curves the trainer writes after every update (``services/trainer/tracking.py``)."""
+
+    tensorboard: bool = True
+    """Write TensorBoard scalars (returns, lengths, losses, KL, clip fraction, entropy, explained variance,
+    lag, throughput); off: nothing is written."""
+    tensorboard_dir: Path | None = None
+    """Directory of the event files (``tensorboard --logdir`` it); None: ``<FLYWHEEL_HOME or .flywheel>/tb/<run>``
+    (:meth:`log_dir`)."""
+    mlflow_uri: str | None = Field(None, min_length=1)
+    """MLflow tracking URI (``http://127.0.0.1:5000``, ``file:./mlruns``) to log the same scalars to, under an
+    experiment named after the run; None: no MLflow. Needs the ``mlflow`` extra (``pip install -e '.[mlflow]'``)."""
+
+    def log_dir(self, run: str, home: str | None) -> Path:
+        """``tensorboard_dir``, else ``<home>/tb/<run>`` with ``home`` the caller's ``$FLYWHEEL_HOME``
+        (None or empty: ``.flywheel``, relative to the working directory as ``store.local_root``)."""
+        if self.tensorboard_dir is not None:
+            return self.tensorboard_dir
+        return Path(home or ".flywheel").expanduser() / "tb" / run
+
+
 class Settings(_Section):
     """Everything a Flywheel process can be configured with."""
 
@@ -371,6 +446,7 @@ class Settings(_Section):
     admin: AdminSettings = AdminSettings()
     http: HttpSettings = HttpSettings()
     log: LogSettings = LogSettings()
+    tracking: TrackingSettings = TrackingSettings()
 
     @field_validator("run")
     @classmethod
@@ -412,10 +488,20 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
             raise ConfigError(f"unknown setting in environment: {key} (no such field)")
         model = Settings.model_fields[section].annotation
         assert isinstance(model, type) and issubclass(model, BaseModel)
+        target = out.setdefault(section, {})
+        # A nested section (trainer.guard): FLYWHEEL_TRAINER_GUARD_ENABLED -> trainer.guard.enabled.
+        nested = [n for n, f in model.model_fields.items() if isinstance(f.default, BaseModel)
+                  and field.startswith(n + "_")]
+        if field not in model.model_fields and nested:
+            sub = nested[0]
+            field = field[len(sub) + 1:]
+            sub_model = model.model_fields[sub].annotation
+            assert isinstance(sub_model, type) and issubclass(sub_model, BaseModel)
+            model, target, section = sub_model, target.setdefault(sub, {}), f"{section}.{sub}"
         if field not in model.model_fields:
             raise ConfigError(f"unknown setting in environment: {key} (no field {section}.{field})")
         optional = not model.model_fields[field].is_required() and model.model_fields[field].default is None
-        out.setdefault(section, {})[field] = None if optional and value.strip().lower() in ("none", "null") else value
+        target[field] = None if optional and value.strip().lower() in ("none", "null") else value
     return out
 
 

@@ -7,6 +7,8 @@
     flywheel config get|set K=V ...|history|revert R
     flywheel audit [--limit N]                 operator and automatic actions
     flywheel trace SAMPLE_ID [FILE|-] [--logs DIR]   one sample's way, from the JSON logs
+    flywheel eval [V] --episodes N [--deterministic] [--video DIR]   run a policy version, mean ± std return
+    flywheel export [V] --format onnx|safetensors [--out PATH]      write a policy version as a file
 
 The API address comes from ``--url`` or ``$FLYWHEEL_ADMIN_URL`` (default http://127.0.0.1:8080);
 the token from ``--token``, ``$FLYWHEEL_ADMIN_TOKEN`` or the local stack's ``admin-token``
@@ -323,7 +325,34 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--checkpoint", type=int, metavar="STEP", help="a kept checkpoint (default: the newest)")
     ve.add_argument("--config", metavar="FILE", help="the run's config file (endpoints also from FLYWHEEL_* env)")
     ve.add_argument("--no-log", action="store_true", help="check the ledger only, without reading the topics")
+
+    ev = sub.add_parser("eval", help="run a policy version in the run's env and print its return, mean ± std "
+                        "(reads the store directly; docs/using-a-policy.md)")
+    ev.add_argument("version", nargs="?", type=int, metavar="VERSION",
+                    help="a kept version (default: the published one)")
+    ev.add_argument("--episodes", type=count, default=10, metavar="N", help="episodes to run (default 10)")
+    ev.add_argument("--deterministic", action="store_true",
+                    help="the most likely action (argmax, or the Gaussian's mean) instead of sampling as samplers do")
+    ev.add_argument("--seed", type=int, default=0, metavar="S", help="episode i resets with seed S+i (default 0)")
+    ev.add_argument("--video", type=Path, metavar="DIR", help="record every episode into DIR (rgb_array envs)")
+    ev.add_argument("--config", metavar="FILE", help="the run's config file (endpoints also from FLYWHEEL_* env)")
+    ev.add_argument("--json", action="store_true", help="the per-episode returns and their statistics as JSON")
+
+    xp = sub.add_parser("export", help="write a policy version as ONNX or safetensors "
+                        "(reads the store directly; docs/using-a-policy.md)")
+    xp.add_argument("version", nargs="?", type=int, metavar="VERSION",
+                    help="a kept version (default: the published one)")
+    xp.add_argument("--format", choices=("onnx", "safetensors"), default="onnx", help="default onnx")
+    xp.add_argument("--out", type=Path, metavar="PATH", help="file to write (default: ./<run>-v<VERSION>.<format>)")
+    xp.add_argument("--config", metavar="FILE", help="the run's config file (endpoints also from FLYWHEEL_* env)")
     return parser
+
+
+def count(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return n
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -339,11 +368,42 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_policy(args: argparse.Namespace) -> int:
+    """``eval`` and ``export``: read the run's policy versions from the store directly, no API call.
+    Exit 1 when the version is not there or does not fit the config, 2 for a config error or an unreachable store."""
+    from services.admin.evaluate import EvalError, evaluate  # gymnasium, numpy: only for these commands
+    from shared.marker import BadPayload, VersionedStore
+    from shared.settings import ConfigError, load_settings
+    from shared.store import StoreError, open_store
+
+    try:
+        settings = load_settings(args.config)
+        policies = VersionedStore(open_store(settings), settings.run, "policy")
+        if args.command == "eval":
+            report = evaluate(settings, policies, args.version, args.episodes, deterministic=args.deterministic,
+                              seed=args.seed, video_dir=args.video)
+            out(json.dumps(report.to_json(), indent=2) if args.json else "\n".join(report.lines()))
+            return 0
+        from services.admin.export import export_version  # torch and onnx: only for this command
+
+        path, record = export_version(settings, policies, args.version, args.format, args.out)
+    except (LookupError, EvalError, BadPayload) as exc:
+        print(f"flywheel: {exc}", file=sys.stderr)
+        return 1
+    except (ConfigError, StoreError) as exc:
+        print(f"flywheel: {exc}", file=sys.stderr)
+        return 2
+    out(f"wrote policy version {record.version} of run {settings.run} ({settings.env.id}) as {args.format}: {path}")
+    return 0
+
+
 def run(args: argparse.Namespace, transport: httpx.BaseTransport | None, sleep: Callable[[float], None]) -> int:
     if args.command == "trace":
         return cmd_trace(args)
     if args.command == "verify":
         return cmd_verify(args)
+    if args.command in ("eval", "export"):
+        return cmd_policy(args)
     timeout = 10.0 + (args.wait if args.command == "sync" else 0.0)
     try:
         with httpx.Client(base_url=args.url, timeout=timeout, transport=transport) as client:

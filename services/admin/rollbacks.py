@@ -9,18 +9,12 @@ request time (``<unix ns, 20 digits>-<8 hex>``), the order paramsync applies the
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from typing import Any
 
+from shared.rollback import ROLLBACK_PREFIX, create_request, new_request_id
 from shared.store import ObjectStore
 
-ROLLBACK_PREFIX = "ops/rollback/"
-
-
-def new_request_id() -> str:
-    """Unique, and sorting by creation time."""
-    return f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+__all__ = ["ROLLBACK_PREFIX", "RollbackRequests", "new_request_id"]
 
 
 class RollbackRequests:
@@ -28,14 +22,11 @@ class RollbackRequests:
 
     def __init__(self, store: ObjectStore, run: str) -> None:
         self.store = store
+        self.run = run
         self.prefix = f"{run}/{ROLLBACK_PREFIX}"
 
     def create(self, request_id: str, version: int, actor: str) -> dict[str, Any]:
-        req = {"request_id": request_id, "version": version, "status": "pending", "requested_at": time.time(),
-               "actor": actor, "new_version": None, "reason": None, "decided_at": None}
-        self.store.put(f"{self.prefix}{request_id}.json", json.dumps(req, sort_keys=True).encode(),
-                       if_none_match=True)
-        return req
+        return create_request(self.store, self.run, request_id, version, actor)
 
     def get(self, request_id: str) -> dict[str, Any] | None:
         obj = self.store.get(f"{self.prefix}{request_id}.json")

@@ -23,12 +23,13 @@ holds the best when it was the model version after a healthy update, at least ``
 the tracked period, while the last-100 mean was at least ``best - hold_tolerance`` (the best including
 that observation, so a version that held a lower best before the run improved no longer counts).
 "Before the cause" is: before the blamed config revision was noted (when that holder still holds the
-best), else at least ``settle_episodes`` episodes before the fall or the explosion began (or, when no
-holder is that old, the oldest one left). The mean lags the weights: it averages the last 100 finished
-episodes, and the episodes in progress when the weights went bad (about one per env) finish and count
-only later, so the versions observed just before a fall shows still look good. Cutting at the change
-skips them exactly (in process, ``trainer.learning_rate=1.0`` on solved CartPole: the mean stayed 500
-for four updates of broken weights); without a change to cut at, the margin skips them. An explosion
+best), else at least ``settle_updates`` updates before the fall or the explosion began (or, when no
+holder is that old, the oldest one left). The mean lags the weights: samplers act on versions up to the
+staleness bound old, and the episodes they had in progress finish and count only later, so the versions
+observed just before a fall shows still look good (in process, ``trainer.learning_rate=1.0`` on solved
+CartPole at lag 2: the mean stayed 500 for three updates of broken weights, then 42 short episodes
+arrived in one update, so the margin is counted in updates, not episodes). Cutting at the change skips
+them exactly; without a change to cut at, the margin skips them. An explosion
 before any version held a best restores the version of the last healthy update before the streak
 (none: no decision).
 
@@ -102,12 +103,14 @@ class Holder:
 
     version: int
     mean: float
-    episodes: int
-    """Episodes seen when it was observed."""
+    update: int
+    """The guard's count of observed updates when it was observed."""
 
 
 @dataclass(frozen=True)
 class NotedRevision:
+    """A runtime config revision that may be blamed for a fall (or an explosion) that begins later."""
+
     revision: int
     changed_keys: tuple[str, ...]
     episodes: int
@@ -140,7 +143,7 @@ class _Trigger:
     """When the fall or the streak began (the first observation of it)."""
     episodes: int
     holder: Holder | None
-    """The holder a rollback for it restores: the newest one observed ``settle_episodes`` before it began."""
+    """The holder a rollback for it restores: the newest one observed ``settle_updates`` before it began."""
     fallback: int | None
     """Explosions only: the last healthy update's version before the streak."""
 
@@ -157,6 +160,7 @@ class RollbackGuard:
         self.cfg = settings
         self._now = -math.inf
         self._seq = 0
+        self._updates = 0
         self._episodes: int | None = None
         self._mean: float | None = None
         self._version: int | None = None
@@ -172,7 +176,7 @@ class RollbackGuard:
         self.best: float | None = None
         self.best_version: int | None = None
         self._holders: deque[Holder] = deque()
-        """Versions that hold the best, oldest first: from the newest one observed ``settle_episodes``
+        """Versions that hold the best, oldest first: from the newest one observed ``settle_updates``
         before now (or the oldest left) on; a rise of the best drops those that no longer hold it."""
         self._fall: _Trigger | None = None
         self._explosion: _Trigger | None = None
@@ -202,11 +206,12 @@ class RollbackGuard:
         if last100_mean is not None and not math.isfinite(last100_mean):
             raise ValueError(f"guard: the last-100 mean must be finite, got {last100_mean=}")
         self._tick(now)
+        self._updates += 1
         self._episodes, self._mean, self._version = episodes_seen, last100_mean, policy_version
         causes = explosion_causes(stats, self.cfg)
         if causes:
             if self._explosions == 0:
-                self._explosion = _Trigger("explosion", self._seq, episodes_seen, self._settled(episodes_seen),
+                self._explosion = _Trigger("explosion", self._seq, episodes_seen, self._settled(),
                                            self._last_healthy)
             self._explosions += 1
             self._causes = causes
@@ -231,19 +236,19 @@ class RollbackGuard:
             return False
         if mean < self.best - self.cfg.drop:
             if self._fall is None:
-                self._fall = _Trigger("return_fall", self._seq, episodes, self._settled(episodes), None)
+                self._fall = _Trigger("return_fall", self._seq, episodes, self._settled(), None)
         else:
             self._fall = None
         if healthy and mean >= self.best - self.cfg.hold_tolerance:
-            self._holders.append(Holder(version, mean, episodes))
-            while len(self._holders) > 1 and self._holders[1].episodes <= episodes - self.cfg.settle_episodes:
+            self._holders.append(Holder(version, mean, self._updates))
+            while len(self._holders) > 1 and self._holders[1].update <= self._updates - self.cfg.settle_updates:
                 self._holders.popleft()  # a newer one is settled: no trigger from now on restores this one
             return True
         return False
 
-    def _settled(self, episodes: int) -> Holder | None:
-        """The newest holder observed at least ``settle_episodes`` before ``episodes`` (none: the oldest)."""
-        settled = [h for h in self._holders if h.episodes <= episodes - self.cfg.settle_episodes]
+    def _settled(self) -> Holder | None:
+        """The newest holder observed at least ``settle_updates`` updates ago (none: the oldest)."""
+        settled = [h for h in self._holders if h.update <= self._updates - self.cfg.settle_updates]
         return settled[-1] if settled else (self._holders[0] if self._holders else None)
 
     def note_config_revision(self, now: float, revision: int, changed_keys: Iterable[str],

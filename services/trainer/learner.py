@@ -79,6 +79,8 @@ class LearnerCounters:
     fragments_trained: int = 0
     policy_version: int = 0
     recent_returns: deque[float] = field(default_factory=lambda: deque(maxlen=100))
+    episodes: int = 0  # episodes seen (ever growing: the rollback guard counts its windows in them)
+    recent_lengths: deque[int] = field(default_factory=lambda: deque(maxlen=100))
 
 
 class Learner:
@@ -110,12 +112,15 @@ class Learner:
             behaviour_weight_mode=cfg.behaviour_weight_mode,
             objective=cfg.objective,
         )
-        self.counters = LearnerCounters(recent_returns=deque(maxlen=cfg.return_window))
+        self.counters = LearnerCounters(recent_returns=deque(maxlen=cfg.return_window),
+                                        recent_lengths=deque(maxlen=cfg.return_window))
         self.cfg = cfg
         self.restored_ledger: dict[str, Any] = {}  # the ledger of the checkpoint last restored
 
     def record_returns(self, frag: Fragment) -> None:
         self.counters.recent_returns.extend(float(r) for r in frag.episode_returns)
+        self.counters.episodes += len(frag.episode_returns)
+        self.counters.recent_lengths.extend(int(n) for n in frag.episode_lengths)
 
     def _annealed(self, start: float, end: float | None) -> float:
         """Linear from ``start`` to ``end`` over ``anneal_env_steps`` trained env steps, then ``end`` (a
@@ -181,6 +186,7 @@ class Learner:
             "fragments_trained": c.fragments_trained,
             "policy_version": c.policy_version,
             "recent_returns": list(c.recent_returns),
+            "episodes": c.episodes,
             "offsets": dict(offsets),
             "ledger": json.dumps(ledger or {}, sort_keys=True),
             "torch_rng": torch.get_rng_state(),
@@ -206,6 +212,7 @@ class Learner:
         c.policy_version = int(state["policy_version"])
         c.recent_returns.clear()
         c.recent_returns.extend(float(r) for r in state["recent_returns"])
+        c.episodes = int(state.get("episodes", len(c.recent_returns)))
         torch.set_rng_state(state["torch_rng"])
         self.generator.set_state(state["generator_rng"])
         # Checkpoints from before reward scaling (or from a run without it) have none: start fresh.

@@ -25,13 +25,17 @@ from typing import Any
 from aiokafka import TopicPartition
 
 from services.trainer import telemetry as m
+from services.trainer.autorollback import GuardShell
 from services.trainer.checkpoints import Checkpoints
 from services.trainer.group import ConsumerGroup
+from services.trainer.guard import RollbackGuard
 from services.trainer.intake import Batch, BatchStrategy, Intake, StallWatch, strategy_for
 from services.trainer.learner import Learner
 from services.trainer.outcomes import RecordOutcomes
 from services.trainer.publication import Publication, announcement
 from services.trainer.tasks import TrainerTasks
+from services.trainer.tracking import Tracker
+from services.trainer.update import UpdateStats
 from shared.bus import Bus, Record, kafka_bus
 from shared.credits import Consumption, auto_window
 from shared.kafka import Topics, ensure_topics, trainer_group
@@ -93,6 +97,10 @@ class Trainer:
         self.stats = m.TrainerStats()
         # A strategy that waits for every live sampler (sync) learns who is live from their heartbeats.
         self.beats = bus.tail(self.topics.heartbeats) if strategy.needs_live_samplers else None
+        self.guard = GuardShell(RollbackGuard(self.cfg.guard), store=store, run=settings.run, policies=self.policies,
+                                config=self.runtime.watcher.config, producer=self.producer,
+                                control_topic=self.topics.control, audit=self.audit, log=self.log, holder=self.id)
+        self.tracker = Tracker.from_settings(settings)  # TensorBoard (on by default), MLflow when configured
         self.tasks = TrainerTasks(self)
         self.outcomes = RecordOutcomes(group=self.group, intake=self.intake, stall=self.stall,
                                        consumption=self.consumption, stats=self.stats, spec=self.spec, log=self.log,
@@ -192,6 +200,7 @@ class Trainer:
                 clients.append(self.beats)
             await stop_clients(clients, self.log)
             await self.tasks.release_lease()
+            self.tracker.close()
 
     def health(self) -> dict[str, Any]:
         c = self.learner.counters
@@ -220,9 +229,9 @@ class Trainer:
             for p in batch.train:
                 self.group.finished(p.tp, p.offset, "trained")
             self.tasks.updated(batch, stats, time.perf_counter() - t0)
-            await self._after_update_step()
+            await self._after_update_step(stats)
 
-    async def _after_update_step(self) -> None:
+    async def _after_update_step(self, stats: UpdateStats) -> None:
         # Commit (only now, after the optimizer step) and publish in the background: the next update runs
         # meanwhile instead of waiting for two Kafka round trips and a store write. One such task at a time,
         # so commits and candidates stay in order.
@@ -233,6 +242,8 @@ class Trainer:
             candidate = (c.policy_version + 1, self.learner.weights(), c.updates)  # as of this update
             c.policy_version += 1  # the model is at that version now
             self.intake.model_version = c.policy_version
+        mean = sum(c.recent_returns) / len(c.recent_returns) if c.recent_returns else None
+        self.guard.observe(time.time(), c.policy_version, mean, c.episodes, stats)
         # A fresh run checkpoints its first update before committing anything, so no record ever counts as
         # consumed while its gradient is in no checkpoint; then every checkpoint_every updates.
         first = self.checkpoints.last is None
@@ -354,9 +365,6 @@ class Trainer:
             off = self.group.ledger.resume_offset(tp)
             if off is not None:
                 self.intake.seeked(tp, off)
-
-    def guard_config_changed(self, revision: int, old: dict[str, Any]) -> None:
-        """A runtime revision was applied (the rollback guard notes it as a possible cause of a fall)."""
 
     # ---- rollback ----------------------------------------------------------------------------
     def saw_announcement(self, rec: Record) -> None:

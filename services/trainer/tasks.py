@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from services.trainer import telemetry as m
 from services.trainer.intake import Batch
 from services.trainer.lease import RENEW_S, TrainerLease
+from services.trainer.tracking import update_scalars
 from services.trainer.update import UpdateStats
 from shared.credits import auto_window
 from shared.fragment import Fragment
@@ -31,6 +32,8 @@ POLICY_REFRESH_S = 5.0
 """Re-read the marker this often (announcements are the fast path; this covers lost ones)."""
 RUNTIME_POLL_S = 2.0
 """Runtime settings (PATCH /config) are applied within this long."""
+GUARD_CHECK_S = 1.0
+"""The rollback guard decides this often (its windows are counted in episodes, not seconds)."""
 GRANT_REFRESH_S = 1.0
 """Send a credit grant at least this often, even when nothing was consumed (a lost grant heals)."""
 
@@ -44,6 +47,7 @@ class TrainerTasks:
         self._sampler_seen: dict[str, float] = {}
         self._publication_wait_since: float | None = None
         self._stalled_logged = False
+        self._revision_actor: str | None = None
 
     # ---- named tasks ---------------------------------------------------------------------------
     def start(self, stop: asyncio.Event) -> None:
@@ -60,6 +64,8 @@ class TrainerTasks:
             ("trainer-marker-refresh", every(lambda: POLICY_REFRESH_S, self.refresh_marker, name="marker-refresh",
                                              log=t.log, stop_event=stop)),
             ("trainer-lease", every(lambda: RENEW_S, self.renew_lease, name="lease", log=t.log, stop_event=stop)),
+            ("trainer-rollback-guard", every(lambda: GUARD_CHECK_S, self.guard_check, name="rollback-guard",
+                                             log=t.log, stop_event=stop)),
         ]
         self._tasks = [asyncio.create_task(job, name=name) for name, job in jobs]
 
@@ -96,6 +102,9 @@ class TrainerTasks:
             await asyncio.wait_for(asyncio.to_thread(self.lease.release), 10)
         except Exception as exc:  # the next trainer waits for it to expire instead
             self.t.log.warning("trainer_lease_release_failed", error=describe(exc))
+
+    async def guard_check(self) -> None:
+        await self.t.guard.check(self.t.base_settings, self.t.settings)
 
     # ---- flow control and heartbeats ------------------------------------------------------------
     async def grant(self) -> None:
@@ -152,6 +161,7 @@ class TrainerTasks:
         t.health_state.recovered("config")
         if rev is not None:
             async with t._update_lock:
+                self._revision_actor = rev.actor
                 t.runtime.handle(rev)
 
     def apply_settings(self, settings: Settings, revision: int) -> dict[str, Any]:
@@ -162,10 +172,13 @@ class TrainerTasks:
         t.intake.max_staleness = settings.trainer.max_staleness
         t.consumption.total_window = auto_window(settings)
         t.stats.config_revision = revision
-        t.guard_config_changed(revision, old)
+        t.guard.guard.cfg = settings.trainer.guard
         m.LEARNING_RATE.set(t.learner.learning_rate())
         new = runtime_values(settings)
-        return {k: {"old": old[k], "new": new[k]} for k in new if k.startswith("trainer.") and old[k] != new[k]}
+        changes = {k: {"old": old[k], "new": new[k]} for k in new if k.startswith("trainer.") and old[k] != new[k]}
+        # The guard notes it as a possible cause of a fall (its own remedies, by their actor, never are).
+        t.guard.note_revision(time.time(), revision, sorted(changes), self._revision_actor)
+        return changes
 
     async def refresh_marker(self) -> None:
         await self.refresh_published()
@@ -280,4 +293,13 @@ class TrainerTasks:
                    approx_kl=round(stats.approx_kl, 5), clip_fraction=round(stats.clip_fraction, 4),
                    behaviour_weight_mean=round(stats.behaviour_weight_mean, 4), sgd_steps=stats.sgd_steps,
                    learning_rate=lr, clip_coef=round(t.learner.update_cfg.clip_coef, 5),
-                   stopped_early=stats.stopped_early, masked_fraction=round(stats.masked_fraction, 4))
+                   stopped_early=stats.stopped_early, masked_fraction=round(stats.masked_fraction, 4),
+                   grad_norm=round(stats.grad_norm, 4), explained_variance=round(stats.explained_variance, 4))
+        rets, lens = c.recent_returns, c.recent_lengths
+        t.tracker.scalars(c.updates, update_scalars(
+            return_mean=sum(rets) / len(rets) if rets else None, length_mean=sum(lens) / len(lens) if lens else None,
+            policy_loss=stats.policy_loss, value_loss=stats.value_loss, entropy=stats.entropy,
+            approx_kl=stats.approx_kl, clip_fraction=stats.clip_fraction, explained_variance=stats.explained_variance,
+            lag_mean=sum(batch.staleness) / len(batch.staleness) if batch.staleness else None,
+            lag_max=max(batch.staleness, default=None), env_steps_per_s=s.rate.rate(), env_steps=c.env_steps_trained,
+            learning_rate=lr))

@@ -11,6 +11,7 @@ compares it with IMPALA's V-trace.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -69,6 +70,12 @@ class UpdateStats:
     """Minibatch steps refused because the loss or the gradient was not finite (weights kept)."""
     masked_fraction: float = 0.0
     """Samples left out of the policy loss because their behaviour weight exceeded the cap (mask mode)."""
+    grad_norm: float = 0.0
+    explained_variance: float = math.nan
+    """1 - Var(returns - V) / Var(returns) with the critic before this update (NaN when the returns are
+    constant): how much of the return the critic explains (returns - V is the GAE advantage)."""
+    """The largest gradient norm before clipping over the update's steps (inf when one was not finite):
+    what the rollback guard reads for an explosion."""
 
 
 def _t(x: object, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -144,6 +151,8 @@ def ppo_update(
     """Decoupled-PPO update on ``fragments``; returns diagnostics. Mutates model and optimizer."""
     # ---- 1. Targets with the current critic, per fragment, then one flat batch ----
     obs, actions, behav_logp, prox_logp, adv, returns = _targets(model, fragments, cfg, device)
+    ret_var = float(returns.var()) if returns.numel() > 1 else 0.0
+    explained_variance = 1.0 - float(adv.var()) / ret_var if ret_var > 0 else math.nan
     batch = actions.shape[0]
     # The policy the clip is centred on: the proximal one, or (plain PPO) the behaviour policy itself. The
     # KL stop below measures drift from the proximal policy in both, so target_kl limits how far *this
@@ -167,6 +176,7 @@ def ppo_update(
     n_minibatches = min(cfg.minibatches, batch)
     stats = {"pg": 0.0, "v": 0.0, "ent": 0.0, "kl": 0.0, "clip": 0.0}
     n, skipped, stopped = 0, 0, False
+    max_grad_norm = 0.0
     for _ in range(cfg.epochs):
         order = torch.randperm(batch, generator=generator).to(device)
         for start in range(0, n_minibatches * mb_size, mb_size):
@@ -206,7 +216,9 @@ def ppo_update(
                 grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             # A non-finite loss or gradient would make the weights NaN for good: refuse the step, keep the
             # weights and the optimizer state as they are, and let the caller count it.
-            if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+            g = float(grad_norm)
+            max_grad_norm = max(max_grad_norm, g if math.isfinite(g) else math.inf)
+            if not (torch.isfinite(loss) and math.isfinite(g)):
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 continue
@@ -236,4 +248,6 @@ def ppo_update(
         stopped_early=stopped,
         skipped_steps=skipped,
         masked_fraction=float(over_cap.float().mean()) if cfg.behaviour_weight_mode == "mask" else 0.0,
+        grad_norm=max_grad_norm,
+        explained_variance=explained_variance,
     )
