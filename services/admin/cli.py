@@ -62,6 +62,33 @@ def flywheel_home() -> Path:
     return local if local.is_dir() else REPO / ".flywheel"
 
 
+def local_settings(config: str | None) -> Any:
+    """Settings for the commands that read the store and Kafka directly (verify, eval, export): the
+    environment and ``--config`` as given, with the local stack's (``make up`` without Docker) endpoints,
+    store, run and config file as defaults when ``$FLYWHEEL_HOME/localstack.json`` exists. Raises
+    ConfigError naming the field."""
+    from shared.settings import load_settings
+
+    home = flywheel_home()
+    defaults: dict[str, str] = {}
+    stack = home / "localstack.json"
+    if stack.is_file():
+        st = json.loads(stack.read_text())
+        if st.get("store_backend") == "local":
+            defaults.update(FLYWHEEL_STORE_BACKEND="local", FLYWHEEL_STORE_LOCAL_ROOT=str(home / "store"))
+        if st.get("run"):
+            defaults["FLYWHEEL_RUN"] = str(st["run"])
+        if st.get("config") and config is None and not os.environ.get("FLYWHEEL_CONFIG"):
+            config = str(st["config"])
+        infra = home / "infra.env"
+        if infra.is_file():
+            for line in infra.read_text().splitlines():
+                key, sep, value = line.partition("=")
+                if sep and not line.startswith("#"):
+                    defaults[key.strip()] = value.strip()
+    return load_settings(config, {**defaults, **os.environ})
+
+
 def _token(arg: str | None) -> str | None:
     if arg:
         return arg
@@ -357,10 +384,10 @@ def count(text: str) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from services.admin.verify import verify  # imports Kafka and the store: only for this command
-    from shared.settings import ConfigError, load_settings
+    from shared.settings import ConfigError
 
     try:
-        code, lines = verify(load_settings(args.config), args.checkpoint, read_log=not args.no_log)
+        code, lines = verify(local_settings(args.config), args.checkpoint, read_log=not args.no_log)
     except (ConfigError, LookupError) as exc:
         print(f"flywheel: {exc}", file=sys.stderr)
         return 2
@@ -373,11 +400,11 @@ def cmd_policy(args: argparse.Namespace) -> int:
     Exit 1 when the version is not there or does not fit the config, 2 for a config error or an unreachable store."""
     from services.admin.evaluate import EvalError, evaluate  # gymnasium, numpy: only for these commands
     from shared.marker import BadPayload, VersionedStore
-    from shared.settings import ConfigError, load_settings
+    from shared.settings import ConfigError
     from shared.store import StoreError, open_store
 
     try:
-        settings = load_settings(args.config)
+        settings = local_settings(args.config)
         policies = VersionedStore(open_store(settings), settings.run, "policy")
         if args.command == "eval":
             report = evaluate(settings, policies, args.version, args.episodes, deterministic=args.deterministic,
