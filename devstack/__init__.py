@@ -1,7 +1,7 @@
 """The local stack, without Docker: Kafka (KRaft, Maven Central jars), an S3 server (moto), Flywheel's
 four services and Prometheus as processes on 127.0.0.1, with a supervisor that restarts what dies.
 
-Tooling, not runtime: the services never import it (STYLE.md 15). Command line:
+Tooling, not runtime: the services never import it (docs/architecture.md, "Code layout"). Command line:
 ``python -m devstack up|down|status|restart|infra-up|infra-down|hold|release|supervise`` (see
 ``__main__`` and docs/local-stack.md). Python API, e.g. for tests and the benchmarks::
 

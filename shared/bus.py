@@ -1,22 +1,26 @@
-"""The trainer's view of Kafka behind small interfaces (STYLE.md 5), with an in-memory twin.
+"""Every service's view of Kafka behind small interfaces, with an in-memory twin (docs/architecture.md,
+"The bus").
 
 - :class:`RecordSource`: pull records of one topic as a member of a consumer group, with
-  rebalance callbacks, commits of chosen offsets, seek and position.
+  rebalance callbacks, commits of chosen offsets, seek and position (the trainer, paramsync's candidates).
 - :class:`Publisher`: send a record and wait for the acknowledgement, or send without waiting.
-- :class:`TopicTail`: read what is appended to one partition from now on (announcements).
+- :class:`TopicTail`: read what is appended to partition 0 of one or more topics from now on, or from
+  ``history`` records before the end (announcements, control commands, credit grants, heartbeats).
+- :class:`LagReader`: a consumer group's lag per partition of a topic (end offset - committed).
 
-:func:`kafka_bus` gives the real ones (aiokafka, ``shared.kafka``'s factories). :class:`MemoryBus`
-is an in-memory twin for unit tests of *the services' reaction* to a rebalance in the middle of a
-batch, a commit or a send that fails, a re-delivered record: its offsets and commits are simple
-and deterministic, and a test drives rebalances by hand. Kafka's own semantics (group protocol,
-lag, retention) are proven against a real broker in ``tests/integration`` and ``tests/faults``.
+A :class:`Bus` bundles them, plus ``create_topics`` (the run's topics, idempotent). :func:`kafka_bus`
+gives the real ones (aiokafka, ``shared.kafka``'s factories). :class:`MemoryBus` is an in-memory twin
+for unit tests of *the services' reaction* to a rebalance in the middle of a batch, a commit or a send
+that fails, a re-delivered record, a grant or a command: its offsets and commits are simple and
+deterministic, and a test drives rebalances by hand. Kafka's own semantics (group protocol, lag,
+retention) are proven against a real broker in ``tests/integration`` and ``tests/faults``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,6 +39,15 @@ class Record:
     value: bytes | None
     headers: Headers
     timestamp_ms: int = 0
+
+    @property
+    def topic(self) -> str:
+        return str(self.tp.topic)
+
+    @property
+    def partition(self) -> int:
+        """As on aiokafka's ``RecordMetadata``: a :meth:`Publisher.send` acknowledgement has both."""
+        return int(self.tp.partition)
 
 
 class RecordSource(Protocol):
@@ -65,28 +78,56 @@ class Publisher(Protocol):
 
     async def send(self, topic: str, value: bytes | None, key: bytes | None = None,
                    headers: Headers | None = None) -> Any:
-        """Queue a record; returns a future of its acknowledgement."""
+        """Queue a record; returns a future of its acknowledgement (``.partition``, ``.offset``)."""
         ...
 
-    async def stop(self) -> None: ...
+    async def stop(self) -> None:
+        """Flushes what is queued, then closes."""
+        ...
 
 
 class TopicTail(Protocol):
-    async def start(self) -> None: ...
+    async def start(self) -> None:
+        """Position at the end of each topic (or ``history`` records before it). Safe to call again after
+        it failed part-way (it is retried while the broker is down)."""
+        ...
 
     async def poll(self, timeout_ms: int) -> list[Record]: ...
 
     async def stop(self) -> None: ...
 
 
+class TailFactory(Protocol):
+    def __call__(self, *topics: str, history: int = 0) -> TopicTail:
+        """A tail of partition 0 of each topic (all of a run's tailed topics have one), from its end, or
+        from ``history`` records before the end (no further back than the log start)."""
+        ...
+
+
+class LagReader(Protocol):
+    async def start(self) -> None: ...
+
+    async def lag(self, group: str, topic: str) -> dict[int, int]:
+        """Records of ``topic`` not yet committed by ``group``, per partition (a partition the group never
+        committed counts from the log start)."""
+        ...
+
+    async def stop(self) -> None: ...
+
+
 @dataclass
 class Bus:
-    """What a trainer needs: its group's source of samples, a publisher, a tail of the policy topic."""
+    """What a service needs of Kafka. Each service takes one in its constructor (``kafka_bus`` by default,
+    ``MemoryBus().bus()`` in unit tests) and reaches Kafka through nothing else."""
 
     source: RecordSource
+    """The group member (``kafka_bus(..., group=...)``); a bus made without a group refuses to consume."""
     publisher: Publisher
-    tail: Callable[[str], TopicTail]
-    """A tail of partition 0 of a topic, from its current end."""
+    tail: TailFactory
+    lag: Callable[[], LagReader]
+    """A new lag reader (long-lived connections: start it once, ask it every second)."""
+    create_topics: Callable[[], Awaitable[object]]
+    """Create the run's topics if absent (idempotent, safe when several services race)."""
 
 
 # ---- Kafka ------------------------------------------------------------------------------------
@@ -129,14 +170,58 @@ class KafkaSource:
         await self.consumer.stop()
 
 
-class KafkaTail:
-    def __init__(self, consumer: Any, topic: str) -> None:
-        self.consumer, self.tp = consumer, TopicPartition(topic, 0)
+class NoSource:
+    """The :class:`RecordSource` of a bus made without a consumer group: consuming is a wiring error."""
+
+    def _refuse(self) -> RuntimeError:
+        return RuntimeError("this bus has no consumer group: make it with kafka_bus(settings, group=...)")
 
     async def start(self) -> None:
-        await self.consumer.start()
-        self.consumer.assign([self.tp])
-        await self.consumer.seek_to_end(self.tp)
+        raise self._refuse()
+
+    def subscribe(self, topic: str, on_revoke: OnPartitions, on_assign: OnPartitions) -> None:
+        raise self._refuse()
+
+    async def poll(self, max_records: int, timeout_ms: int) -> dict[TopicPartition, list[Record]]:
+        raise self._refuse()
+
+    def assignment(self) -> set[TopicPartition]:
+        return set()
+
+    async def commit(self, offsets: dict[TopicPartition, int]) -> None:
+        raise self._refuse()
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        raise self._refuse()
+
+    async def position(self, tp: TopicPartition) -> int:
+        raise self._refuse()
+
+    async def stop(self) -> None:
+        pass
+
+
+class KafkaTail:
+    """A :class:`TopicTail` on a group-less consumer (it commits nothing)."""
+
+    def __init__(self, consumer: Any, topics: Sequence[str], history: int = 0) -> None:
+        self.consumer = consumer
+        self.tps = [TopicPartition(t, 0) for t in topics]
+        self.history = history
+        self._started = False
+
+    async def start(self) -> None:
+        if not self._started:  # a consumer must not be started twice (a retried start after a failed seek)
+            await self.consumer.start()
+            self._started = True
+        self.consumer.assign(self.tps)
+        if self.history <= 0:
+            await self.consumer.seek_to_end(*self.tps)
+            return
+        ends = await self.consumer.end_offsets(self.tps)
+        begins = await self.consumer.beginning_offsets(self.tps)
+        for tp in self.tps:
+            self.consumer.seek(tp, max(begins[tp], ends[tp] - self.history))
 
     async def poll(self, timeout_ms: int) -> list[Record]:
         polled = await self.consumer.getmany(timeout_ms=timeout_ms)
@@ -146,12 +231,18 @@ class KafkaTail:
         await self.consumer.stop()
 
 
-def kafka_bus(settings: Any, group: str, group_instance_id: str | None) -> Bus:
-    from shared.kafka import make_consumer, make_producer
+def kafka_bus(settings: Any, group: str | None = None, group_instance_id: str | None = None) -> Bus:
+    """The real bus of one service: a member of ``group`` (None: this service consumes in no group), an
+    idempotent producer, group-less tails and lag readers; every client from ``shared.kafka``."""
+    from shared.kafka import LagProbe, ensure_topics, make_consumer, make_producer
 
-    return Bus(source=KafkaSource(make_consumer(settings, group_id=group, group_instance_id=group_instance_id)),
-               publisher=make_producer(settings),
-               tail=lambda topic: KafkaTail(make_consumer(settings, group_id=None), topic))
+    def tail(*topics: str, history: int = 0) -> TopicTail:
+        return KafkaTail(make_consumer(settings, group_id=None), topics, history)
+
+    source: RecordSource = NoSource() if group is None else KafkaSource(
+        make_consumer(settings, group_id=group, group_instance_id=group_instance_id))
+    return Bus(source=source, publisher=make_producer(settings), tail=tail, lag=lambda: LagProbe(settings),
+               create_topics=lambda: ensure_topics(settings))
 
 
 # ---- in memory --------------------------------------------------------------------------------
@@ -187,8 +278,18 @@ class MemoryBus:
     def records(self, topic: str) -> list[Record]:
         return [r for tp, log in sorted(self.logs.items()) if tp.topic == topic for r in log]
 
+    def tail(self, *topics: str, history: int = 0) -> MemoryTail:
+        return MemoryTail(self, topics, history)
+
+    def lag_reader(self) -> MemoryLag:
+        return MemoryLag(self)
+
+    async def create_topics(self) -> None:
+        """Nothing to do: a topic exists from its first record (or its first tail)."""
+
     def bus(self) -> Bus:
-        return Bus(source=MemorySource(self), publisher=MemoryPublisher(self), tail=lambda t: MemoryTail(self, t))
+        return Bus(source=MemorySource(self), publisher=MemoryPublisher(self), tail=self.tail, lag=self.lag_reader,
+                   create_topics=self.create_topics)
 
 
 class MemorySource:
@@ -289,20 +390,44 @@ class MemoryPublisher:
 
 
 class MemoryTail:
-    def __init__(self, bus: MemoryBus, topic: str) -> None:
-        self.bus, self.tp = bus, TopicPartition(topic, 0)
-        self.pos = 0
+    """Partition 0 of each topic, from its end (or ``history`` records before it) at :meth:`start`."""
+
+    def __init__(self, bus: MemoryBus, topics: Sequence[str], history: int = 0) -> None:
+        self.bus, self.tps, self.history = bus, [TopicPartition(t, 0) for t in topics], history
+        self.pos: dict[TopicPartition, int] = {}
 
     async def start(self) -> None:
-        self.bus.logs.setdefault(self.tp, [])
-        self.pos = len(self.bus.logs[self.tp])
+        for tp in self.tps:
+            if tp.topic not in self.bus.partitions:
+                self.bus.create(tp.topic)
+            self.pos[tp] = max(0, len(self.bus.logs[tp]) - max(0, self.history))
 
     async def poll(self, timeout_ms: int) -> list[Record]:
-        log = self.bus.logs.get(self.tp, [])
-        out, self.pos = log[self.pos:], len(log)
+        out: list[Record] = []
+        for tp in self.tps:
+            log = self.bus.logs.get(tp, [])
+            out.extend(log[self.pos.get(tp, 0):])
+            self.pos[tp] = len(log)
         if not out:
             await asyncio.sleep(min(timeout_ms, 5) / 1000)
         return out
+
+    async def stop(self) -> None:
+        pass
+
+
+class MemoryLag:
+    """Lag of the bus's one group (``committed``), whatever group is named."""
+
+    def __init__(self, bus: MemoryBus) -> None:
+        self.bus = bus
+
+    async def start(self) -> None:
+        pass
+
+    async def lag(self, group: str, topic: str) -> dict[int, int]:
+        return {tp.partition: max(0, len(log) - self.bus.committed.get(tp, 0))
+                for tp, log in sorted(self.bus.logs.items()) if tp.topic == topic}
 
     async def stop(self) -> None:
         pass

@@ -1,7 +1,8 @@
 """Kafka plumbing: a run's topics, the idempotent producer, the manual-commit consumer, lag.
 
-Topics are prefixed by the run name so several runs share one cluster (DESIGN.md). Every client is made
-here, with the security settings of :func:`client_security` (TLS, SASL; docs/security.md).
+Topics are prefixed by the run name so several runs share one cluster (docs/architecture.md, "Kafka
+topics"). Every client is made here, with the security settings of :func:`client_security` (TLS, SASL;
+docs/security.md); services reach them through ``shared.bus`` (``kafka_bus``), never directly.
 """
 
 from __future__ import annotations

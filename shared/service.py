@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from shared.logging import RotatingFile, configure_logging, get_logger
@@ -70,23 +70,35 @@ def run_main(service: str, build: Callable[[Settings], tuple[Service, Any]]) -> 
     asyncio.run(amain())
 
 
-async def run_until_first_error(*coros: Any) -> None:
-    """Run coroutines as tasks until all finish or one fails; cancel the rest; re-raise the error."""
+async def run_until_first_error(*coros: Any, beside: Sequence[Any] = ()) -> None:
+    """Run coroutines as tasks until all finish or one fails; cancel the rest; re-raise the error.
+
+    ``beside``: coroutines that never return by themselves (``shared.retry.read_forever`` loops) run
+    alongside; they are cancelled once every one of ``coros`` has finished (those watch the stop event
+    and finish what they are doing first), and an error of theirs stops the others like any error."""
     tasks = [asyncio.create_task(c) for c in coros]
+    side = [asyncio.create_task(c) for c in beside]
     try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for t in done:
-            t.result()
+        pending: set[asyncio.Task[Any]] = set(tasks)
+        while pending:
+            done, _ = await asyncio.wait(pending | {t for t in side if not t.done()},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t in side and not t.cancelled() and t.exception() is None:
+                    raise RuntimeError(f"background loop {t.get_name()} ended; it should run until cancelled")
+                t.result()  # raises the task's error
+            pending -= done
     finally:
-        for t in tasks:
+        for t in tasks + side:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *side, return_exceptions=True)
 
 
 def http_app(svc: Service) -> Any:
     """A FastAPI app with /healthz and /metrics for ``svc``."""
     from fastapi import FastAPI, Response
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from prometheus_client import generate_latest
+    from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
     app = FastAPI(title=f"flywheel {svc.name}", docs_url=None, redoc_url=None)
 
@@ -97,7 +109,10 @@ def http_app(svc: Service) -> Any:
 
     @app.get("/metrics")
     def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        # The classic text format (generate_latest escapes names to underscores), declared as such, as admin
+        # does: prometheus_client's CONTENT_TYPE_LATEST now says version=1.0.0 (UTF-8 names), which that
+        # body is not, and scrapers pick the parser from this header.
+        return Response(generate_latest(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     return app
 

@@ -1,4 +1,10 @@
-"""What the admin service knows: heartbeats (read-only), consumer lag, the marker; and the control producer."""
+"""What the admin service knows: heartbeats (read-only), consumer lag, the marker; and the control producer.
+
+Kafka is reached only through ``shared.bus`` (a :class:`~shared.bus.Bus` passed in, ``kafka_bus`` by default,
+``MemoryBus`` in unit tests): a tail of ``<run>.heartbeats`` (from ``HEARTBEAT_HISTORY`` records back, then
+as they come, with ``shared.retry.read_forever``), a lag reader asked every ``admin.refresh_interval_s``
+(a named ``shared.retry.every`` task), and the publisher of operator commands.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +15,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka import TopicPartition
 from prometheus_client import Gauge
 
 from services.admin.rollbacks import RollbackRequests
-from shared.kafka import Topics, consumer_lag, ensure_topics, make_consumer, make_producer, trainer_group
+from shared.bus import Bus, Record, kafka_bus
+from shared.kafka import Topics, trainer_group
 from shared.logging import get_logger
 from shared.marker import VersionedStore, VersionRecord
 from shared.messages import ControlCommand, SamplerBeat, TrainerBeat, parse_heartbeat
-from shared.retry import Health, describe, poll_or_pause, retry_transient
+from shared.retry import Health, Retrier, describe, every, read_forever, stop_clients
 from shared.runtime import AuditLog, RuntimeConfig
 from shared.service import run_until_first_error
 from shared.settings import Settings
@@ -56,7 +62,7 @@ SAMPLER_FORGET_S = 600.0
 class AdminState:
     name = "admin"
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, bus: Bus | None = None) -> None:
         self.settings = settings
         self.topics = Topics.for_run(settings.run)
         store = open_store(settings)
@@ -68,50 +74,43 @@ class AdminState:
         self.version_returns: dict[int, float] = {}
         """Mean return the trainer reported while each published version was current (last value)."""
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POINTS)
-        self.producer = make_producer(settings)
-        self.consumer = make_consumer(settings, group_id=None)
+        self.bus = bus or kafka_bus(settings)
+        self.producer = self.bus.publisher
+        self.heartbeats = self.bus.tail(self.topics.heartbeats, history=HEARTBEAT_HISTORY)
+        self.lag_reader = self.bus.lag()
         self.view = ClusterView()
         self.log = get_logger()
         self._started = False
         self.health_state = Health("admin")
+        self.retry = Retrier(self.health_state, self.log)
         self._last_published: VersionRecord | None = None
         self.alive_after_s = settings.paramsync.sampler_timeout_s
 
     async def start(self) -> None:
-        async def retried(op: Any, what: str) -> Any:
-            return await retry_transient(op, what=what, component="kafka", health=self.health_state, log=self.log,
-                                         timeout_s=self.settings.kafka.request_timeout_ms / 1000)
-
-        await retried(lambda: ensure_topics(self.settings), "create topics")
-        await retried(self.producer.start, "start producer")
-        await retried(self.consumer.start, "start heartbeat reader")
-        tp = TopicPartition(self.topics.heartbeats, 0)
-        self.consumer.assign([tp])
-        end = (await self.consumer.end_offsets([tp]))[tp]
-        begin = (await self.consumer.beginning_offsets([tp]))[tp]
-        self.consumer.seek(tp, max(begin, end - HEARTBEAT_HISTORY))
+        timeout_s = self.settings.kafka.request_timeout_ms / 1000
+        await self.retry(self.bus.create_topics, "create topics", "kafka", timeout_s=timeout_s)
+        await self.retry(self.producer.start, "start producer", "kafka", timeout_s=timeout_s)
+        await self.retry(self.heartbeats.start, "start heartbeat reader", "kafka", timeout_s=timeout_s)
+        await self.retry(self.lag_reader.start, "start lag reader", "kafka", timeout_s=timeout_s)
         self._started = True
 
     async def run(self, stop_event: asyncio.Event) -> None:
-        await run_until_first_error(self._heartbeats(stop_event), self._lag_loop(stop_event))
+        self.retry.stop_event = stop_event
+        await run_until_first_error(
+            every(lambda: self.settings.admin.refresh_interval_s, self.refresh_lag, name="lag", log=self.log,
+                  stop_event=stop_event),
+            beside=[read_forever(self.heartbeats, self._on_heartbeat, name="heartbeats", log=self.log)])
 
     async def stop(self) -> None:
-        await self.consumer.stop()
-        await self.producer.stop()
+        await stop_clients([self.heartbeats, self.lag_reader, self.producer], self.log)
 
     def health(self) -> dict[str, Any]:
         return {"ok": self._started, **self.health_state.as_dict()}
 
     # ---- feeds -----------------------------------------------------------------------------
-    async def _heartbeats(self, stop_event: asyncio.Event) -> None:
-        while not stop_event.is_set():
-            polled = await poll_or_pause(lambda: self.consumer.getmany(timeout_ms=200), what="heartbeat poll")
-            if polled is None:
-                continue
-            for records in polled.values():
-                for rec in records:
-                    if rec.value is not None:
-                        self.observe(rec.value, rec.timestamp / 1000.0)
+    def _on_heartbeat(self, rec: Record) -> None:
+        if rec.value is not None:
+            self.observe(rec.value, rec.timestamp_ms / 1000.0)
 
     def observe(self, value: bytes, sent_at: float) -> None:
         """Take one heartbeat in. Old ones (replayed at start) are dated by their record time."""
@@ -148,23 +147,21 @@ class AdminState:
             self.view.started.pop(f"sampler:{sid}", None)
             self.view.restarts.pop(f"sampler:{sid}", None)
 
-    async def _lag_loop(self, stop_event: asyncio.Event) -> None:
-        while not stop_event.is_set():
-            try:
-                lag = await consumer_lag(self.settings, trainer_group(self.settings.run), self.topics.samples)
-                self.view.lag, self.view.lag_at = lag, time.time()
-                self.history.append(self.point(time.time()))
-                BACKLOG.set(sum(lag.values()))
-                for p, n in lag.items():
-                    BACKLOG_PARTITION.labels(partition=str(p)).set(n)
-                self.health_state.recovered("kafka")
-            except Exception as exc:  # keep serving status with the last known lag
-                self.health_state.degraded("kafka", f"lag refresh failed: {describe(exc)}")
-                self.log.warning("lag_refresh_failed", error=describe(exc))
-            try:
-                await asyncio.wait_for(stop_event.wait(), timeout=self.settings.admin.refresh_interval_s)
-            except TimeoutError:
-                pass
+    async def refresh_lag(self) -> None:
+        """The trainer group's backlog, and one status sample for the curves (the ``lag`` task). A failure
+        keeps the last known lag (``/status`` stays up) and marks admin degraded."""
+        try:
+            lag = await self.lag_reader.lag(trainer_group(self.settings.run), self.topics.samples)
+        except Exception as exc:  # keep serving status with the last known lag
+            self.health_state.degraded("kafka", f"lag refresh failed: {describe(exc)}")
+            self.log.warning("lag_refresh_failed", error=describe(exc))
+            return
+        self.view.lag, self.view.lag_at = lag, time.time()
+        self.history.append(self.point(time.time()))
+        BACKLOG.set(sum(lag.values()))
+        for p, n in lag.items():
+            BACKLOG_PARTITION.labels(partition=str(p)).set(n)
+        self.health_state.recovered("kafka")
 
     # ---- queries and commands --------------------------------------------------------------
     def alive(self, seen: Seen | None, now: float) -> bool:

@@ -10,6 +10,11 @@ Rollbacks are durable requests in the store (``<run>/ops/rollback/``, :mod:`serv
 paramsync applies the pending ones in request order at start, every ``ROLLBACK_POLL_S`` and at once
 on a ``rollback`` command, and records each as ``applied`` (with its new version) or ``refused``
 (with the reason), so a rollback requested while paramsync was down is applied when it comes back.
+
+Kafka is reached only through ``shared.bus`` (a :class:`~shared.bus.Bus` passed in, ``kafka_bus`` with the
+group by default, ``MemoryBus`` in unit tests). One loop handles candidates; the inbox is one
+``shared.retry.read_forever`` reader; heartbeats, re-announcements and rollbacks are named periodic tasks
+(``shared.retry.every``).
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.paramsync.rollbacks import RollbackQueue, RollbackRequest, Status
 from services.paramsync.tracker import SyncTracker
-from shared.kafka import Topics, ensure_topics, make_consumer, make_producer
+from shared.bus import Bus, Record, kafka_bus
+from shared.kafka import Topics
 from shared.logging import get_logger
 from shared.marker import BadPayload, MarkerConflict, StaleVersion, VersionedStore, VersionRecord
 from shared.messages import KEY_ANNOUNCE, ControlCommand, ParamsyncBeat, PolicyMessage, SamplerBeat, parse_heartbeat
-from shared.retry import Health, describe, is_transient, poll_or_pause, retry_transient, stop_clients
+from shared.retry import Health, Retrier, describe, every, is_transient, poll_or_pause, read_forever, stop_clients
 from shared.rl.envs import fragment_spec
 from shared.rl.model import ActorCritic, WeightsError, load_weights
 from shared.service import run_until_first_error
@@ -58,7 +64,7 @@ REANNOUNCED = Counter("flywheel_paramsync_reannouncements_total", "Periodic re-a
 class Paramsync:
     name = "paramsync"
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, bus: Bus | None = None) -> None:
         self.settings = settings
         self.id = f"paramsync-{socket.gethostname()}-{os.getpid()}"
         self.topics = Topics.for_run(settings.run)
@@ -72,43 +78,43 @@ class Paramsync:
                                           normalize_observations=settings.trainer.normalize_observations,
                                           gsde=settings.trainer.gsde)
         self.tracker = SyncTracker(settings.paramsync.sampler_timeout_s)
-        self.producer = make_producer(settings)
-        self.candidates = make_consumer(settings, group_id=f"{settings.run}.paramsync")
-        self.inbox = make_consumer(settings, group_id=None)
+        self.bus = bus or kafka_bus(settings, group=paramsync_group(settings.run))
+        self.producer = self.bus.publisher
+        self.candidates = self.bus.source  # the group's member on <run>.policy, committed after each poll
+        self.inbox = self.bus.tail(self.topics.heartbeats, self.topics.control)  # from the end
         self.published_version: int | None = None
         self.published_record: VersionRecord | None = None
         self.lineage_required = 0  # the last rollback published: older lineages are abandoned weights
         self._marker_lock = asyncio.Lock()  # candidates and rollbacks move the marker one at a time
         self.health_state = Health("paramsync")
+        self.retry = Retrier(self.health_state, self.log)
         self.started_at = time.time()
         self._stop = asyncio.Event()
         self._publishes = 0
         self._prune_task: asyncio.Task[None] | None = None
         self._started = False
 
-    async def _retry(self, op: Any, what: str, component: str, timeout_s: float | None = None) -> Any:
-        return await retry_transient(op, what=what, component=component, health=self.health_state,
-                                     log=self.log, stop_event=self._stop, timeout_s=timeout_s)
-
     async def start(self) -> None:
-        await self._retry(lambda: ensure_topics(self.settings), "create topics", "kafka")
-        await self._retry(self.producer.start, "start producer", "kafka")
-        await self._retry(self.candidates.start, "start candidate consumer", "kafka")
-        self.candidates.subscribe([self.topics.policy])
-        await self._retry(self.inbox.start, "start inbox", "kafka")
-        tps = [TopicPartition(self.topics.heartbeats, 0), TopicPartition(self.topics.control, 0)]
-        self.inbox.assign(tps)
-        await self.inbox.seek_to_end(*tps)
-        current = await self._retry(lambda: asyncio.to_thread(self.policies.read_marker), "read marker", "store")
+        await self.retry(self.bus.create_topics, "create topics", "kafka")
+        await self.retry(self.producer.start, "start producer", "kafka")
+        await self.retry(self.candidates.start, "start candidate consumer", "kafka")
+        self.candidates.subscribe(self.topics.policy, _nothing, _nothing)  # nothing in hand to commit on revoke
+        await self.retry(self.inbox.start, "start inbox", "kafka")
+        current = await self.retry(lambda: asyncio.to_thread(self.policies.read_marker), "read marker", "store")
         if current is not None:
             self._set_published(current[0])
         self._started = True
 
     async def run(self, stop_event: asyncio.Event) -> None:
-        self._stop = stop_event
+        self._stop = self.retry.stop_event = stop_event
+        cfg, log = self.settings.paramsync, self.log
         await run_until_first_error(
-            self._candidate_loop(stop_event), self._inbox_loop(stop_event), self._beat_loop(stop_event),
-            self._rollback_loop(stop_event),
+            self._candidate_loop(stop_event),
+            every(lambda: cfg.heartbeat_interval_s, self._beat, name="heartbeats", log=log, stop_event=stop_event),
+            self._reannouncements(stop_event),
+            every(lambda: ROLLBACK_POLL_S, self._apply_pending_rollbacks, name="rollbacks", log=log,
+                  stop_event=stop_event, wake=self._rollback_wanted),
+            beside=[read_forever(self.inbox, self._on_inbox, name="inbox", log=log)],
         )
 
     async def stop(self) -> None:
@@ -133,7 +139,7 @@ class Paramsync:
         while not stop_event.is_set():
             if self._prune_task is not None and self._prune_task.done() and self._prune_task.exception():
                 raise RuntimeError("pruning old versions failed") from self._prune_task.exception()
-            polled = await poll_or_pause(lambda: self.candidates.getmany(timeout_ms=200, max_records=50),
+            polled = await poll_or_pause(lambda: self.candidates.poll(max_records=50, timeout_ms=200),
                                          what="candidate poll", health=self.health_state)
             if polled is None:
                 continue
@@ -184,21 +190,21 @@ class Paramsync:
                           reason=f"trained from weights abandoned by the rollback to lineage {self.lineage_required}")
             return "abandoned"
         try:
-            data = await self._retry(lambda: asyncio.to_thread(self.policies.fetch, record), "fetch candidate", "store")
+            data = await self.retry(lambda: asyncio.to_thread(self.policies.fetch, record), "fetch candidate", "store")
             load_weights(self.model, data)
         except (BadPayload, WeightsError) as exc:
             self.log.warning("candidate_rejected", policy_version=msg.version, reason=str(exc))
             return "rejected"
         for attempt in range(3):
             try:
-                await self._retry(lambda: asyncio.to_thread(self.policies.publish_next, record), "move marker", "store")
+                await self.retry(lambda: asyncio.to_thread(self.policies.publish_next, record), "move marker", "store")
                 break
             except StaleVersion as exc:
                 self.log.info("candidate_stale", policy_version=msg.version, reason=str(exc))
                 return "stale"
             except MarkerConflict as exc:
                 # A retried conditional PUT that had in fact succeeded answers 412: then the marker is ours.
-                now = await self._retry(lambda: asyncio.to_thread(self.policies.read_marker), "read marker", "store")
+                now = await self.retry(lambda: asyncio.to_thread(self.policies.read_marker), "read marker", "store")
                 if now is not None and now[0].version == record.version and now[0].sha256 == record.sha256:
                     break
                 self.log.warning("marker_conflict", policy_version=msg.version, attempt=attempt, reason=str(exc))
@@ -229,23 +235,17 @@ class Paramsync:
 
     async def _announce(self, record: VersionRecord) -> None:
         ann = PolicyMessage.of("announce", record).to_bytes()
-        await self._retry(lambda: self.producer.send_and_wait(self.topics.policy, ann, key=KEY_ANNOUNCE),
+        await self.retry(lambda: self.producer.send_and_wait(self.topics.policy, ann, key=KEY_ANNOUNCE),
                           "announce", "kafka", timeout_s=self.settings.kafka.request_timeout_ms / 1000)
 
     # ---- heartbeats and control ------------------------------------------------------------
-    async def _inbox_loop(self, stop_event: asyncio.Event) -> None:
-        while not stop_event.is_set():
-            polled = await poll_or_pause(lambda: self.inbox.getmany(timeout_ms=200), what="inbox poll")
-            if polled is None:
-                continue
-            for records in polled.values():
-                for rec in records:
-                    if rec.value is None:
-                        continue
-                    if rec.topic == self.topics.heartbeats:
-                        self._on_heartbeat(rec.value)
-                    else:
-                        await self._on_control(rec.value)
+    async def _on_inbox(self, rec: Record) -> None:
+        if rec.value is None:
+            return
+        if rec.topic == self.topics.heartbeats:
+            self._on_heartbeat(rec.value)
+        else:
+            await self._on_control(rec.value)
 
     def _on_heartbeat(self, value: bytes) -> None:
         try:
@@ -287,27 +287,16 @@ class Paramsync:
         self.log.info("manual_sync_announced", request_id=cmd.request_id, policy_version=rec.version)
 
     # ---- rollbacks ---------------------------------------------------------------------------
-    async def _rollback_loop(self, stop_event: asyncio.Event) -> None:
-        """Apply pending rollback requests at start, every ``ROLLBACK_POLL_S``, and at once on a command."""
-        while not stop_event.is_set():
-            self._rollback_wanted.clear()
-            try:  # retried while the store is down (paramsync reports itself degraded meanwhile)
-                pending = await self._retry(lambda: asyncio.to_thread(self.rollbacks.pending),
-                                            "read rollback requests", "store", timeout_s=60)
-            except Exception as exc:  # only when stopping: the last transient error
-                if not is_transient(exc) and not stop_event.is_set():
-                    raise
+    async def _apply_pending_rollbacks(self) -> None:
+        """The pending rollback requests, oldest first (the ``rollbacks`` task: at start, every
+        ``ROLLBACK_POLL_S`` and at once on a command). Reading them is retried while the store is down
+        (degraded meanwhile); stopping ends the retries with the last error, which the task logs."""
+        pending = await self.retry(lambda: asyncio.to_thread(self.rollbacks.pending), "read rollback requests",
+                                   "store", timeout_s=60)
+        for req, etag in pending:
+            if self._stop.is_set():
                 return
-            for req, etag in pending:
-                if stop_event.is_set():
-                    return
-                await self._apply_rollback(req, etag)
-            waits = [asyncio.ensure_future(stop_event.wait()), asyncio.ensure_future(self._rollback_wanted.wait())]
-            try:
-                await asyncio.wait(waits, timeout=ROLLBACK_POLL_S, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
+            await self._apply_rollback(req, etag)
 
     def _republish(self, req: RollbackRequest) -> VersionRecord:
         """Publish ``req.version``'s weights as the newest version, from a pinned copy of its payload (a
@@ -346,7 +335,7 @@ class Paramsync:
             async with self._marker_lock:
                 for attempt in range(3):
                     try:
-                        record = await self._retry(lambda: asyncio.to_thread(self._republish, req), "rollback",
+                        record = await self.retry(lambda: asyncio.to_thread(self._republish, req), "rollback",
                                                    "store", timeout_s=60)
                         break
                     except MarkerConflict:  # another writer (a second paramsync?) moved it: read again
@@ -375,7 +364,7 @@ class Paramsync:
                       reason: str | None = None) -> None:
         ROLLBACKS.labels(outcome=status).inc()
         try:
-            won = await self._retry(lambda: asyncio.to_thread(
+            won = await self.retry(lambda: asyncio.to_thread(
                 self.rollbacks.decide, req, etag, status, new_version=new_version, reason=reason),
                 "record rollback outcome", "store", timeout_s=60)
         except Exception as exc:  # transient and stopping: the next start finds it applied (idempotent)
@@ -386,35 +375,52 @@ class Paramsync:
         if not won:
             self.log.info("rollback_decided_elsewhere", request_id=req.request_id)
 
-    async def _beat_loop(self, stop_event: asyncio.Event) -> None:
-        """Heartbeats, and now and then a re-announcement of the published version: a sampler or a
-        trainer that missed an announcement (a broker restart, a late start) catches up from it."""
-        interval = self.settings.paramsync.heartbeat_interval_s
-        last_announce = time.monotonic()
-        while not stop_event.is_set():
-            for sid in self.tracker.forget(time.monotonic()):
-                with contextlib.suppress(KeyError):  # never reported a version
-                    SAMPLER_VERSION.remove(sid)
-            live = self.tracker.live(time.monotonic())
-            LIVE.set(len(live))
-            beat = ParamsyncBeat(id=self.id, published_version=self.published_version,
-                                 sync_latency_p50_s=self.tracker.p(0.5), sync_latency_p95_s=self.tracker.p(0.95),
-                                 live_samplers=len(live), health=self.health_state.as_dict(),
-                                 started_at=self.started_at)
-            try:
-                await self.producer.send(self.topics.heartbeats, beat.to_bytes(), key=self.id.encode())
-                if self.published_record is not None and \
-                        time.monotonic() - last_announce >= self.settings.paramsync.reannounce_interval_s:
-                    last_announce = time.monotonic()
-                    ann = PolicyMessage.of("announce", self.published_record).to_bytes()
-                    await self.producer.send(self.topics.policy, ann, key=KEY_ANNOUNCE)
-                    REANNOUNCED.inc()
-            except Exception as exc:  # not worth stopping for: the next beat retries
-                if not is_transient(exc):
-                    raise
-                self.log.debug("heartbeat_failed", error=describe(exc))
-            try:
-                await asyncio.wait_for(stop_event.wait(), timeout=interval)
-            except TimeoutError:
-                pass
+    async def _beat(self) -> None:
+        """One heartbeat (the ``heartbeats`` task); samplers silent for long are forgotten first."""
+        for sid in self.tracker.forget(time.monotonic()):
+            with contextlib.suppress(KeyError):  # never reported a version
+                SAMPLER_VERSION.remove(sid)
+        live = self.tracker.live(time.monotonic())
+        LIVE.set(len(live))
+        beat = ParamsyncBeat(id=self.id, published_version=self.published_version,
+                             sync_latency_p50_s=self.tracker.p(0.5), sync_latency_p95_s=self.tracker.p(0.95),
+                             live_samplers=len(live), health=self.health_state.as_dict(), started_at=self.started_at)
+        await self._send_quietly(self.topics.heartbeats, beat.to_bytes(), self.id.encode())
 
+    async def _reannouncements(self, stop_event: asyncio.Event) -> None:
+        """The ``reannounce`` task: :meth:`_reannounce` every ``reannounce_interval_s``, the first one an
+        interval after start (what was published before is announced already)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop_event.wait(), self.settings.paramsync.reannounce_interval_s)
+        await every(lambda: self.settings.paramsync.reannounce_interval_s, self._reannounce, name="reannounce",
+                    log=self.log, stop_event=stop_event)
+
+    async def _reannounce(self) -> None:
+        """Announce the published version again: a sampler or a trainer that missed an announcement (a broker
+        restart, a late start) catches up."""
+        if self.published_record is None:
+            return
+        if await self._send_quietly(self.topics.policy, PolicyMessage.of("announce", self.published_record).to_bytes(),
+                                    KEY_ANNOUNCE):
+            REANNOUNCED.inc()
+
+    async def _send_quietly(self, topic: str, value: bytes, key: bytes) -> bool:
+        """Send without waiting for the acknowledgement; a transient failure is not worth stopping for (the
+        next period sends again): False."""
+        try:
+            await self.producer.send(topic, value, key=key)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            self.log.debug("heartbeat_failed", topic=topic, error=describe(exc))
+            return False
+        return True
+
+
+async def _nothing(_partitions: set[TopicPartition]) -> None:
+    """paramsync's rebalance callbacks: each poll's candidates are handled and committed before the next."""
+
+
+def paramsync_group(run: str) -> str:
+    """The consumer group of paramsync's candidate reader on ``<run>.policy``."""
+    return f"{run}.paramsync"

@@ -8,11 +8,15 @@ Flow control is credit-based (shared.credits): the sampler keeps at most the win
 of fragments in flight that the trainer has not consumed; ``max_backlog`` (the group's measured lag) is
 an optional second limit.
 
-Two background tasks keep slow or blocking reads out of the loop: one reads the inbox (policy
-announcements, control commands, credit grants) as records arrive, one measures the trainer's backlog
-every ``backlog_check_interval_s``. Both set ``_wake``, on which the loop waits while flow control pauses
-it (or, in ``mode: sync``, while it waits for the next version), so a paused sampler adopts a new
-policy as soon as it is announced. Nothing here imports torch (inference is numpy).
+Kafka is reached only through ``shared.bus`` (a :class:`~shared.bus.Bus` passed in, ``kafka_bus`` by
+default, ``MemoryBus`` in unit tests). Named background tasks keep slow or blocking reads out of the
+loop: ``inbox`` reads policy announcements, control commands and credit grants as they arrive
+(``shared.retry.read_forever``); ``marker`` reads the marker and the operator state every
+``sync_interval_s`` or at once on a ``config`` command, ``backlog`` measures the trainer's backlog every
+``backlog_check_interval_s``, ``heartbeats`` beats every ``heartbeat_interval_s`` (``shared.retry.every``).
+They set ``_wake``, on which the loop waits while flow control pauses it (or, in ``mode: sync``, while
+it waits for the next version), so a paused sampler adopts a new policy as soon as it is announced.
+Nothing here imports torch (inference is numpy).
 """
 
 from __future__ import annotations
@@ -26,17 +30,26 @@ import zlib
 from collections import deque
 from typing import Any
 
-from aiokafka import TopicPartition
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.sampler.rollout import RolloutWorker
+from shared.bus import Bus, Record, kafka_bus
 from shared.credits import H_SAMPLER_SEQ, CreditGate, seq_value
 from shared.fragment import encode_fragment
-from shared.kafka import LagProbe, Topics, ensure_topics, make_consumer, make_producer, trainer_group
+from shared.kafka import Topics, trainer_group
 from shared.logging import fragment_fields, get_logger
 from shared.marker import BadPayload, VersionedStore
 from shared.messages import ControlCommand, CreditGrant, PolicyMessage, SamplerBeat
-from shared.retry import CLIENT_STOP_TIMEOUT_S, Health, describe, is_transient, retry_transient, stop_clients
+from shared.retry import (
+    CLIENT_STOP_TIMEOUT_S,
+    Health,
+    Retrier,
+    describe,
+    every,
+    is_transient,
+    read_forever,
+    stop_clients,
+)
 from shared.rl.policy_np import WeightsError
 from shared.runtime import RuntimeApplier, RuntimeConfig, RuntimeWatcher, paused_since, read_paused, runtime_values
 from shared.service import RateMeter
@@ -81,7 +94,7 @@ def default_sampler_id() -> str:
 class Sampler:
     name = "sampler"
 
-    def __init__(self, settings: Settings, sampler_id: str | None = None) -> None:
+    def __init__(self, settings: Settings, sampler_id: str | None = None, bus: Bus | None = None) -> None:
         self.settings = settings
         self.id = sampler_id or default_sampler_id()
         self.topics = Topics.for_run(settings.run)
@@ -98,13 +111,16 @@ class Sampler:
         self._last_command_at = 0.0  # issued_at of the last pause/resume command applied
         self._poll_now = asyncio.Event()
         self.worker = RolloutWorker.from_settings(settings, self.id, sampler_seed(settings.sampler.seed, self.id))
-        self.producer = make_producer(settings)
-        self.inbox = make_consumer(settings, group_id=None)
+        self.bus = bus or kafka_bus(settings)
+        self.producer = self.bus.publisher
+        # Only what is announced from now on: the marker covers the past.
+        self.inbox = self.bus.tail(self.topics.policy, self.topics.control, self.topics.credits)
         self.in_flight = asyncio.Semaphore(settings.sampler.max_in_flight)
         # Always measured: max_backlog can be turned on at run time (PATCH /config).
-        self.lag_probe: LagProbe | None = LagProbe(settings)
+        self.lag_probe = self.bus.lag()
         self._backlog: int | None = None  # last measured trainer backlog; None until the first measurement
         self._backlog_at = 0.0  # monotonic time of that measurement
+        self._lag_failures = 0  # consecutive failed backlog measurements
         self._wake = asyncio.Event()  # backlog dropped to the limit, a policy was announced, or a command came
         self.credits = CreditGate(self.id)
         self.credit_wait_s = 0.0  # finished waits; plus the one in progress since _credit_wait_since
@@ -119,37 +135,31 @@ class Sampler:
         self._rejected_version: int | None = None  # the last version whose weights were refused
         self._sync_requested = False
         self._wanted_trigger = "announce"
-        self._last_beat = 0.0
         self._pending: set[asyncio.Future[Any]] = set()
         self._labels = {"sampler": self.id}
         self.health_state = Health("sampler")
+        self.retry = Retrier(self.health_state, self.log)
         self.started_at = time.time()
         self._stop = asyncio.Event()
 
-    async def _retry(self, op: Any, what: str, component: str) -> Any:
-        return await retry_transient(op, what=what, component=component, health=self.health_state, log=self.log,
-                                     stop_event=self._stop,
-                                     timeout_s=self.settings.kafka.request_timeout_ms / 1000)
-
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        await self._retry(lambda: ensure_topics(self.settings), "create topics", "kafka")
-        await self._retry(self.producer.start, "start producer", "kafka")
-        await self._retry(self.inbox.start, "start inbox", "kafka")
-        tps = [TopicPartition(self.topics.policy, 0), TopicPartition(self.topics.control, 0),
-               TopicPartition(self.topics.credits, 0)]
-        self.inbox.assign(tps)
-        await self.inbox.seek_to_end(*tps)  # only what is announced from now on; the marker covers the past
-        if self.lag_probe is not None:
-            await self._retry(self.lag_probe.start, "start lag probe", "kafka")
+        timeout_s = self.settings.kafka.request_timeout_ms / 1000
+        await self.retry(self.bus.create_topics, "create topics", "kafka", timeout_s=timeout_s)
+        await self.retry(self.producer.start, "start producer", "kafka", timeout_s=timeout_s)
+        await self.retry(self.inbox.start, "start inbox", "kafka", timeout_s=timeout_s)
+        await self.retry(self.lag_probe.start, "start lag probe", "kafka", timeout_s=timeout_s)
         # A restarted sampler comes back paused if it was, and with the latest runtime settings.
-        await self._retry(self._refresh_operator_state, "read operator state", "store")
+        await self.retry(self._refresh_operator_state, "read operator state", "store", timeout_s=timeout_s)
 
     async def run(self, stop_event: asyncio.Event) -> None:
-        self._stop = stop_event
+        self._stop = self.retry.stop_event = stop_event
         # Starting the background readers does not wait; the loop itself begins with the first policy.
-        self._start_background()
+        self._start_background(stop_event)
         await self._wait_for_first_policy(stop_event)
+        # Heartbeats from the first policy on (adopting one beats at once: paramsync measures sync latency).
+        self._start_task("heartbeats", every(lambda: self.settings.sampler.heartbeat_interval_s, self._heartbeat,
+                                             name="heartbeats", log=self.log, stop_event=stop_event))
         next_send = time.monotonic()
         cap = self.settings.sampler.max_fragments_per_s
         while not stop_event.is_set():
@@ -158,13 +168,16 @@ class Sampler:
             await self._respect_pause(stop_event)
             await self._respect_backlog(stop_event)
             await self._respect_credits(stop_event)
+            if stop_event.is_set():  # the waits end on stop too: no fragment beyond the limits
+                break
             frag = await asyncio.to_thread(self.worker.collect)
             await self._respect_pause(stop_event)  # paused while collecting: hold the fragment until resumed
+            if self._paused_since is not None:  # stopped while paused: the held fragment is never sent
+                break
             await self._send(frag)
             if self.settings.mode == "sync":
                 await self._wait_for_newer(frag.policy_version, stop_event)
             self.recent_returns.extend(float(r) for r in frag.episode_returns)
-            await self._maybe_heartbeat()
             if cap > 0:
                 next_send += 1.0 / cap
                 delay = next_send - time.monotonic()
@@ -180,31 +193,33 @@ class Sampler:
         self._tasks.clear()
         if self._pending:
             await asyncio.wait(self._pending, timeout=CLIENT_STOP_TIMEOUT_S)
-        clients: list[Any] = [self.producer, self.inbox]  # the producer flushes what is buffered
-        if self.lag_probe is not None:
-            clients.append(self.lag_probe)
-        await stop_clients(clients, self.log)
+        # The producer flushes what is buffered.
+        await stop_clients([self.producer, self.inbox, self.lag_probe], self.log)
         self.worker.close()
 
     def health(self) -> dict[str, Any]:
         return {"ok": True, "id": self.id, "policy_version": self.worker.policy_version, "fragments": self.fragments,
                 **self.health_state.as_dict()}
 
-    def _start_background(self) -> None:
+    def _start_task(self, name: str, job: Any) -> None:
+        self._tasks.append(asyncio.create_task(job, name=f"sampler-{name}-{self.id}"))
+
+    def _start_background(self, stop_event: asyncio.Event) -> None:
         if self._tasks:
             return
-        self._tasks.append(asyncio.create_task(self._read_inbox(), name=f"sampler-inbox-{self.id}"))
-        self._tasks.append(asyncio.create_task(self._poll_marker(), name=f"sampler-marker-{self.id}"))
-        if self.lag_probe is not None:
-            self._tasks.append(asyncio.create_task(self._watch_backlog(self.lag_probe),
-                                                   name=f"sampler-backlog-{self.id}"))
+        log = self.log
+        self._start_task("inbox", read_forever(self.inbox, self._on_inbox, name="inbox", log=log))
+        self._start_task("marker", every(lambda: self.settings.sampler.sync_interval_s, self._poll_marker,
+                                         name="marker", log=log, stop_event=stop_event, wake=self._poll_now))
+        self._start_task("backlog", every(lambda: self.settings.sampler.backlog_check_interval_s,
+                                          self._measure_backlog, name="backlog", log=log, stop_event=stop_event))
 
     def _check_background(self) -> None:
-        """A background task that ended (they loop until cancelled) stops the sampler with its error,
-        instead of leaving it running without announcements or flow control."""
+        """A background task that ended (they run until cancelled or stopped) stops the sampler with its
+        error, instead of leaving it running without announcements, flow control or heartbeats."""
         for task in self._tasks:
-            if task.done():
-                exc = task.exception()
+            if task.done() and not self._stop.is_set():
+                exc = None if task.cancelled() else task.exception()
                 raise RuntimeError(f"background task {task.get_name()} ended") from exc
 
     async def _wait_wake(self, timeout: float) -> None:
@@ -215,51 +230,43 @@ class Sampler:
             pass
         self._wake.clear()
 
-    async def _watch_backlog(self, probe: LagProbe) -> None:
-        """Background: measure the trainer's backlog every ``backlog_check_interval_s`` into
-        ``_backlog``. A failed query is logged and the last value kept; it never stops the sampler."""
+    async def _measure_backlog(self) -> None:
+        """One measurement of the trainer's backlog into ``_backlog`` (the ``backlog`` task). A failed
+        query is logged and the last value kept; it never stops the sampler."""
         interval = self.settings.sampler.backlog_check_interval_s
-        group = trainer_group(self.settings.run)
-        failures = 0
-        while True:
-            limit = self.settings.sampler.max_backlog  # a runtime setting
-            started = time.monotonic()
-            try:
-                lag = await probe.lag(group, self.topics.samples)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # transient Kafka trouble: keep the last value, try again
-                lag = None
-                error = f"{type(exc).__name__}: {exc}"[:300]
+        limit = self.settings.sampler.max_backlog  # a runtime setting
+        started = time.monotonic()
+        try:
+            lag = await self.lag_probe.lag(trainer_group(self.settings.run), self.topics.samples)
+        except Exception as exc:  # transient Kafka trouble: keep the last value, try again
             LAG_PROBE.labels(**self._labels).observe(time.monotonic() - started)
-            if lag is None:
-                failures += 1
-                # A reading older than BACKLOG_MAX_AGE_INTERVALS intervals is no longer a reason to pause:
-                # a probe that keeps failing must not park the sampler (it would look alive, doing nothing).
-                if self._backlog is not None and time.monotonic() - self._backlog_at > \
-                        BACKLOG_MAX_AGE_INTERVALS * interval:
-                    self._backlog = None
-                    self._wake.set()
-                if failures == 1 or failures % 100 == 0:
-                    self.log.warning("lag_probe_failed", failures=failures, kept_backlog=self._backlog, error=error)
-            else:
-                self._backlog_at = time.monotonic()
-                if failures:
-                    self.log.info("lag_probe_recovered", failures=failures)
-                    failures = 0
-                self._backlog = sum(lag.values())
-                if self._backlog <= limit:
-                    self._wake.set()
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+            self._lag_failures += 1
+            # A reading older than BACKLOG_MAX_AGE_INTERVALS intervals is no longer a reason to pause:
+            # a probe that keeps failing must not park the sampler (it would look alive, doing nothing).
+            if self._backlog is not None and time.monotonic() - self._backlog_at > BACKLOG_MAX_AGE_INTERVALS * interval:
+                self._backlog = None
+                self._wake.set()
+            if self._lag_failures == 1 or self._lag_failures % 100 == 0:
+                self.log.warning("lag_probe_failed", failures=self._lag_failures, kept_backlog=self._backlog,
+                                 error=describe(exc))
+            return
+        LAG_PROBE.labels(**self._labels).observe(time.monotonic() - started)
+        self._backlog_at = time.monotonic()
+        if self._lag_failures:
+            self.log.info("lag_probe_recovered", failures=self._lag_failures)
+            self._lag_failures = 0
+        self._backlog = sum(lag.values())
+        if self._backlog <= limit:
+            self._wake.set()
 
     async def _respect_backlog(self, stop_event: asyncio.Event) -> None:
         """Flow control: wait while the trainer's backlog is above ``max_backlog`` fragments.
 
-        The backlog comes from :meth:`_watch_backlog` (no Kafka request here); unknown (before the
+        The backlog comes from :meth:`_measure_backlog` (no Kafka request here); unknown (before the
         first measurement) counts as not full. While paused the loop keeps adopting policies and
         sending heartbeats, woken by ``_wake`` or every ``WAKE_TIMEOUT_S``."""
         limit = self.settings.sampler.max_backlog
-        if self.lag_probe is None or limit == 0:
+        if limit == 0:
             return
         backlog = self._backlog
         if backlog is None or backlog <= limit:
@@ -273,7 +280,6 @@ class Sampler:
                     break
                 await self._wait_wake(WAKE_TIMEOUT_S)
                 await self._refresh_policy()
-                await self._maybe_heartbeat()
         finally:
             BACKPRESSURE.labels(**self._labels).inc(time.monotonic() - paused_at)
 
@@ -291,7 +297,6 @@ class Sampler:
             while not stop_event.is_set() and not self.credits.open() and self._credits_on():
                 await self._wait_wake(WAKE_TIMEOUT_S)
                 await self._refresh_policy()
-                await self._maybe_heartbeat()
         finally:
             waited = time.monotonic() - waited_from
             self._credit_wait_since = None
@@ -305,7 +310,6 @@ class Sampler:
             current = self.worker.policy_version
             if current is not None and current > version:
                 return
-            await self._maybe_heartbeat()
             await self._wait_wake(WAKE_TIMEOUT_S)
 
     # ---- policy ----------------------------------------------------------------------------
@@ -338,22 +342,6 @@ class Sampler:
         await self._heartbeat()  # paramsync measures sync latency from this
         return True
 
-    async def _read_inbox(self) -> None:
-        """Background: handle announcements and commands as they arrive (adoption itself happens
-        in the loop, between fragments). Errors are logged and retried; they never stop the sampler."""
-        while True:
-            try:
-                batches = await self.inbox.getmany(timeout_ms=1000)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.log.warning("inbox_read_failed", error=f"{type(exc).__name__}: {exc}"[:300])
-                await asyncio.sleep(1.0)
-                continue
-            for records in batches.values():
-                for rec in records:
-                    self._handle_inbox(rec.topic, rec.key, rec.value)
-
     async def _refresh_policy(self) -> None:
         """Between fragments: adopt when something newer was announced (or found behind the marker by
         :meth:`_poll_marker`), or a sync command came."""
@@ -366,30 +354,23 @@ class Sampler:
             await self._adopt_latest(self._wanted_trigger)
 
     async def _poll_marker(self) -> None:
-        """Background: read the marker every ``sync_interval_s`` (covers lost announcements). A store
-        that is down costs this task its retries, never the loop: the sampler keeps producing with the
-        policy it has, degraded, and catches up when the store answers again."""
-        while True:
-            try:
-                await asyncio.wait_for(self._poll_now.wait(), self.settings.sampler.sync_interval_s)
-            except TimeoutError:
-                pass
-            self._poll_now.clear()
-            try:
-                marker = await asyncio.to_thread(self.policies.read_marker)
-                await self._refresh_operator_state()
-            except asyncio.CancelledError:
+        """Read the marker and the operator state (the ``marker`` task: every ``sync_interval_s``, at once
+        on a ``config`` command; covers lost announcements and commands). A store that is down costs this
+        task, never the loop: the sampler keeps producing with the policy it has, degraded, and catches up
+        when the store answers again."""
+        try:
+            marker = await asyncio.to_thread(self.policies.read_marker)
+            await self._refresh_operator_state()
+        except Exception as exc:
+            if not is_transient(exc):
                 raise
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                self.health_state.degraded("store", f"marker read failed: {describe(exc)}")
-                continue
-            self.health_state.recovered("store")
-            if marker is not None and (self._wanted_version is None or marker[0].version > self._wanted_version):
-                self._wanted_version = marker[0].version
-                self._wanted_trigger = "poll"
-                self._wake.set()
+            self.health_state.degraded("store", f"marker read failed: {describe(exc)}")
+            return
+        self.health_state.recovered("store")
+        if marker is not None and (self._wanted_version is None or marker[0].version > self._wanted_version):
+            self._wanted_version = marker[0].version
+            self._wanted_trigger = "poll"
+            self._wake.set()
 
     # ---- operator state: pause, runtime settings --------------------------------------------
     def _pause(self, since: float, why: str) -> None:
@@ -410,7 +391,6 @@ class Sampler:
         while self._paused_since is not None and not stop_event.is_set():
             await self._wait_wake(0.2)
             await self._refresh_policy()
-            await self._maybe_heartbeat()
 
     async def _refresh_operator_state(self) -> None:
         """The durable pause state and the runtime settings, from the object store (the control topic is
@@ -443,7 +423,10 @@ class Sampler:
         new = runtime_values(settings)
         return {k: {"old": old[k], "new": new[k]} for k in new if k.startswith("sampler.") and old[k] != new[k]}
 
-    def _handle_inbox(self, topic: str, key: bytes | None, value: bytes | None) -> None:
+    def _on_inbox(self, rec: Record) -> None:
+        """One record of the inbox: a command, a credit grant or an announcement (adoption itself happens
+        in the loop, between fragments). A malformed one is logged and ignored."""
+        topic, value = rec.topic, rec.value
         try:
             if topic == self.topics.control and value is not None:
                 cmd = ControlCommand.model_validate_json(value)
@@ -486,8 +469,8 @@ class Sampler:
         # one partition while others idle (ordering across fragments does not matter). While the broker
         # is unreachable the send is retried (the sampler is degraded, producing nothing meanwhile).
         try:
-            fut = await self._retry(lambda: self.producer.send(self.topics.samples, payload, key=None,
-                                                               headers=headers), "send fragment", "kafka")
+            fut = await self.retry(lambda: self.producer.send(self.topics.samples, payload, key=None, headers=headers),
+                                   "send fragment", "kafka", timeout_s=self.settings.kafka.request_timeout_ms / 1000)
         except BaseException:
             self.credits.lost(seq)
             self.in_flight.release()
@@ -523,12 +506,7 @@ class Sampler:
         fut.add_done_callback(done)
 
     # ---- heartbeats ------------------------------------------------------------------------
-    async def _maybe_heartbeat(self) -> None:
-        if time.monotonic() - self._last_beat >= self.settings.sampler.heartbeat_interval_s:
-            await self._heartbeat()
-
     async def _heartbeat(self) -> None:
-        self._last_beat = time.monotonic()
         beat = SamplerBeat(
             id=self.id,
             policy_version=self.worker.policy_version,
