@@ -1,6 +1,6 @@
 """Transient faults: one retry policy (tenacity), one classification, one health record.
 
-Faults are normal (DESIGN.md, the loop, 7): a broker restart, an S3 endpoint that refuses
+Faults are normal (docs/architecture.md, "Faults are normal"): a broker restart, an S3 endpoint that refuses
 connections, a coordinator that moved. A service retries such an operation with capped
 exponential backoff and jitter, reports itself *degraded* with the reason while it does, and
 carries on when the dependency is back. Anything else (a bug, a bad config, a fatal Kafka error)

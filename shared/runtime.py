@@ -200,6 +200,18 @@ class AuditLog:
         self.store.put(key, json.dumps(asdict(entry), sort_keys=True, default=str).encode(), if_none_match=True)
         return entry
 
+    def repair_hook(self, actor: str, kind: str, log: Any) -> Callable[[Any, str], None]:
+        """For ``VersionedStore(on_repair=...)``: audit a marker repaired from its history as
+        ``marker_repaired`` (called in the store's thread, so written synchronously; a failed write is
+        logged and the repair stands)."""
+        def hook(rec: Any, reason: str) -> None:
+            try:
+                self.append(actor, "marker_repaired", {"marker": kind, "restored": rec.version,
+                                                       "reason": reason[:300]}, "repaired from history")
+            except Exception as exc:
+                log.warning("audit_write_failed", action="marker_repaired", error=f"{type(exc).__name__}: {exc}")
+        return hook
+
     def entries(self, limit: int = 100) -> list[AuditEntry]:
         """The newest ``limit`` entries, oldest first."""
         keys = self.store.list(self.prefix)[-limit:]

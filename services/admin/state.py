@@ -67,7 +67,8 @@ class AdminState:
         self.topics = Topics.for_run(settings.run)
         store = open_store(settings)
         self.store = store
-        self.policies = VersionedStore(store, settings.run, "policy")
+        repaired = AuditLog(store, settings.run).repair_hook("admin", "policy", get_logger())
+        self.policies = VersionedStore(store, settings.run, "policy", on_repair=repaired)
         self.runtime_config = RuntimeConfig(store, settings.run)
         self.audit = AuditLog(store, settings.run)
         self.rollbacks = RollbackRequests(store, settings.run)

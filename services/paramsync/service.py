@@ -40,6 +40,7 @@ from shared.messages import KEY_ANNOUNCE, ControlCommand, ParamsyncBeat, PolicyM
 from shared.retry import Health, Retrier, describe, every, is_transient, poll_or_pause, read_forever, stop_clients
 from shared.rl.envs import fragment_spec
 from shared.rl.model import ActorCritic, WeightsError, load_weights
+from shared.runtime import AuditLog
 from shared.service import run_until_first_error
 from shared.settings import Settings
 from shared.store import open_store
@@ -70,7 +71,8 @@ class Paramsync:
         self.topics = Topics.for_run(settings.run)
         self.log = get_logger()
         store = open_store(settings)
-        self.policies = VersionedStore(store, settings.run, "policy")
+        repaired = AuditLog(store, settings.run).repair_hook("paramsync", "policy", self.log)
+        self.policies = VersionedStore(store, settings.run, "policy", on_repair=repaired)
         self.rollbacks = RollbackQueue(store, settings.run)
         self._rollback_wanted = asyncio.Event()
         spec = fragment_spec(settings.env.id, settings.kafka.max_message_bytes)

@@ -51,7 +51,15 @@ from shared.retry import (
     stop_clients,
 )
 from shared.rl.policy_np import WeightsError
-from shared.runtime import RuntimeApplier, RuntimeConfig, RuntimeWatcher, paused_since, read_paused, runtime_values
+from shared.runtime import (
+    AuditLog,
+    RuntimeApplier,
+    RuntimeConfig,
+    RuntimeWatcher,
+    paused_since,
+    read_paused,
+    runtime_values,
+)
 from shared.service import RateMeter
 from shared.settings import Settings
 from shared.store import open_store
@@ -101,7 +109,8 @@ class Sampler:
         self.log = get_logger(sampler_id=self.id)
         store = open_store(settings)
         self.store = store
-        self.policies = VersionedStore(store, settings.run, "policy")
+        repaired = AuditLog(store, settings.run).repair_hook("sampler", "policy", self.log)
+        self.policies = VersionedStore(store, settings.run, "policy", on_repair=repaired)
         self.base_settings = settings
         # Runtime settings: the latest revision's overrides on this sampler's own settings; a revision
         # that does not validate here is refused, and the heartbeat reports the last one applied.

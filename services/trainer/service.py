@@ -38,7 +38,7 @@ from services.trainer.tracking import Tracker
 from services.trainer.update import UpdateStats
 from shared.bus import Bus, Record, kafka_bus
 from shared.credits import Consumption, auto_window
-from shared.kafka import Topics, ensure_topics, trainer_group
+from shared.kafka import Topics, trainer_group
 from shared.logging import get_logger
 from shared.marker import VersionedStore
 from shared.messages import PolicyMessage
@@ -73,8 +73,8 @@ class Trainer:
         self.policies = VersionedStore(store, settings.run, "policy", on_repair=repaired("policy"))
         self.health_state = Health("trainer")
         self.retry = Retrier(self.health_state, self.log)
-        self._on_kafka = bus is None  # else an in-memory bus (unit tests): no topics to create
         bus = bus or kafka_bus(settings, trainer_group(settings.run), self.cfg.group_instance_id)
+        self.create_topics = bus.create_topics
         self.producer, self.source, self.announcements = bus.publisher, bus.source, bus.tail(self.topics.policy)
         kafka_timeout_s = settings.kafka.request_timeout_ms / 1000
         self.group = ConsumerGroup(self.source, self.producer, samples_topic=self.topics.samples,
@@ -115,8 +115,7 @@ class Trainer:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        if self._on_kafka:
-            await self.retry(lambda: ensure_topics(self.settings), "create topics", "kafka")
+        await self.retry(self.create_topics, "create topics", "kafka")
         await self.tasks.acquire_lease()
         await self._restore()
         await self.retry(self.producer.start, "start producer", "kafka")

@@ -159,12 +159,5 @@ class Auditor:
             self.log.warning("audit_write_failed", action=action, error=describe(exc))
 
     def repair_hook(self, kind: str) -> Callable[[Any, str], None]:
-        """For ``VersionedStore(on_repair=...)``: audit a marker repaired from history (called in the store's
-        thread, so written synchronously; a failed write is logged, the repair stands)."""
-        def hook(rec: Any, reason: str) -> None:
-            try:
-                self.audit.append(self.actor, "marker_repaired", {"marker": kind, "restored": rec.version,
-                                                                  "reason": reason[:300]}, "repaired from history")
-            except Exception as exc:
-                self.log.warning("audit_write_failed", action="marker_repaired", error=describe(exc))
-        return hook
+        """For ``VersionedStore(on_repair=...)``: the repair is audited (``AuditLog.repair_hook``)."""
+        return self.audit.repair_hook(self.actor, kind, self.log)
