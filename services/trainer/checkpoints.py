@@ -19,11 +19,15 @@ import asyncio
 import dataclasses
 import hashlib
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from services.trainer.telemetry import CHECKPOINTS, Auditor
+from services.trainer.group import ConsumerGroup
+from services.trainer.intake import Intake
+from services.trainer.learner import Learner
+from services.trainer.telemetry import CHECKPOINTS, DEFERRED, Auditor
 from shared.marker import BadPayload, MarkerConflict, VersionedStore, VersionRecord
-from shared.retry import Health, Retrier, describe
+from shared.retry import Health, Retrier, describe, is_transient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +88,44 @@ class Checkpoints:
         self.log.info("checkpoint_written", update=step, policy_version=extra.get("policy_version"), key=key,
                       offsets=extra.get("offsets"), pruned=pruned or None)
         return key
+
+    async def save(self, learner: Learner, group: ConsumerGroup, extra: dict[str, Any]) -> None:
+        """Checkpoint ``learner`` with what ``group``'s ledger says it reflects (taken together, with no
+        await between them and no update running: the caller holds the update lock or is stopping)."""
+        c = learner.counters
+        offsets, ledger = await group.checkpoint_state()
+        data = learner.state_bytes(offsets, ledger)
+        await self.write(c.updates, data, {"policy_version": c.policy_version, "offsets": offsets, "ledger": ledger,
+                                           **extra})
+        group.hold_commits = False  # a fresh run's first checkpoint holds what it trained: commits may go
+
+    async def try_save(self, learner: Learner, group: ConsumerGroup, extra: dict[str, Any],
+                       fence: Callable[[], Awaitable[None]]) -> bool:
+        """:meth:`save` after ``fence`` (the lease check); False when a transient store fault deferred it to the
+        next update (the previous checkpoint stays valid, and restarts resume from its offsets)."""
+        try:
+            await fence()
+            await self.save(learner, group, extra)
+            return True
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            DEFERRED.labels(what="checkpoint").inc()
+            self.health.degraded("store", f"checkpoint failed: {describe(exc)}")
+            self.log.warning("checkpoint_deferred", update=learner.counters.updates, error=describe(exc))
+            return False
+
+    async def resume(self, learner: Learner, fresh: Callable[[], Learner], group: ConsumerGroup, intake: Intake,
+                     fresh_start: bool) -> tuple[Learner, Restored | None]:
+        """Restore ``learner`` from the newest usable checkpoint and hand its ledger to ``group`` and its
+        abandoned versions to ``intake``; after a deliberate fresh start, a ``fresh()`` learner instead."""
+        restored = await self.restore(learner.restore, fresh_start)
+        if restored is None:
+            return (fresh() if self.fresh_start_at is not None else learner), None
+        group.restore(learner.restored_ledger or restored.ledger, restored.offsets)
+        for lo, hi in restored.abandoned:
+            intake.abandon(lo, hi)
+        return learner, restored
 
     async def restore(self, load: Any, fresh_start: bool) -> Restored | None:
         """Load the newest usable checkpoint with ``load`` (``Learner.restore``, which raises to refuse one).

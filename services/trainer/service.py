@@ -271,45 +271,24 @@ class Trainer:
         if task is not None:
             await task
 
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        return {"lineage": self.lineage, "abandoned": self.intake.abandoned, "trainer_id": self.id,
+                "lease": self.tasks.lease_token()}
+
     async def _checkpoint(self) -> None:
-        c = self.learner.counters
-        offsets, ledger = await self.group.checkpoint_state()
-        data = self.learner.state_bytes(offsets, ledger)  # weights and ledger in one blob, no await between
-        await self.checkpoints.write(c.updates, data, {
-            "policy_version": c.policy_version, "offsets": offsets, "ledger": ledger, "lineage": self.lineage,
-            "abandoned": self.intake.abandoned, "trainer_id": self.id, "lease": self.tasks.lease_token()})
-        self.group.hold_commits = False
+        await self.checkpoints.save(self.learner, self.group, self._checkpoint_extra())
 
     async def _try_checkpoint(self) -> None:
-        """A checkpoint now; a transient store fault defers it to the next update (the previous one stays
-        valid, and restarts resume from its offsets)."""
-        try:
-            await self.tasks.check_lease()
-            await self._checkpoint()
-            self._checkpoint_due = False
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            self._checkpoint_due = True
-            m.DEFERRED.labels(what="checkpoint").inc()
-            self.health_state.degraded("store", f"checkpoint failed: {describe(exc)}")
-            self.log.warning("checkpoint_deferred", update=self.learner.counters.updates, error=describe(exc))
+        saved = await self.checkpoints.try_save(self.learner, self.group, self._checkpoint_extra(),
+                                                self.tasks.check_lease)
+        self._checkpoint_due = not saved
 
     async def _restore(self) -> None:
         """Resume from the newest usable checkpoint, then follow what was published since (a rollback, a
         version numbering ahead of the checkpoint)."""
-        def load(data: bytes) -> object:
-            return self.learner.restore(data)
-
-        restored = await self.checkpoints.restore(load, self.cfg.fresh_start)
-        if restored is None:
-            if self.checkpoints.fresh_start_at is not None:
-                self.learner = Learner(self.spec, self.cfg)  # the refused restores may have touched it
-        else:
-            self.group.restore(self.learner.restored_ledger or restored.ledger, restored.offsets)
-            self.lineage = restored.lineage
-            for lo, hi in restored.abandoned:
-                self.intake.abandon(lo, hi)
+        self.learner, restored = await self.checkpoints.resume(
+            self.learner, lambda: Learner(self.spec, self.cfg), self.group, self.intake, self.cfg.fresh_start)
+        self.lineage = 0 if restored is None else restored.lineage
         marker = await self.retry(self.publication.read_marker, "read policy marker", "store")
         c = self.learner.counters
         lost = restored is None and self.checkpoints.fresh_start_at is None
