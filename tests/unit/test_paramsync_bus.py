@@ -170,3 +170,31 @@ async def test_a_pending_rollback_request_is_applied_and_recorded(tmp_path: Path
     assert rec.sha256 == v1.sha256 and rec.blob != v1.blob  # a pinned copy
     stored = json.loads(vs.store.get(f"{RUN}/ops/rollback/{request_id}.json").data)  # type: ignore[union-attr]
     assert stored["new_version"] == 3 and svc.lineage_required == 3
+
+
+async def test_after_a_rollback_candidates_of_the_abandoned_lineage_are_refused(tmp_path: Path) -> None:
+    # Versions 1 and 2 are published; an operator rolls back to 1 (published as 3, lineage 3). A candidate
+    # trained from the abandoned weights (lineage 0) must never be published, one that followed the rollback
+    # (lineage 3) is.
+    svc, mem, vs = make(tmp_path)
+    spec = fragment_spec(svc.settings.env.id, 1 << 20)
+
+    def seeded(seed: int) -> bytes:  # distinct, loadable weights per version
+        return Learner(spec, svc.settings.trainer.model_copy(update={"seed": seed})).weights()
+
+    for v in (0, 1, 2):
+        vs.publish_next(record(vs, seeded(v), v))
+    RollbackRequests(vs.store, RUN).create(new_request_id(), 1, "operator")
+    async with running(svc) as task:
+        await until(lambda: (m := vs.read_marker()) is not None and m[0].version == 3, task)
+        stale = record(vs, seeded(4), 4)  # lineage 0: trained on from version 2's weights
+        mem.append(T.policy, PolicyMessage.of("candidate", stale).to_bytes(), key=KEY_CANDIDATE)
+        end = len(mem.records(T.policy))
+        await until(lambda: mem.committed.get(TopicPartition(T.policy, 0), 0) >= end, task)
+        marker = vs.read_marker()
+        assert marker is not None and marker[0].version == 3, "a candidate of the abandoned lineage was published"
+        fresh = record(vs, seeded(5), 5)
+        fresh = VersionRecord(**{**fresh.__dict__, "extra": {"lineage": 3}})
+        mem.append(T.policy, PolicyMessage.of("candidate", fresh).to_bytes(), key=KEY_CANDIDATE)
+        await until(lambda: (m := vs.read_marker()) is not None and m[0].version == 5, task)
+    assert 4 not in [r.version for r in vs.records()]
