@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+from shared.marker import VersionedStore, VersionRecord
+from shared.rl.model import ActorCritic, load_weights
 from shared.store import ObjectStore, PreconditionFailed
 
 Status = Literal["pending", "applied", "refused"]
@@ -89,3 +91,33 @@ class RollbackQueue:
         except PreconditionFailed:
             return False
         return True
+
+
+def republish(policies: VersionedStore, model: ActorCritic, req: RollbackRequest) -> VersionRecord:
+    """Publish ``req.version``'s weights as the newest version, from a pinned copy of its payload (a
+    concurrent prune cannot delete the blob the new marker names). Idempotent per request: a version
+    already published for this request (paramsync stopped before recording it) is returned as is.
+    Raises LookupError (refused: not kept, already current), BadPayload, WeightsError, MarkerConflict."""
+    version = req.version
+    current = policies.read_marker()
+    for rec in ([current[0]] if current else []) + policies.records()[::-1]:
+        if rec.extra.get("rollback_request") == req.request_id:
+            return rec
+    old = policies.store.get(f"{policies.prefix}/versions/{version}.json")
+    if old is None:
+        raise LookupError(f"version {version} is not kept (pruned, or never published)")
+    try:
+        target = VersionRecord.from_json(old.data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise LookupError(f"version {version}'s record is unreadable: {exc}") from exc
+    if current is not None and current[0].sha256 == target.sha256:
+        raise LookupError(f"version {current[0].version} already has version {version}'s weights")
+    load_weights(model, policies.fetch(target))  # present, intact, loadable
+    pinned = policies.pin_copy(target)
+    new_version = (current[0].version if current else 0) + 1
+    record = VersionRecord(version=new_version, blob=pinned.blob, sha256=target.sha256, size=target.size,
+                           trainer_step=target.trainer_step,
+                           extra={"rollback_of": version, "lineage": new_version,
+                                  "rollback_request": req.request_id})
+    policies.publish(record, None if current is None else current[1])
+    return record

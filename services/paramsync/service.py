@@ -30,7 +30,7 @@ from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.paramsync.rollbacks import RollbackQueue, RollbackRequest, Status
+from services.paramsync.rollbacks import RollbackQueue, RollbackRequest, Status, republish
 from services.paramsync.tracker import SyncTracker
 from shared.bus import Bus, Record, kafka_bus
 from shared.kafka import Topics
@@ -300,35 +300,6 @@ class Paramsync:
                 return
             await self._apply_rollback(req, etag)
 
-    def _republish(self, req: RollbackRequest) -> VersionRecord:
-        """Publish ``req.version``'s weights as the newest version, from a pinned copy of its payload (a
-        concurrent prune cannot delete the blob the new marker names). Idempotent per request: a version
-        already published for this request (paramsync stopped before recording it) is returned as is.
-        Raises LookupError (refused: not kept, already current), BadPayload, WeightsError, MarkerConflict."""
-        version = req.version
-        current = self.policies.read_marker()
-        for rec in ([current[0]] if current else []) + self.policies.records()[::-1]:
-            if rec.extra.get("rollback_request") == req.request_id:
-                return rec
-        old = self.policies.store.get(f"{self.policies.prefix}/versions/{version}.json")
-        if old is None:
-            raise LookupError(f"version {version} is not kept (pruned, or never published)")
-        try:
-            target = VersionRecord.from_json(old.data)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise LookupError(f"version {version}'s record is unreadable: {exc}") from exc
-        if current is not None and current[0].sha256 == target.sha256:
-            raise LookupError(f"version {current[0].version} already has version {version}'s weights")
-        load_weights(self.model, self.policies.fetch(target))  # present, intact, loadable
-        pinned = self.policies.pin_copy(target)
-        new_version = (current[0].version if current else 0) + 1
-        record = VersionRecord(version=new_version, blob=pinned.blob, sha256=target.sha256, size=target.size,
-                               trainer_step=target.trainer_step,
-                               extra={"rollback_of": version, "lineage": new_version,
-                                      "rollback_request": req.request_id})
-        self.policies.publish(record, None if current is None else current[1])
-        return record
-
     async def _apply_rollback(self, req: RollbackRequest, etag: str) -> None:
         """Apply one pending request and record the outcome (``applied`` or ``refused``) on it. Records
         keep the lineage semantics: the new version starts lineage N, so candidates trained from the
@@ -337,8 +308,9 @@ class Paramsync:
             async with self._marker_lock:
                 for attempt in range(3):
                     try:
-                        record = await self.retry(lambda: asyncio.to_thread(self._republish, req), "rollback",
-                                                   "store", timeout_s=60)
+                        record = await self.retry(
+                            lambda: asyncio.to_thread(republish, self.policies, self.model, req), "rollback", "store",
+                            timeout_s=60)
                         break
                     except MarkerConflict:  # another writer (a second paramsync?) moved it: read again
                         if attempt == 2:
