@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from shared.rollback import ROLLBACK_PREFIX, create_request, new_request_id
+from shared.rollback import ROLLBACK_PREFIX, RollbackQueue, create_request, new_request_id
 from shared.store import ObjectStore
 
 __all__ = ["ROLLBACK_PREFIX", "RollbackRequests", "new_request_id"]
@@ -37,16 +37,5 @@ class RollbackRequests:
 
     def pending(self) -> list[dict[str, Any]]:
         """Requests paramsync has not decided yet, oldest first (unreadable objects are skipped)."""
-        out = []
-        for key in self.store.list(self.prefix):
-            obj = self.store.get(key)
-            if obj is None:
-                continue
-            try:
-                req = json.loads(obj.data)
-                if req.get("status") == "pending":
-                    out.append({"request_id": str(req["request_id"]), "version": int(req["version"]),
-                                "requested_at": float(req.get("requested_at") or 0.0)})
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue
-        return out
+        return [{"request_id": req.request_id, "version": req.version, "requested_at": req.requested_at}
+                for req, _etag in RollbackQueue(self.store, self.run).pending()]

@@ -62,6 +62,14 @@ PUBLISH_SECONDS = Histogram("flywheel_paramsync_publish_seconds", "Verify + mark
 REANNOUNCED = Counter("flywheel_paramsync_reannouncements_total", "Periodic re-announcements of the published version")
 
 
+class AbandonedLineage(Exception):
+    """A candidate trained from weights a rollback abandoned (the marker's lineage is newer)."""
+
+    def __init__(self, lineage: int) -> None:
+        super().__init__(f"the published lineage is {lineage}")
+        self.lineage = lineage
+
+
 class Paramsync:
     name = "paramsync"
 
@@ -197,10 +205,27 @@ class Paramsync:
         except (BadPayload, WeightsError) as exc:
             self.log.warning("candidate_rejected", policy_version=msg.version, reason=str(exc))
             return "rejected"
+        def publish_on_current_lineage() -> None:
+            """Move the marker unless it moved past this candidate: a newer version, or a rollback this
+            candidate's weights do not descend from. Checked against the marker read for the conditional
+            write, so a rollback published meanwhile (by another task or process) is never overtaken."""
+            current = self.policies.read_marker()
+            lineage = int(current[0].extra.get("lineage") or 0) if current is not None else 0
+            if msg.lineage < lineage:
+                raise AbandonedLineage(lineage)
+            if current is not None and record.version <= current[0].version:
+                raise StaleVersion(f"version {record.version} is not newer than published {current[0].version}")
+            self.policies.publish(record, None if current is None else current[1])
+
         for attempt in range(3):
             try:
-                await self.retry(lambda: asyncio.to_thread(self.policies.publish_next, record), "move marker", "store")
+                await self.retry(lambda: asyncio.to_thread(publish_on_current_lineage), "move marker", "store")
                 break
+            except AbandonedLineage as exc:
+                self.lineage_required = max(self.lineage_required, exc.lineage)
+                self.log.info("candidate_abandoned", policy_version=msg.version, lineage=msg.lineage,
+                              reason=f"trained from weights abandoned by the rollback to lineage {exc.lineage}")
+                return "abandoned"
             except StaleVersion as exc:
                 self.log.info("candidate_stale", policy_version=msg.version, reason=str(exc))
                 return "stale"
@@ -311,6 +336,8 @@ class Paramsync:
                         record = await self.retry(
                             lambda: asyncio.to_thread(republish, self.policies, self.model, req), "rollback", "store",
                             timeout_s=60)
+                        # At once, under the lock: no candidate of the abandoned lineage slips in after it.
+                        self.lineage_required = max(self.lineage_required, int(record.extra.get("lineage") or 0))
                         break
                     except MarkerConflict:  # another writer (a second paramsync?) moved it: read again
                         if attempt == 2:
