@@ -65,14 +65,15 @@ def flywheel_home() -> Path:
 def local_settings(config: str | None) -> Any:
     """Settings for the commands that read the store and Kafka directly (verify, eval, export): the
     environment and ``--config`` as given, with the local stack's (``make up`` without Docker) endpoints,
-    store, run and config file as defaults when ``$FLYWHEEL_HOME/localstack.json`` exists. Raises
-    ConfigError naming the field."""
+    store, run and config file as defaults when ``$FLYWHEEL_HOME/localstack.json`` exists and the
+    environment names no store or run of its own. Raises ConfigError naming the field."""
     from shared.settings import load_settings
 
     home = flywheel_home()
     defaults: dict[str, str] = {}
     stack = home / "localstack.json"
-    if stack.is_file():
+    explicit = any(k.startswith(("FLYWHEEL_STORE_", "FLYWHEEL_S3_")) or k == "FLYWHEEL_RUN" for k in os.environ)
+    if stack.is_file() and not explicit:  # an environment that names a store or run means another one
         st = json.loads(stack.read_text())
         if st.get("store_backend") == "local":
             defaults.update(FLYWHEEL_STORE_BACKEND="local", FLYWHEEL_STORE_LOCAL_ROOT=str(home / "store"))
