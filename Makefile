@@ -4,6 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SAMPLERS ?= 2
+# Kafka nodes: 1, or 3 for a replicated KRaft cluster (RF 3, min.insync.replicas 2; docs/local-stack.md). Docker:
+# the compose `cluster` profile, which COMPOSE_CLUSTER turns on; local processes: FLYWHEEL_INFRA_BROKERS.
+BROKERS ?= 1
+COMPOSE_CLUSTER := COMPOSE_PROFILES=cluster KAFKA_CLUSTER_VOTERS=1@kafka:9093,2@kafka-2:9093,3@kafka-3:9093 KAFKA_CLUSTER_REPLICATION=3 KAFKA_CLUSTER_MIN_ISR=2 KAFKA_CLUSTER_BOOTSTRAP=kafka:9092,kafka-2:9092,kafka-3:9092
 CONFIG ?= configs/cartpole.yaml
 PYTEST_ARGS ?=
 ONLY ?=
@@ -34,29 +38,30 @@ up: install
 	@if docker info >/dev/null 2>&1; then \
 		export FLYWHEEL_ADMIN_TOKEN=$${FLYWHEEL_ADMIN_TOKEN:-$$($(PY) -c 'import secrets; print(secrets.token_urlsafe(32))')}; \
 		echo "Docker engine found: docker compose up (admin token: $$FLYWHEEL_ADMIN_TOKEN)"; \
+		case "$(BROKERS)" in 1) ;; 3) export $(COMPOSE_CLUSTER);; *) echo "compose runs BROKERS=1 or 3" >&2; exit 2;; esac; \
 		docker compose up -d --build --scale sampler=$(SAMPLERS) && docker compose ps; \
 	else \
 		echo "No Docker engine: running the same stack as local processes."; \
-		$(PY) -m devstack up --samplers $(SAMPLERS) --config $(CONFIG); \
+		$(PY) -m devstack up --samplers $(SAMPLERS) --brokers $(BROKERS) --config $(CONFIG); \
 	fi
 
 down: install
-	@if docker info >/dev/null 2>&1; then docker compose down; else $(PY) -m devstack down; fi
+	@if docker info >/dev/null 2>&1; then COMPOSE_PROFILES=cluster docker compose down; else $(PY) -m devstack down; fi
 
 status: install
 	$(PY) -m devstack status
 
 infra-up: install
-	$(PY) -m devstack infra-up
+	$(PY) -m devstack infra-up --brokers $(BROKERS)
 
 infra-down: install
 	$(PY) -m devstack infra-down
 
 test: install
-	$(PY) -m pytest -m "not faults_full" $(PYTEST_ARGS)
+	FLYWHEEL_INFRA_BROKERS=$(BROKERS) $(PY) -m pytest -m "not faults_full" $(PYTEST_ARGS)
 
 test-faults: install
-	FAULT_REPORT=1 $(PY) -m pytest tests/faults $(PYTEST_ARGS)
+	FAULT_REPORT=1 FLYWHEEL_INFRA_BROKERS=$(BROKERS) $(PY) -m pytest tests/faults $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

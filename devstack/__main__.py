@@ -1,6 +1,6 @@
 """``python -m devstack COMMAND``: the whole Flywheel stack as local processes, without Docker.
 
-    up [--samplers N] [--config PATH] [--run NAME] [--store local|s3] [--no-prometheus] [--log-max-mb MB]
+    up [--samplers N] [--brokers N] [--config PATH] [--run NAME] [--store local|s3] [--no-prometheus] [--log-max-mb MB]
     down [--keep-infra]          stop the supervisor, the services (trainer last), Prometheus, Kafka + S3
     status                       every process: alive/DEAD, pid, restarts, endpoint, log
     restart SERVICE              trainer|paramsync|admin|sampler|sampler-<i>
@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", parents=[common], help="start (or reuse) the stack and wait until it is healthy")
     up.add_argument("--samplers", type=int, help="sampler replicas (default: as last time, else 2)")
+    up.add_argument("--brokers", type=int,
+                    help="Kafka nodes: 1, or 3 for a replicated KRaft cluster (default: as last time, else "
+                    "$FLYWHEEL_INFRA_BROKERS, else 1; a home's Kafka keeps the size it was formatted with)")
     up.add_argument("--config", help="YAML config (default: as last time, else configs/cartpole.yaml)")
     up.add_argument("--run", help="run name, overriding the config's (default: as last time)")
     up.add_argument("--store", choices=["local", "s3"],
@@ -69,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     infra_up.add_argument("--controller-port", type=int, help="KRaft controller port (default 9093)")
     infra_up.add_argument("--s3-port", type=int, help="S3 endpoint port (default 9000)")
     infra_up.add_argument("--bucket", help="bucket to create (default: flywheel)")
+    infra_up.add_argument("--brokers", type=int,
+                          help="Kafka nodes (default $FLYWHEEL_INFRA_BROKERS, else 1); node i listens on the "
+                          "Kafka and controller ports + 2*(i-1)")
     infra_up.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait")
     sub.add_parser("infra-down", parents=[common], help="stop this home's Kafka + S3")
     sub.add_parser("supervise", parents=[common], help="run the supervisor in the foreground (up starts it)")
@@ -76,22 +82,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _stack(home: Path, config: str | None = None, run: str | None = None, store: str | None = None, *,
-           supervise: bool = True, log_max_bytes: int = LOG_MAX_BYTES) -> LocalStack:
-    """A LocalStack for ``home``, with the config, run, store and ports of the last ``up``."""
+           supervise: bool = True, log_max_bytes: int = LOG_MAX_BYTES, brokers: int | None = None) -> LocalStack:
+    """A LocalStack for ``home``, with the config, run, store, ports and Kafka size of the last ``up``."""
     last = StackState(home).load()
     ports = {k: int(v) for k, v in (last.get("ports") or {}).items()}
     return LocalStack(home, config=config or last.get("config") or DEFAULT_CONFIG, run=run or last.get("run"),
                       store_backend=store or last.get("store_backend") or "local",
                       admin_port=ports.get("admin", 8080), trainer_port=ports.get("trainer", 8101),
                       paramsync_port=ports.get("paramsync", 8102), sampler_base_port=ports.get("sampler_base", 8110),
-                      prometheus_port=ports.get("prometheus", 9090), supervise=supervise, log_max_bytes=log_max_bytes)
+                      prometheus_port=ports.get("prometheus", 9090), supervise=supervise, log_max_bytes=log_max_bytes,
+                      brokers=brokers or last.get("brokers"))
 
 
 def _up(args: argparse.Namespace, home: Path) -> int:
     last = StackState(home).load()
     samplers = args.samplers if args.samplers is not None else len(last.get("samplers") or [0, 1])
     log_max = int(args.log_max_mb * 1024 * 1024) if args.log_max_mb else int(last.get("log_max_bytes") or LOG_MAX_BYTES)
-    stack = _stack(home, args.config, args.run, args.store, supervise=not args.no_supervise, log_max_bytes=log_max)
+    stack = _stack(home, args.config, args.run, args.store, supervise=not args.no_supervise, log_max_bytes=log_max,
+                   brokers=args.brokers)
     now = {"config": str(stack.config), "run": stack.run, "store_backend": stack.store_backend}
     changed = [k for k, v in now.items() if k in last and last[k] != v]
     if changed and stack.pids():
@@ -104,6 +112,7 @@ def _up(args: argparse.Namespace, home: Path) -> int:
                          f"stop it with `{PROG} down`)") from None
     _out()
     _out(f"Flywheel is up: {samplers} sampler(s), config {stack.config}, state in {home}")
+    _out(f"kafka:      {stack.endpoints().kafka_bootstrap}")
     store = f"{home}/store (kept across down/up)" if stack.store_backend == "local" else "the S3 server"
     _out(f"store:      {store}")
     _out(f"logs:       (rotated past {log_max / 2**20:.0f} MiB, 3 kept)")
@@ -170,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             _stack(home).release(args.name)
         elif args.command == "infra-up":
             ep = infra.ensure_up(home, kafka_port=args.kafka_port, controller_port=args.controller_port,
-                                 s3_port=args.s3_port, bucket=args.bucket, timeout_s=args.timeout)
+                                 s3_port=args.s3_port, bucket=args.bucket, brokers=args.brokers,
+                                 timeout_s=args.timeout)
             _out(f"kafka bootstrap: {ep.kafka_bootstrap}")
             _out(f"s3 endpoint:     {ep.s3_endpoint} (bucket {ep.bucket}, key/secret testing/testing)")
         elif args.command == "infra-down":

@@ -18,6 +18,10 @@ DEFAULT_CONTROLLER_PORT = 9093
 DEFAULT_S3_PORT = 9000
 DEFAULT_BUCKET = "flywheel"
 DEFAULT_TIMEOUT_S = 120.0
+MAX_BROKERS = 5
+BROKER_PORT_STEP = 2
+"""Node ``i`` (1-based) of a cluster listens on ``kafka_port + 2 * (i - 1)`` and ``controller_port + 2 * (i - 1)``:
+a step of 2 keeps the default pairs (9092/9093, 9094/9095, ...) apart."""
 
 # The stack the test-suite starts when no endpoints are given (tests/conftest.py): its own home and
 # ports, so it never collides with a `make up` stack.
@@ -72,6 +76,7 @@ class InfraEndpoints:
     """Where a running Kafka broker and S3 endpoint can be reached, and how to authenticate."""
 
     kafka_bootstrap: str
+    """Every broker, comma-separated (``host:port,host:port``): clients bootstrap from whichever answers."""
     s3_endpoint: str
     bucket: str
     access_key: str = S3_ACCESS_KEY
@@ -115,14 +120,38 @@ class InfraEndpoints:
         }
 
 
-def _env_port(name: str, default: int) -> int:
+def _env_int(name: str, default: int, what: str) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
         return int(raw)
     except ValueError:
-        raise StackError(f"{name}={raw!r} is not a port number") from None
+        raise StackError(f"{name}={raw!r} is not {what}") from None
+
+
+def _env_port(name: str, default: int) -> int:
+    return _env_int(name, default, "a port number")
+
+
+@dataclass(frozen=True)
+class KafkaNode:
+    """One node (combined KRaft controller + broker) of this home's Kafka: its process name, dir and ports."""
+
+    node_id: int
+    name: str
+    """The process name: ``kafka`` for node 1 (as with a single broker), ``kafka-<i>`` for the others."""
+    dir: Path
+    port: int
+    controller_port: int
+
+    @property
+    def data_dir(self) -> Path:
+        return self.dir / "data"
+
+    @property
+    def properties(self) -> Path:
+        return self.dir / "server.properties"
 
 
 @dataclass(frozen=True)
@@ -142,6 +171,9 @@ class InfraConfig:
     """Run the StandardAuthorizer with a SCRAM user per role (needs ``kafka_sasl_port``): the SASL user
     ``kafka_sasl_username`` and the PLAINTEXT listener's ``User:ANONYMOUS`` are super users, the role users get
     only the ACLs that ``shared.acl.provision_run`` creates. Off by default."""
+    brokers: int = 1
+    """Kafka nodes (each a combined KRaft controller + broker), 1..MAX_BROKERS; see :attr:`kafka_nodes` for their
+    ports. More than one: run topics get replication factor min(3, n) and min.insync.replicas min(2, n)."""
 
     @classmethod
     def resolve(
@@ -154,8 +186,9 @@ class InfraConfig:
         *,
         kafka_sasl_port: int | None = None,
         kafka_authorizer: bool = False,
+        brokers: int | None = None,
     ) -> InfraConfig:
-        """Explicit arguments win, then FLYWHEEL_INFRA_*_PORT / FLYWHEEL_HOME, then defaults.
+        """Explicit arguments win, then FLYWHEEL_INFRA_*_PORT / FLYWHEEL_INFRA_BROKERS / FLYWHEEL_HOME, then defaults.
 
         The SASL listener is off unless ``kafka_sasl_port`` is given, the authorizer unless ``kafka_authorizer``
         (no environment variable turns either on).
@@ -169,12 +202,20 @@ class InfraConfig:
             bucket=bucket or DEFAULT_BUCKET,
             kafka_sasl_port=kafka_sasl_port,
             kafka_authorizer=kafka_authorizer,
+            brokers=brokers or _env_int("FLYWHEEL_INFRA_BROKERS", 1, "a number of brokers"),
         )
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
+        if not 1 <= self.brokers <= MAX_BROKERS:
+            raise StackError(f"brokers must be 1..{MAX_BROKERS}, got {self.brokers=}")
+        if self.brokers > 1 and self.kafka_sasl_port is not None:
+            raise StackError(f"the SASL listener (kafka_sasl_port) is for a single broker only, got {self.brokers=}")
         ports = {"kafka": self.kafka_port, "controller": self.controller_port, "s3": self.s3_port}
+        for node in self.kafka_nodes[1:]:
+            ports[f"{node.name}"] = node.port
+            ports[f"{node.name} controller"] = node.controller_port
         if self.kafka_sasl_port is not None:
             ports["kafka sasl"] = self.kafka_sasl_port
         for name, port in ports.items():
@@ -204,6 +245,24 @@ class InfraConfig:
         return users
 
     @property
+    def kafka_nodes(self) -> tuple[KafkaNode, ...]:
+        """The Kafka nodes, node 1 first (``kafka``: the single broker's name, dir and ports)."""
+        return tuple(
+            KafkaNode(node_id=i, name="kafka" if i == 1 else f"kafka-{i}",
+                      dir=self.home / ("kafka" if i == 1 else f"kafka-{i}"),
+                      port=self.kafka_port + BROKER_PORT_STEP * (i - 1),
+                      controller_port=self.controller_port + BROKER_PORT_STEP * (i - 1))
+            for i in range(1, self.brokers + 1)
+        )
+
+    @property
+    def kafka_replication(self) -> tuple[int, int]:
+        """(replication factor, min.insync.replicas) for this cluster's size (``shared.kafka.replication_for``)."""
+        from shared.kafka import replication_for  # lazily: aiokafka is not needed to parse a command line
+
+        return replication_for(self.brokers)
+
+    @property
     def kafka_dir(self) -> Path:
         return self.home / "kafka"
 
@@ -227,7 +286,7 @@ class InfraConfig:
     def endpoints(self) -> InfraEndpoints:
         sasl = self.kafka_sasl_port is not None
         return InfraEndpoints(
-            kafka_bootstrap=f"127.0.0.1:{self.kafka_port}",
+            kafka_bootstrap=",".join(f"127.0.0.1:{node.port}" for node in self.kafka_nodes),
             s3_endpoint=f"http://127.0.0.1:{self.s3_port}",
             bucket=self.bucket,
             kafka_sasl_bootstrap=f"127.0.0.1:{self.kafka_sasl_port}" if sasl else None,

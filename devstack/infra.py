@@ -9,9 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from devstack import kafka, s3
-from devstack.config import DEFAULT_TIMEOUT_S, InfraConfig, InfraEndpoints
+from devstack.config import DEFAULT_TIMEOUT_S, MAX_BROKERS, InfraConfig, InfraEndpoints
 from devstack.jars import ensure_kafka_jars, find_java
-from devstack.procs import ProcStatus, file_lock, is_running, require_free
+from devstack.procs import Proc, ProcStatus, file_lock, is_running, require_free
 from devstack.readiness import run_coro, wait_until
 
 Progress = Callable[[str], None]
@@ -31,6 +31,7 @@ def ensure_up(
     bucket: str | None = None,
     kafka_sasl_port: int | None = None,
     kafka_authorizer: bool = False,
+    brokers: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: Progress = say,
 ) -> InfraEndpoints:
@@ -44,36 +45,43 @@ def ensure_up(
     ``kafka_authorizer`` (with ``kafka_sasl_port``) turns the StandardAuthorizer on and adds a SCRAM user per
     role (``InfraEndpoints.kafka_sasl_env(role)``), who may do nothing until ``shared.acl.provision_run``
     creates their ACLs; the stack's own SASL user is a super user.
+    ``brokers`` (default ``$FLYWHEEL_INFRA_BROKERS``, else 1): a KRaft cluster of that many nodes; ready once
+    every node runs, all are registered and an acks=all round trip on a topic replicated min(3, n) times works.
     """
     cfg = InfraConfig.resolve(home, kafka_port, controller_port, s3_port, bucket, kafka_sasl_port=kafka_sasl_port,
-                              kafka_authorizer=kafka_authorizer)
+                              kafka_authorizer=kafka_authorizer, brokers=brokers)
     cfg.home.mkdir(parents=True, exist_ok=True)
     with file_lock(cfg.home / ".infra.lock"):
         started = time.monotonic()
-        kproc, sproc = kafka.proc(cfg), s3.proc(cfg)
-        kafka_pid, s3_pid = kproc.pid(), sproc.pid()
-        if kafka_pid is not None:
-            kafka.check_ports(cfg, kafka_pid)
-        else:
-            require_free("kafka; see --kafka-port, FLYWHEEL_INFRA_KAFKA_PORT", cfg.kafka_port, cfg.home)
-            require_free("kafka controller; see --controller-port, FLYWHEEL_INFRA_CONTROLLER_PORT",
-                         cfg.controller_port, cfg.home)
-            if cfg.kafka_sasl_port is not None:
-                require_free("kafka SASL listener (kafka_sasl_port)", cfg.kafka_sasl_port, cfg.home)
+        kprocs, sproc = kafka.procs(cfg), s3.proc(cfg)
+        kafka_pids, s3_pid = [p.pid() for p in kprocs], sproc.pid()
+        for node, pid in zip(cfg.kafka_nodes, kafka_pids, strict=True):
+            if pid is not None:
+                kafka.check_ports(cfg, pid, node)
+            else:
+                require_free(f"{node.name}; see --kafka-port, FLYWHEEL_INFRA_KAFKA_PORT", node.port, cfg.home)
+                require_free(f"{node.name} controller; see --controller-port, FLYWHEEL_INFRA_CONTROLLER_PORT",
+                             node.controller_port, cfg.home)
+        if kafka_pids[0] is None and cfg.kafka_sasl_port is not None:
+            require_free("kafka SASL listener (kafka_sasl_port)", cfg.kafka_sasl_port, cfg.home)
         if s3_pid is not None:
             s3.check_port(cfg, s3_pid)
         else:
             s3.moto_server_path()
             require_free("s3; see --s3-port, FLYWHEEL_INFRA_S3_PORT", cfg.s3_port, cfg.home)
 
-        if kafka_pid is None:
+        running = list(kafka_pids)
+        if None in kafka_pids:
             java = find_java()
             libs = ensure_kafka_jars(progress)
             kafka.prepare(cfg, java, libs, progress)
-            kafka_pid, _ = kproc.ensure(kafka.command(cfg, java, libs), cwd=cfg.kafka_dir)
-            progress(f"started Kafka (pid {kafka_pid}), log {kproc.log}")
-        else:
-            progress(f"Kafka already running (pid {kafka_pid})")
+            for i, (node, kproc) in enumerate(zip(cfg.kafka_nodes, kprocs, strict=True)):
+                if kafka_pids[i] is None:
+                    kafka_pids[i], _ = kproc.ensure(kafka.command(cfg, java, libs, node), cwd=node.dir)
+        for node, kproc, was, pid in zip(cfg.kafka_nodes, kprocs, running, kafka_pids, strict=True):
+            what = "Kafka" if node.node_id == 1 else f"Kafka {node.name}"
+            progress(f"{what} already running (pid {pid})" if was is not None
+                     else f"started {what} (pid {pid}), log {kproc.log}")
         if s3_pid is None:
             s3_pid, _ = sproc.ensure(s3.command(cfg), cwd=cfg.home)
             progress(f"started S3 server (moto, pid {s3_pid}), log {sproc.log}")
@@ -82,22 +90,23 @@ def ensure_up(
 
         ep = cfg.endpoints
         deadline = time.monotonic() + timeout_s
-        pid_s3, pid_kafka = s3_pid, kafka_pid
+        pid_s3, pids_kafka, klog = s3_pid, [pid for pid in kafka_pids if pid is not None], kprocs[0].log
+        kafka_alive = lambda: all(is_running(pid) for pid in pids_kafka)  # noqa: E731
         took = wait_until(f"S3 at {ep.s3_endpoint}",
                           lambda left: s3.roundtrip(ep.s3_endpoint, ep.bucket, timeout_s=min(left, 10.0)),
                           deadline=deadline, alive=lambda: is_running(pid_s3), log_path=sproc.log, progress=progress)
         progress(f"S3 ready at {ep.s3_endpoint} (bucket {ep.bucket}) after {took:.1f} s")
         took = wait_until(f"Kafka at {ep.kafka_bootstrap}",
-                          lambda left: run_coro(kafka.roundtrip(ep.kafka_bootstrap, min(left, 30.0))),
-                          deadline=deadline, alive=lambda: is_running(pid_kafka), log_path=kproc.log,
-                          progress=progress)
+                          lambda left: run_coro(kafka.roundtrip(ep.kafka_bootstrap, min(left, 30.0),
+                                                                brokers=cfg.brokers,
+                                                                replication=cfg.kafka_replication)),
+                          deadline=deadline, alive=kafka_alive, log_path=klog, progress=progress)
         progress(f"Kafka ready at {ep.kafka_bootstrap} after {took:.1f} s")
         if ep.kafka_sasl_bootstrap is not None:
             sasl_bootstrap, security = ep.kafka_sasl_bootstrap, kafka.sasl_security(cfg)
             took = wait_until(f"Kafka SASL listener at {sasl_bootstrap}",
                               lambda left: run_coro(kafka.roundtrip(sasl_bootstrap, min(left, 30.0), security)),
-                              deadline=deadline, alive=lambda: is_running(pid_kafka), log_path=kproc.log,
-                              progress=progress)
+                              deadline=deadline, alive=kafka_alive, log_path=klog, progress=progress)
             progress(f"Kafka SASL_PLAINTEXT ({cfg.kafka_sasl_username}, SCRAM-SHA-512) ready at {sasl_bootstrap} "
                      f"after {took:.1f} s")
         write_env_file(cfg.env_file, ep)
@@ -113,14 +122,16 @@ def write_env_file(path: Path, ep: InfraEndpoints) -> None:
 
 
 def down(home: str | os.PathLike[str] | None = None, *, progress: Progress = say) -> list[str]:
-    """Stop this home's own S3 server and Kafka (by pid); data is kept. Returns the names stopped."""
+    """Stop this home's own S3 server and Kafka nodes (by pid; every node it started, whatever
+    ``$FLYWHEEL_INFRA_BROKERS`` says now); data is kept. Returns the names stopped."""
     cfg = InfraConfig.resolve(home)
     stopped: list[str] = []
     if not cfg.home.is_dir():
         progress(f"nothing to stop: {cfg.home} does not exist")
         return stopped
     with file_lock(cfg.home / ".infra.lock"):
-        for what, proc in (("S3 server", s3.proc(cfg)), ("Kafka", kafka.proc(cfg))):
+        nodes = [(f"Kafka {p.name}" if p.name != kafka.NAME else "Kafka", p) for p in _kafka_procs(cfg)]
+        for what, proc in [("S3 server", s3.proc(cfg)), *reversed(nodes)]:
             pid = proc.stop()
             progress(f"{what}: not running" if pid is None else f"{what}: stopped (pid {pid})")
             if pid is not None:
@@ -128,12 +139,21 @@ def down(home: str | os.PathLike[str] | None = None, *, progress: Progress = say
     return stopped
 
 
+def _kafka_procs(cfg: InfraConfig) -> list[Proc]:
+    """Node 1's process and every other node's this home ever started (a launch record or a pid file)."""
+    others = [Proc(cfg.home, f"{kafka.NAME}-{i}") for i in range(2, MAX_BROKERS + 1)]
+    return [kafka.proc(cfg), *(p for p in others if p.record() is not None or p.last_pid() is not None)]
+
+
 def status(home: str | os.PathLike[str] | None = None) -> list[ProcStatus]:
-    """Kafka and the S3 server of ``home``: alive or not, pid, endpoint, log."""
+    """Kafka's nodes and the S3 server of ``home``: alive or not, pid, endpoint, log."""
     cfg = InfraConfig.resolve(home)
-    kproc, sproc = kafka.proc(cfg), s3.proc(cfg)
-    krec, srec = kproc.record(), sproc.record()  # where they listen, as started
-    ports = kafka.running_ports(krec.cmd) if krec else None
+    out = []
+    for kproc in _kafka_procs(cfg):
+        krec = kproc.record()  # where it listens, as started
+        ports = kafka.running_ports(krec.cmd) if krec else None
+        out.append(kproc.status(f"127.0.0.1:{ports[0]} (controller {ports[1]})" if ports else "-"))
+    sproc = s3.proc(cfg)
+    srec = sproc.record()
     port = s3.running_port(srec.cmd) if srec else None
-    return [kproc.status(f"127.0.0.1:{ports[0]} (controller {ports[1]})" if ports else "-"),
-            sproc.status(f"http://127.0.0.1:{port}" if port else "-")]
+    return [*out, sproc.status(f"http://127.0.0.1:{port}" if port else "-")]

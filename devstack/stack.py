@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterable
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from devstack import kafka, s3, supervisor
 from devstack import prometheus as prom
-from devstack.config import DEFAULT_CONFIG, REPO_ROOT, InfraEndpoints, StackError
+from devstack.config import DEFAULT_CONFIG, MAX_BROKERS, REPO_ROOT, InfraEndpoints, StackError
 from devstack.infra import down as infra_down
 from devstack.infra import ensure_up, say
 from devstack.infra import status as infra_status
@@ -47,6 +48,13 @@ from devstack.services import (
 from devstack.state import StackState, SupervisorState
 
 INFRA = (kafka.NAME, s3.NAME)
+_KAFKA_NODE = re.compile(rf"{kafka.NAME}-[2-{MAX_BROKERS}]")
+"""The other nodes of a Kafka cluster (``InfraConfig.kafka_nodes``): infra too, when this stack owns it."""
+
+
+def is_infra(name: str) -> bool:
+    """Kafka (any node of it) or the S3 server."""
+    return name in INFRA or _KAFKA_NODE.fullmatch(name) is not None
 
 
 class LocalStack:
@@ -75,6 +83,7 @@ class LocalStack:
         prometheus_port: int = 9090,
         supervise: bool = True,
         log_max_bytes: int = LOG_MAX_BYTES,
+        brokers: int | None = None,
         progress: Callable[[str], None] = say,
     ) -> None:
         if store_backend not in ("local", "s3"):
@@ -87,6 +96,9 @@ class LocalStack:
         self.prometheus_port = prometheus_port
         self.supervise = supervise
         self.log_max_bytes = log_max_bytes
+        self.brokers = brokers
+        """Kafka nodes of the infra this stack owns (``devstack.infra.ensure_up``; None: ``$FLYWHEEL_INFRA_BROKERS``,
+        else 1)."""
         self._infra = infra
         self._owns_infra = infra is None
         self._ports = {"trainer": trainer_port, "paramsync": paramsync_port, "admin": admin_port}
@@ -100,9 +112,9 @@ class LocalStack:
         return Proc(self.home, self._name(service, replica))
 
     def _name(self, name: str, replica: int = 0) -> str:
-        """The process name for a service (+ replica), ``sampler-<i>``, ``prometheus``, or Kafka / S3
-        (only when this stack owns them)."""
-        if name in INFRA:
+        """The process name for a service (+ replica), ``sampler-<i>``, ``prometheus``, or Kafka (``kafka``,
+        ``kafka-<i>`` for the other nodes of a cluster) / S3 (only when this stack owns them)."""
+        if is_infra(name):
             if not self._owns_infra:
                 raise StackError(f"{name} is not this stack's: its Kafka + S3 endpoints were given")
             return name
@@ -142,7 +154,7 @@ class LocalStack:
         """Kafka + S3 endpoints; for a stack that owns its infra, starts (or reuses) it."""
         if self._infra is None:
             try:
-                self._infra = ensure_up(self.home, timeout_s=timeout_s, progress=self._progress)
+                self._infra = ensure_up(self.home, brokers=self.brokers, timeout_s=timeout_s, progress=self._progress)
             except StackError as exc:
                 raise StackError(f"Kafka / S3 did not come up: {exc}") from exc
         return self._infra
@@ -199,7 +211,7 @@ class LocalStack:
 
     def kill(self, name: str, replica: int = 0, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to a process: a service (``replica`` for samplers), ``sampler-<i>``,
-        ``prometheus``, or ``kafka`` / ``s3`` when this stack owns them. A supervised process that
+        ``prometheus``, or ``kafka`` / ``kafka-<i>`` / ``s3`` when this stack owns them. A supervised process that
         dies of it is restarted (see :meth:`hold`). With SIGKILL, wait until it is gone and (for a
         service) its port is released or a restarted one runs, so an immediate :meth:`start` works."""
         proc = self._proc(name, replica)
@@ -207,7 +219,7 @@ class LocalStack:
         if pid is None:
             raise StackError(f"cannot signal {proc.name}: it is not running")
         os.kill(pid, sig)
-        if sig == signal.SIGKILL and wait_gone(pid, timeout_s=10.0) and name not in (*INFRA, prom.NAME):
+        if sig == signal.SIGKILL and wait_gone(pid, timeout_s=10.0) and not is_infra(name) and name != prom.NAME:
             service, index = parse_key(proc.name)
             port, deadline = self.port(service, index), time.monotonic() + 10.0
             while not port_is_free(port) and proc.pid() in (None, pid) and time.monotonic() < deadline:
@@ -269,7 +281,8 @@ class LocalStack:
             self.state.save(samplers=list(range(samplers)), prometheus=prometheus, config=str(self.config),
                             run=self.run, store_backend=self.store_backend, log_max_bytes=self.log_max_bytes,
                             ports={**self._ports, "sampler_base": self._sampler_base_port,
-                                   "prometheus": self.prometheus_port})
+                                   "prometheus": self.prometheus_port},
+                            brokers=len(self.endpoints().kafka_bootstrap.split(",")) if self._owns_infra else None)
             for service, replica in wanted:
                 self.start(service, replica)
             if self.supervise:
@@ -304,7 +317,7 @@ class LocalStack:
             stopped = [proc_key(s, r) for s, r in layout] + [prom.NAME]
             if infra and self._owns_infra:
                 infra_down(self.home, progress=self._progress)
-                stopped += INFRA
+                stopped += [*INFRA, *(f"{kafka.NAME}-{i}" for i in range(2, MAX_BROKERS + 1))]
             SupervisorState(self.home).forget(stopped)
 
     def status(self, infra: bool = True) -> list[ProcStatus]:

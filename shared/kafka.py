@@ -102,37 +102,68 @@ async def check_credentials(settings: Settings, timeout_s: float = 10.0) -> None
     await asyncio.wait_for(_check(), timeout_s)
 
 
-def topic_specs(settings: Settings) -> list[NewTopic]:
-    """Partitions and configs of every run topic, from settings."""
+def replication_for(brokers: int) -> tuple[int, int]:
+    """(replication factor, min.insync.replicas) of the run topics on a cluster of ``brokers``: min(3, n), min(2, n).
+
+    One broker keeps (1, 1). Three give (3, 2): with the producers' acks=all a write is on two replicas before it is
+    acknowledged, so one broker may die without losing or refusing anything; with a second one down the partitions
+    fall below the minimum ISR and producers are refused (NotEnoughReplicas, retried) rather than lose data.
+    """
+    if brokers < 1:
+        raise ValueError(f"a Kafka cluster has at least one broker, got {brokers=}")
+    return min(3, brokers), min(2, brokers)
+
+
+def topic_specs(settings: Settings, brokers: int | None = None) -> list[NewTopic]:
+    """Partitions and configs of every run topic, from settings and the cluster's size.
+
+    ``brokers`` None (a declaration made without a cluster, e.g. the Kubernetes overlay's KafkaTopics): replication
+    factor ``kafka.replication_factor``, the brokers' own min.insync.replicas. With ``brokers``: the larger of
+    ``kafka.replication_factor`` and :func:`replication_for`'s factor, and its min.insync.replicas on every topic
+    (a factor above ``brokers`` is refused by the broker with InvalidReplicationFactor, which names it).
+    """
     k = settings.kafka
     t = Topics.for_run(settings.run)
     rf = k.replication_factor
+    isr: dict[str, str] = {}
+    if brokers is not None:
+        cluster_rf, min_isr = replication_for(brokers)
+        rf = max(rf, cluster_rf)
+        isr = {"min.insync.replicas": str(min(min_isr, rf))}
     big = str(k.max_message_bytes + 64 * 1024)
     return [
         NewTopic(t.samples, k.samples_partitions, rf,
-                 topic_configs={"retention.ms": str(k.samples_retention_ms), "max.message.bytes": big}),
-        NewTopic(t.dlq, 1, rf, topic_configs={"retention.ms": str(k.dlq_retention_ms), "max.message.bytes": big}),
+                 topic_configs={"retention.ms": str(k.samples_retention_ms), "max.message.bytes": big, **isr}),
+        NewTopic(t.dlq, 1, rf,
+                 topic_configs={"retention.ms": str(k.dlq_retention_ms), "max.message.bytes": big, **isr}),
         # Compacted: the latest candidate and the latest announcement survive forever.
-        NewTopic(t.policy, 1, rf, topic_configs={"cleanup.policy": "compact", "min.compaction.lag.ms": "60000"}),
-        NewTopic(t.control, 1, rf, topic_configs={"retention.ms": str(24 * 3600 * 1000)}),
-        NewTopic(t.heartbeats, 1, rf, topic_configs={"retention.ms": str(k.heartbeats_retention_ms)}),
+        NewTopic(t.policy, 1, rf,
+                 topic_configs={"cleanup.policy": "compact", "min.compaction.lag.ms": "60000", **isr}),
+        NewTopic(t.control, 1, rf, topic_configs={"retention.ms": str(24 * 3600 * 1000), **isr}),
+        NewTopic(t.heartbeats, 1, rf, topic_configs={"retention.ms": str(k.heartbeats_retention_ms), **isr}),
         # Flow-control grants: only the newest matters, and readers start at the end.
-        NewTopic(t.credits, 1, rf, topic_configs={"retention.ms": str(k.heartbeats_retention_ms)}),
+        NewTopic(t.credits, 1, rf, topic_configs={"retention.ms": str(k.heartbeats_retention_ms), **isr}),
     ]
 
 
 async def ensure_topics(settings: Settings) -> Topics:
-    """Create the run's topics if absent (idempotent; safe when several services race)."""
+    """Create the run's topics if absent (idempotent; safe when several services race), replicated for the
+    cluster's size (:func:`topic_specs` with the brokers the cluster's metadata lists now). Topics that exist are
+    left as they are."""
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap,
                                 request_timeout_ms=settings.kafka.request_timeout_ms, **client_security(settings))
     await admin.start()
     try:
         existing = set(await admin.list_topics())
-        missing = [s for s in topic_specs(settings) if s.name not in existing]
+        wanted = [s.name for s in topic_specs(settings)]
+        missing_names = [name for name in wanted if name not in existing]
+        brokers = len((await admin.describe_cluster())["brokers"]) if missing_names else 1
+        missing = [s for s in topic_specs(settings, brokers) if s.name in missing_names]
         for spec in missing:  # one at a time: a race on one must not hide the others
             try:
                 await admin.create_topics([spec])
-                log.info("topic_created", topic=spec.name, partitions=spec.num_partitions)
+                log.info("topic_created", topic=spec.name, partitions=spec.num_partitions,
+                         replication_factor=spec.replication_factor, brokers=brokers)
             except TopicAlreadyExistsError:
                 pass
     finally:

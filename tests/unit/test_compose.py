@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -144,7 +145,7 @@ def test_kafka_is_official_image_in_kraft_mode(compose: dict, services: dict) ->
     assert repo == "apache/kafka", f"expected the official apache/kafka image, got {kafka['image']!r}"
     assert re.fullmatch(r"4\.\d+\.\d+", tag), f"expected a pinned 4.x.y tag, got {tag!r}"
 
-    env = _env(kafka)
+    env = {k: _interpolate(v, {}) for k, v in _env(kafka).items()}  # without the `cluster` profile's variables
     assert not any("ZOOKEEPER" in k for k in env), "Kafka 4 has no ZooKeeper mode"
     assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
     assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == f"{env['KAFKA_NODE_ID']}@kafka:9093"
@@ -186,12 +187,55 @@ def test_kafka_settings_match_the_local_stack(services: dict, tmp_path: Path) ->
         if line.strip() and not line.lstrip().startswith("#"):
             key, _, value = line.partition("=")
             local[key.strip()] = value.strip()
-    compose_props = _kafka_env_to_properties(_env(services["kafka"]))
+    compose_props = _kafka_env_to_properties({k: _interpolate(v, {}) for k, v in _env(services["kafka"]).items()})
     # Addresses and paths legitimately differ between a container and a local process.
     where = {"listeners", "advertised.listeners", "controller.quorum.voters", "log.dirs"}
     local_settings = {k: v for k, v in local.items() if k not in where}
     compose_settings = {k: v for k, v in compose_props.items() if k not in where}
     assert compose_settings == local_settings
+
+
+def _makefile_cluster_env() -> dict[str, str]:
+    """The variables `make up BROKERS=3` exports for docker compose (the Makefile's COMPOSE_CLUSTER)."""
+    [line] = [ln for ln in (REPO / "Makefile").read_text().splitlines() if ln.startswith("COMPOSE_CLUSTER :=")]
+    return dict(item.split("=", 1) for item in line.split(":=", 1)[1].split())
+
+
+def test_cluster_profile_runs_three_nodes_like_the_local_cluster(services: dict[str, Any], tmp_path: Path) -> None:
+    from devstack.config import InfraConfig
+    from devstack.kafka import server_properties
+
+    given = _makefile_cluster_env()
+    assert given["COMPOSE_PROFILES"] == "cluster"
+    assert "profiles" not in services["kafka"], "node 1 runs with and without the profile"
+    nodes = {name: {k: _interpolate(v, given) for k, v in _env(services[name]).items()}
+             for name in ("kafka", "kafka-2", "kafka-3")}
+    for name in ("kafka-2", "kafka-3"):
+        assert services[name]["profiles"] == ["cluster"], name
+        assert services[name]["image"] == services["kafka"]["image"] and services[name]["hostname"] == name
+        assert services[name]["healthcheck"] == services["kafka"]["healthcheck"], name
+    assert [env["KAFKA_NODE_ID"] for env in nodes.values()] == ["1", "2", "3"]
+    assert len({env["CLUSTER_ID"] for env in nodes.values()}) == 1, "one cluster id formats every node"
+    volumes = [tuple(v.split(":")) for name in nodes for v in services[name]["volumes"]]
+    assert len({v[0] for v in volumes}) == 3 and {v[1] for v in volumes} == {"/var/lib/kafka/data"}
+    voters = "1@kafka:9093,2@kafka-2:9093,3@kafka-3:9093"
+    local = InfraConfig.resolve(home=tmp_path, brokers=3)
+    where = {"listeners", "advertised.listeners", "controller.quorum.voters", "log.dirs", "node.id"}
+    for (name, env), node in zip(nodes.items(), local.kafka_nodes, strict=True):
+        assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == voters, name
+        assert env["KAFKA_ADVERTISED_LISTENERS"] == f"PLAINTEXT://{name}:9092"
+        props = {}
+        for line in server_properties(local, node).splitlines():
+            if line.strip() and not line.startswith("#"):
+                key, _, value = line.partition("=")
+                props[key] = value
+        compose_props = _kafka_env_to_properties(env)
+        assert {k: v for k, v in compose_props.items() if k not in where} == {
+            k: v for k, v in props.items() if k not in where}, name
+    for name in FLYWHEEL_SERVICES:
+        env = _env(services[name])
+        assert _interpolate(env["FLYWHEEL_KAFKA_BOOTSTRAP"], {}) == "kafka:9092"
+        assert _interpolate(env["FLYWHEEL_KAFKA_BOOTSTRAP"], given) == "kafka:9092,kafka-2:9092,kafka-3:9092"
 
 
 def test_minio_pinned_to_recent_release(services: dict) -> None:
@@ -345,6 +389,9 @@ def test_flywheel_service_healthcheck_and_ordering(services: dict, name: str) ->
     assert f"http://127.0.0.1:{HTTP_PORTS[name]}/healthz" in cmd
     assert svc["depends_on"] == {
         "kafka": {"condition": "service_healthy"},
+        # The `cluster` profile's brokers: waited for when the profile runs them, ignored when it does not.
+        "kafka-2": {"condition": "service_healthy", "required": False},
+        "kafka-3": {"condition": "service_healthy", "required": False},
         "minio-init": {"condition": "service_completed_successfully"},
     }
     assert svc["restart"] == "unless-stopped"

@@ -125,7 +125,9 @@ def services(project: dict[str, Any]) -> dict[str, Any]:
 def test_loads_under_the_compose_specification(project: dict[str, Any]) -> None:
     assert project["name"] == "flywheel"
     assert set(project["services"]) == {"kafka", "minio", "minio-init", "prometheus", "grafana", *FLYWHEEL_SERVICES}
-    assert set(project["volumes"]) == {"kafka-data", "minio-data", "prometheus-data", "grafana-data"}
+    assert set(project["volumes"]) == {"kafka-data", "kafka-2-data", "kafka-3-data", "minio-data", "prometheus-data",
+                                       "grafana-data"}
+    assert "kafka-2" not in project["services"] and "kafka-3" not in project["services"], "the `cluster` profile"
 
 
 def test_published_ports_are_loopback_only(services: dict[str, Any]) -> None:
@@ -218,6 +220,8 @@ def test_healthchecks_and_ordering(services: dict[str, Any]) -> None:
     for name in FLYWHEEL_SERVICES:
         assert services[name]["depends_on"] == {
             "kafka": {"condition": "service_healthy", "required": True},
+            "kafka-2": {"condition": "service_healthy", "required": False},  # the `cluster` profile's
+            "kafka-3": {"condition": "service_healthy", "required": False},
             "minio-init": {"condition": "service_completed_successfully", "required": True},
         }, name
     assert services["minio-init"]["depends_on"] == {"minio": {"condition": "service_healthy", "required": True}}
@@ -229,6 +233,21 @@ def test_restart_policies(services: dict[str, Any]) -> None:
     assert services["minio-init"]["restart"] == "no", "a one-shot job must not be restarted after it succeeds"
     for name in FLYWHEEL_SERVICES:
         assert services[name]["init"] is True and services[name]["stop_grace_period"] == "30s", name
+
+
+def test_cluster_variables_make_kafka_node_one_of_three(validator: Path) -> None:
+    """What `make up BROKERS=3` exports (the Makefile's COMPOSE_CLUSTER) interpolates into a valid project: node 1
+    votes in a quorum of three and the services bootstrap from all three. (kafka-2 and kafka-3 themselves are in
+    the `cluster` profile, which this loader leaves off; tests/unit/test_compose.py checks them.)"""
+    [line] = [ln for ln in (REPO / "Makefile").read_text().splitlines() if ln.startswith("COMPOSE_CLUSTER :=")]
+    given = dict(item.split("=", 1) for item in line.split(":=", 1)[1].split())
+    svcs = _load(validator, env={k: v for k, v in given.items() if k != "COMPOSE_PROFILES"})["services"]
+    env = svcs["kafka"]["environment"]
+    assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == "1@kafka:9093,2@kafka-2:9093,3@kafka-3:9093"
+    assert (env["KAFKA_DEFAULT_REPLICATION_FACTOR"], env["KAFKA_MIN_INSYNC_REPLICAS"]) == ("3", "2")
+    assert (env["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"], env["KAFKA_TRANSACTION_STATE_LOG_MIN_ISR"]) == ("3", "2")
+    for name in FLYWHEEL_SERVICES:
+        assert svcs[name]["environment"]["FLYWHEEL_KAFKA_BOOTSTRAP"] == "kafka:9092,kafka-2:9092,kafka-3:9092"
 
 
 def test_sampler_scales(validator: Path) -> None:
