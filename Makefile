@@ -58,7 +58,7 @@ infra-down: install
 	$(PY) -m devstack infra-down
 
 test: install
-	FLYWHEEL_INFRA_BROKERS=$(BROKERS) $(PY) -m pytest -m "not faults_full" $(PYTEST_ARGS)
+	FLYWHEEL_INFRA_BROKERS=$(BROKERS) $(PY) -m pytest -m "not faults_full and not learning_full" $(PYTEST_ARGS)
 
 test-faults: install
 	FAULT_REPORT=1 FLYWHEEL_INFRA_BROKERS=$(BROKERS) $(PY) -m pytest tests/faults $(PYTEST_ARGS)

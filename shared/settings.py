@@ -173,6 +173,9 @@ class EnvSettings(_Section):
     latency_overlap: bool = False
     """Benchmarks only: the envs of a sampler wait out their delays concurrently (as envs in separate
     processes or remote simulators would), so a vector step takes the slowest env's delay, not the sum."""
+    frame_stack: int | None = Field(None, ge=1, le=16)
+    """Image envs: frames the policy sees per step; None: the env's default (4 for ``ALE/`` games, else 1).
+    Fragments carry single frames and the trainer rebuilds the stacks (docs/pixels.md)."""
 
 
 class SamplerSettings(_Section):
@@ -197,6 +200,10 @@ class SamplerSettings(_Section):
     seed: int | None = None
     """Base seed of the envs and the action sampling, combined with the sampler id so every
     sampler differs (None = random)."""
+    compression: Literal["none", "zstd"] = "none"
+    """Compress fragment payloads (schema 3; docs/pixels.md has the measured ratio and decode cost)."""
+    torch_threads: int = Field(1, ge=1, le=64)
+    """Threads of the samplers' torch inference (CNN models; the MLP runs in numpy)."""
 
 
 class GuardSettings(_Section):
@@ -296,6 +303,10 @@ class TrainerSettings(_Section):
     high learning rate."""
     hidden: int = Field(64, ge=4)
     """Width of the two hidden layers of actor and critic."""
+    model: Literal["auto", "mlp", "nature_cnn", "minatar_cnn"] = "auto"
+    """The network: ``mlp`` (two tanh layers of ``hidden``), or for image observations a CNN torso shared by
+    policy and value (``nature_cnn``: 84x84 Atari frames; ``minatar_cnn``: 10x10 MinAtar frames); ``auto``
+    picks a CNN for image observations and the MLP otherwise (docs/pixels.md)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` uses CUDA when present."""
     seed: int = 1

@@ -83,10 +83,10 @@ class Paramsync:
         self.policies = VersionedStore(store, settings.run, "policy", on_repair=repaired)
         self.rollbacks = RollbackQueue(store, settings.run)
         self._rollback_wanted = asyncio.Event()
-        spec = fragment_spec(settings.env.id, settings.kafka.max_message_bytes)
+        spec = fragment_spec(settings.env.id, settings.kafka.max_message_bytes, settings.env.frame_stack)
         self.model = ActorCritic.for_spec(spec, settings.trainer.hidden,
                                           normalize_observations=settings.trainer.normalize_observations,
-                                          gsde=settings.trainer.gsde)
+                                          gsde=settings.trainer.gsde, model=settings.trainer.model)
         self.tracker = SyncTracker(settings.paramsync.sampler_timeout_s)
         self.bus = bus or kafka_bus(settings, group=paramsync_group(settings.run))
         self.producer = self.bus.publisher

@@ -1,6 +1,9 @@
 """Stepping vectorised envs with batched numpy inference into :class:`Fragment`s. No I/O here.
 
-No torch: the policy is :class:`shared.rl.policy_np.NumpyPolicy` (see its module docstring).
+The MLP policy is :class:`shared.rl.policy_np.NumpyPolicy` (no torch; see its module docstring); CNN
+policies for image envs run in torch (:class:`shared.rl.policy_torch.TorchPolicy`, imported only then).
+Image observations are uint8 frames; with ``frame_stack`` K the policy sees each env's last K frames
+(:class:`shared.rl.frames.FrameStacker`) while the fragment carries single frames (docs/pixels.md).
 
 Continuous actions: the env is stepped with the Gaussian sample clipped to the action space's bounds,
 and the fragment keeps the *unclipped* sample and its log-density, so the trainer's ratio is that of
@@ -10,14 +13,19 @@ the distribution that was sampled (as CleanRL's ``ppo_continuous_action.py`` and
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import gymnasium as gym
 import numpy as np
 
 from shared.fragment import Fragment
-from shared.rl.envs import LogNormalDelay, fragment_spec, make_vector_env
+from shared.rl.envs import LogNormalDelay, as_observation, fragment_spec, make_vector_env
+from shared.rl.frames import FrameStacker
 from shared.rl.policy_np import NumpyPolicy
 from shared.settings import Settings
+
+if TYPE_CHECKING:
+    from shared.rl.policy_torch import TorchPolicy
 
 
 class RolloutWorker:
@@ -40,6 +48,9 @@ class RolloutWorker:
         fragment_latency_sigma: float = 1.5,
         gsde: bool = False,
         sde_sample_freq: int = 4,
+        frame_stack: int | None = None,
+        model: str = "auto",
+        torch_threads: int = 1,
     ) -> None:
         """``normalize_observations`` and ``gsde`` must be the trainer's (the weights' key set and shapes);
         ``fragment_latency_median_ms`` > 0 (benchmarks) sleeps one log-normal draw per fragment."""
@@ -47,9 +58,15 @@ class RolloutWorker:
         self.sampler_id = sampler_id
         self.steps = fragment_steps
         self.envs = make_vector_env(env_id, num_envs, latency_median_ms, latency_sigma, seed, latency_overlap)
-        self.spec = spec = fragment_spec(env_id, max_bytes=1 << 30)
-        self.policy = NumpyPolicy.for_spec(spec, hidden, normalize_observations=normalize_observations,
-                                           gsde=gsde, sde_sample_freq=sde_sample_freq)
+        self.spec = spec = fragment_spec(env_id, max_bytes=1 << 30, frame_stack=frame_stack)
+        self.policy: NumpyPolicy | TorchPolicy
+        if model == "mlp" or (model == "auto" and spec.obs_dtype != "uint8"):
+            self.policy = NumpyPolicy.for_spec(spec, hidden, normalize_observations=normalize_observations,
+                                               gsde=gsde, sde_sample_freq=sde_sample_freq)
+        else:
+            from shared.rl.policy_torch import TorchPolicy  # torch only for CNN policies
+
+            self.policy = TorchPolicy.for_spec(spec, model, hidden, torch_threads)
         space = self.envs.single_action_space
         self._bounds = (space.low, space.high) if isinstance(space, gym.spaces.Box) else None
         self._fragment_delay = (LogNormalDelay(fragment_latency_median_ms, fragment_latency_sigma, seed)
@@ -57,7 +74,8 @@ class RolloutWorker:
         self.rng = np.random.default_rng(seed)  # None: fresh OS entropy
         self.policy_version: int | None = None
         obs, _ = self.envs.reset(seed=seed)
-        self._obs = np.asarray(obs, dtype=np.float32)
+        self._obs = as_observation(obs, spec.obs_dtype)
+        self._stacker = FrameStacker(self._obs, spec.frame_stack) if spec.obs_dtype == "uint8" else None
         self._ep_return = np.zeros(num_envs, np.float64)
         self._ep_len = np.zeros(num_envs, np.int64)
         self.num_envs = num_envs
@@ -72,7 +90,9 @@ class RolloutWorker:
                    normalize_observations=settings.trainer.normalize_observations,
                    fragment_latency_median_ms=e.fragment_latency_median_ms,
                    fragment_latency_sigma=e.fragment_latency_sigma,
-                   gsde=settings.trainer.gsde, sde_sample_freq=settings.trainer.sde_sample_freq)
+                   gsde=settings.trainer.gsde, sde_sample_freq=settings.trainer.sde_sample_freq,
+                   frame_stack=e.frame_stack, model=settings.trainer.model,
+                   torch_threads=settings.sampler.torch_threads)
 
     def set_policy(self, version: int, weights: bytes) -> None:
         """Adopt a policy (between fragments only); raises WeightsError if it does not fit."""
@@ -84,7 +104,8 @@ class RolloutWorker:
         if self.policy_version is None:
             raise RuntimeError("no policy loaded yet")
         T, N = self.steps, self.num_envs
-        obs_buf = np.empty((T, N, *self._obs.shape[1:]), np.float32)
+        obs_buf = np.empty((T, N, *self._obs.shape[1:]), self._obs.dtype)
+        history = self._stacker.history() if self._stacker is not None else None
         actions = np.empty((T, N, *self.spec.action_shape), np.float32 if self.spec.continuous else np.int64)
         logp = np.empty((T, N), np.float32)
         rewards = np.empty((T, N), np.float32)
@@ -95,7 +116,7 @@ class RolloutWorker:
         ep_lengths: list[int] = []
         for t in range(T):
             obs_buf[t] = self._obs
-            a, logp[t] = self.policy.act(self._obs, self.rng)
+            a, logp[t] = self.policy.act(self._obs if self._stacker is None else self._stacker.stacks, self.rng)
             actions[t] = a.reshape(actions.shape[1:])
             env_actions = actions[t] if self._bounds is None else np.clip(actions[t], *self._bounds)
             obs, reward, term, trunc, info = self.envs.step(env_actions)
@@ -106,12 +127,14 @@ class RolloutWorker:
             self._ep_len += 1
             for i in np.flatnonzero(term | trunc):
                 if truncated[t, i]:
-                    trunc_obs.append(np.asarray(info["final_obs"][i], np.float32))
+                    trunc_obs.append(as_observation(info["final_obs"][i], self.spec.obs_dtype))
                 ep_returns.append(float(self._ep_return[i]))
                 ep_lengths.append(int(self._ep_len[i]))
                 self._ep_return[i] = 0.0
                 self._ep_len[i] = 0
-            self._obs = np.asarray(obs, dtype=np.float32)
+            self._obs = as_observation(obs, self.spec.obs_dtype)
+            if self._stacker is not None:
+                self._stacker.push(self._obs, term | trunc)
         if self._fragment_delay is not None:  # benchmarks: the fragment's generation time as a whole
             time.sleep(float(self._fragment_delay.draw()))
         obs_shape = self._obs.shape[1:]
@@ -122,13 +145,14 @@ class RolloutWorker:
             rewards=rewards,
             terminated=terminated,
             truncated=truncated,
-            trunc_obs=np.stack(trunc_obs) if trunc_obs else np.zeros((0, *obs_shape), np.float32),
+            trunc_obs=np.stack(trunc_obs) if trunc_obs else np.zeros((0, *obs_shape), self._obs.dtype),
             last_obs=self._obs.copy(),
             episode_returns=np.asarray(ep_returns, np.float32),
             episode_lengths=np.asarray(ep_lengths, np.int32),
             policy_version=self.policy_version,
             sampler_id=self.sampler_id,
             env_id=self.env_id,
+            obs_history=history,
         )
 
     def close(self) -> None:

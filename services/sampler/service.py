@@ -16,7 +16,10 @@ loop: ``inbox`` reads policy announcements, control commands and credit grants a
 ``backlog_check_interval_s``, ``heartbeats`` beats every ``heartbeat_interval_s`` (``shared.retry.every``).
 They set ``_wake``, on which the loop waits while flow control pauses it (or, in ``mode: sync``, while
 it waits for the next version), so a paused sampler adopts a new policy as soon as it is announced.
-Nothing here imports torch (inference is numpy).
+Nothing here imports torch for MLP policies (inference is numpy); CNN policies run in torch (rollout.py).
+A fragment whose payload would exceed ``kafka.max_message_bytes`` is split in time into fragments that
+each fit (``shared.fragment.encode_fitting``), each its own record with its own sequence number (so a
+split fragment may hold up to its piece count less one beyond the credit window until consumed).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.sampler.rollout import RolloutWorker
 from shared.bus import Bus, Record, kafka_bus
 from shared.credits import H_SAMPLER_SEQ, CreditGate, seq_value
-from shared.fragment import encode_fragment
+from shared.fragment import FragmentTooLarge, Headers, encode_fitting
 from shared.kafka import Topics, trainer_group
 from shared.logging import fragment_fields, get_logger
 from shared.marker import BadPayload, VersionedStore
@@ -302,11 +305,19 @@ class Sampler:
             return
         waited_from = self._credit_wait_since = time.monotonic()
         self.log.debug("credit_wait", in_flight=self.credits.in_flight, window=self.credits.window)
+        # A wait longer than a Kafka request's timeout is no longer flow control: the trainer (or the brokers
+        # its grants come through) is away. Say so until a grant opens the window again.
+        degraded_after = self.settings.kafka.request_timeout_ms / 1000
         try:
             while not stop_event.is_set() and not self.credits.open() and self._credits_on():
                 await self._wait_wake(WAKE_TIMEOUT_S)
                 await self._refresh_policy()
+                waited = time.monotonic() - waited_from
+                if waited > degraded_after and "credits" not in self.health_state.reasons:
+                    self.health_state.degraded("credits", f"no credit grant for {waited:.0f} s (trainer or Kafka away)")
         finally:
+            if "credits" in self.health_state.reasons:
+                self.health_state.recovered("credits")
             waited = time.monotonic() - waited_from
             self._credit_wait_since = None
             self.credit_wait_s += waited
@@ -469,7 +480,21 @@ class Sampler:
 
     # ---- fragments -------------------------------------------------------------------------
     async def _send(self, frag: Any) -> None:
-        headers, payload = encode_fragment(frag)
+        """Encode ``frag`` (compressed per ``sampler.compression``, split to fit the topic) and send it."""
+        compression = self.settings.sampler.compression
+        try:
+            pieces = encode_fitting(frag, self.settings.kafka.max_message_bytes,
+                                    None if compression == "none" else compression)
+        except FragmentTooLarge as exc:
+            self.log.error("fragment_too_large", error=str(exc), sample_id=frag.sample_id)
+            raise
+        if len(pieces) > 1:
+            self.log.info("fragment_split", pieces=len(pieces), steps=frag.steps, sample_id=frag.sample_id,
+                          sample_ids=[p.sample_id for p, _, _ in pieces])
+        for piece, headers, payload in pieces:
+            await self._send_record(piece, headers, payload)
+
+    async def _send_record(self, frag: Any, headers: Headers, payload: bytes) -> None:
         seq = self.credits.next_seq()
         headers.append((H_SAMPLER_SEQ, seq_value(self.credits.incarnation, seq)))
         await self.in_flight.acquire()

@@ -59,7 +59,8 @@ class Trainer:
         self.id = trainer_id or f"trainer-{socket.gethostname()}-{os.getpid()}"
         self.topics = Topics.for_run(settings.run)
         self.log = get_logger()
-        self.spec = dataclasses.replace(fragment_spec(settings.env.id, settings.kafka.max_message_bytes),
+        self.spec = dataclasses.replace(fragment_spec(settings.env.id, settings.kafka.max_message_bytes,
+                                                      settings.env.frame_stack),
                                         max_abs_value=self.cfg.max_abs_value)
         self.learner = Learner(self.spec, self.cfg)
         store = open_store(settings)

@@ -1,7 +1,12 @@
-"""Vectorised gymnasium envs, the latency wrapper of the benchmarks, and the fragment spec."""
+"""Vectorised gymnasium envs, the latency wrapper of the benchmarks, and the fragment spec.
+
+Image envs (``docs/pixels.md``): MinAtar's (``MinAtar/Breakout-v1``, extra ``minatar``) and the ALE's
+(``ALE/Pong-v5``, extra ``atari``) are registered here when their packages are installed. Boolean or
+uint8 Box observations are image frames: samplers send them as uint8 (booleans become 0 or 255)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -53,6 +58,55 @@ class OverlappedLogNormalLatency(gym.vector.VectorWrapper):
         return self.env.step(actions)
 
 
+def register_image_envs() -> None:
+    """Register the MinAtar and ALE env ids whose packages are installed (idempotent)."""
+    if "MinAtar/Breakout-v1" not in gym.registry:
+        try:
+            import minatar.gym
+        except ImportError:
+            pass
+        else:
+            minatar.gym.register_envs()
+    if "ALE/Pong-v5" not in gym.registry:
+        try:
+            import ale_py
+        except ImportError:
+            pass
+        else:
+            gym.register_envs(ale_py)
+
+
+ATARI_PREFIX = "ALE/"
+
+
+def env_options(env_id: str) -> tuple[dict[str, Any], list[Any]]:
+    """``gym.make`` keyword arguments and wrappers of ``env_id``: ALE games get rl-zoo's Atari preprocessing
+    (frame skip 4 with max-pooling, up to 30 no-ops at reset, 84x84 grayscale; no sticky actions, as the
+    ``NoFrameskip-v4`` games rl-zoo trains on; rewards unclipped, which for Pong changes nothing)."""
+    if not env_id.startswith(ATARI_PREFIX):
+        return {}, []
+    from gymnasium.wrappers import AtariPreprocessing
+
+    def atari(env: gym.Env[Any, Any]) -> gym.Env[Any, Any]:
+        return AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84, grayscale_obs=True,
+                                  terminal_on_life_loss=False)
+
+    return {"frameskip": 1, "repeat_action_probability": 0.0}, [atari]
+
+
+def is_image_space(space: gym.Space[Any]) -> bool:
+    """uint8 or boolean Box observations: image frames."""
+    return isinstance(space, gym.spaces.Box) and space.dtype in (np.dtype(np.uint8), np.dtype(np.bool_))
+
+
+def as_observation(obs: Any, dtype: str) -> np.ndarray:
+    """Env observations as the fragment's dtype: float32, or uint8 frames (booleans become 0 or 255)."""
+    arr = np.asarray(obs)
+    if dtype == "uint8":
+        return arr.astype(np.uint8) * np.uint8(255) if arr.dtype == np.bool_ else arr.astype(np.uint8, copy=False)
+    return arr.astype(np.float32, copy=False)
+
+
 def make_vector_env(
     env_id: str, num_envs: int, latency_median_ms: float = 0.0, latency_sigma: float = 1.0, seed: int | None = None,
     latency_overlap: bool = False,
@@ -61,7 +115,8 @@ def make_vector_env(
 
     With ``latency_median_ms`` > 0 every env step gets a log-normal delay (benchmarks): summed over
     the envs of a vector step, or with ``latency_overlap`` the slowest of them (envs in parallel)."""
-    wrappers = []
+    register_image_envs()
+    kwargs, wrappers = env_options(env_id)
     if latency_median_ms > 0 and not latency_overlap:
         wrappers.append(lambda e: LogNormalLatency(e, latency_median_ms, latency_sigma))
     envs = gym.make_vec(
@@ -70,26 +125,45 @@ def make_vector_env(
         vectorization_mode="sync",
         vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP},
         wrappers=wrappers or None,
+        **kwargs,
     )
     if latency_median_ms > 0 and latency_overlap:
         return OverlappedLogNormalLatency(envs, latency_median_ms, latency_sigma, seed)
     return envs
 
 
-def fragment_spec(env_id: str, max_bytes: int) -> FragmentSpec:
-    """Observation shape and action space of ``env_id``: Box observations, Discrete or Box actions."""
-    env = gym.make(env_id)
+def default_frame_stack(env_id: str) -> int:
+    """Frames the policy sees per step unless ``env.frame_stack`` says otherwise: 4 for ALE games (rl-zoo's
+    Atari setting), else 1."""
+    return 4 if env_id.startswith(ATARI_PREFIX) else 1
+
+
+def fragment_spec(env_id: str, max_bytes: int, frame_stack: int | None = None) -> FragmentSpec:
+    """Observation shape and dtype and action space of ``env_id``: Box observations (uint8 or boolean ones
+    are image frames, stacked ``frame_stack`` deep, None: :func:`default_frame_stack`), Discrete or Box
+    actions."""
+    if frame_stack is None:
+        frame_stack = default_frame_stack(env_id)
+    register_image_envs()
+    kwargs, wrappers = env_options(env_id)
+    env = gym.make(env_id, **kwargs)
+    for wrap in wrappers:
+        env = wrap(env)
     try:
         obs_space, act_space = env.observation_space, env.action_space
     finally:
         env.close()
     if not isinstance(obs_space, gym.spaces.Box):
         raise ValueError(f"env.id={env_id!r}: only Box observation spaces are supported, got {obs_space}")
+    obs_dtype = "uint8" if is_image_space(obs_space) else "float32"
+    if frame_stack > 1 and obs_dtype != "uint8":
+        raise ValueError(f"env.frame_stack={frame_stack}: frame stacking is for image observations, {env_id} has "
+                         f"{obs_space}")
+    spec = FragmentSpec(obs_shape=tuple(obs_space.shape), num_actions=0, max_bytes=max_bytes, env_id=env_id,
+                        obs_dtype=obs_dtype, frame_stack=frame_stack)
     if isinstance(act_space, gym.spaces.Discrete):
-        return FragmentSpec(obs_shape=tuple(obs_space.shape), num_actions=int(act_space.n), max_bytes=max_bytes,
-                            env_id=env_id)
+        return dataclasses.replace(spec, num_actions=int(act_space.n))
     if isinstance(act_space, gym.spaces.Box) and act_space.shape:
-        return FragmentSpec(obs_shape=tuple(obs_space.shape), num_actions=0, max_bytes=max_bytes, env_id=env_id,
-                            action_shape=tuple(act_space.shape))
+        return dataclasses.replace(spec, action_shape=tuple(act_space.shape))
     raise ValueError(f"env.id={env_id!r}: only Discrete or (non-scalar) Box action spaces are supported, "
                      f"got {act_space}")

@@ -106,9 +106,15 @@ class ActorCritic(nn.Module):
 
     @classmethod
     def for_spec(cls, spec: FragmentSpec, hidden: int, *, log_std_init: float = 0.0,
-                 normalize_observations: bool = False, gsde: bool = False) -> ActorCritic:
-        """A model for the envs ``spec`` describes (observations and actions flattened)."""
+                 normalize_observations: bool = False, gsde: bool = False, model: str = "auto") -> ActorCritic:
+        """A model for the envs ``spec`` describes: ``model`` ``mlp`` (observations and actions flattened),
+        or a CNN (:mod:`shared.rl.cnn`: ``nature_cnn``, ``minatar_cnn``); ``auto`` picks a CNN for uint8
+        image observations and the MLP otherwise."""
         check_gsde(gsde, spec.continuous, spec.env_id)
+        if model == "auto":
+            model = "mlp" if spec.obs_dtype != "uint8" else "cnn"
+        if model != "mlp":
+            return image_model(spec, model, normalize_observations=normalize_observations)
         return cls(int(np.prod(spec.obs_shape)), spec.action_dim, hidden, continuous=spec.continuous,
                    log_std_init=log_std_init, normalize_observations=normalize_observations, gsde=gsde)
 
@@ -180,6 +186,22 @@ class ActorCritic(nn.Module):
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         value: torch.Tensor = self.critic(self._features(obs)).squeeze(-1)
         return value
+
+
+def image_model(spec: FragmentSpec, model: str, *, normalize_observations: bool = False) -> ActorCritic:
+    """The CNN actor-critic for ``spec``'s image observations (``model``: a torso name, or ``cnn`` for
+    :func:`shared.rl.cnn.auto_torso`'s pick); refuses what it cannot serve, naming the setting."""
+    from shared.rl.cnn import TORSOS, ImageActorCritic, auto_torso  # a module that needs this one
+
+    if spec.continuous:
+        raise ValueError(f"trainer.model={model!r}: CNN models support discrete actions only")
+    if normalize_observations:
+        raise ValueError(f"trainer.model={model!r}: image frames are scaled to 0-1, turn off "
+                         "trainer.normalize_observations")
+    torso = auto_torso(spec.obs_shape) if model == "cnn" else model
+    if torso not in TORSOS:
+        raise ValueError(f"trainer.model={model!r}: want auto, mlp or one of {TORSOS}")
+    return ImageActorCritic(spec.obs_shape, spec.num_actions, torso, spec.frame_stack)
 
 
 def weights_to_bytes(model: nn.Module) -> bytes:

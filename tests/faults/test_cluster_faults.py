@@ -213,6 +213,8 @@ def test_two_brokers_away_below_min_isr(cluster_env: FaultEnv) -> None:
     env.check_accounting("two of three brokers away 60 s (below min ISR)", round(recover, 1),
                          f"degraded: {', '.join(sorted(seen))}; no service exited; resumed unaided")
     if not samplers:
-        # Measured: the samplers' last sends were acknowledged before the second broker went, then they wait for
-        # credits (which come through Kafka) and report ok. Needs a change in services/sampler (see the report).
+        # Measured once (before the fix): the samplers' last sends were acknowledged before the second broker
+        # went, then they waited for credits (which come through Kafka) reporting ok. A sampler now reports
+        # `credits` degraded after a wait longer than a Kafka request's timeout (tests/unit/test_sampler_bus.py);
+        # this row has not been re-run since, so a miss stays an expected failure here.
         pytest.xfail("samplers waiting for credits with Kafka below min ISR report ok, not degraded")

@@ -58,7 +58,7 @@ def _with(frag: Fragment, **changes: np.ndarray) -> bytes:
 
 
 @pytest.mark.parametrize(("schema", "match"), [
-    (b"99", "schema version '99' is not supported \\(want 2\\)$"),
+    (b"99", "schema version '99' is not supported \\(want 2 or 3\\)$"),
     # Schema 1 (discrete only) is what samplers before continuous actions wrote: say so and how to fix it.
     (b"1", "schema version '1' is not supported.*older than this trainer.*samplers of the trainer's release"),
 ])

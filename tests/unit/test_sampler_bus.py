@@ -181,3 +181,22 @@ async def test_admin_state_sees_the_samplers_heartbeats_and_backlog_and_its_comm
         await asyncio.wait_for(admin_task, 10)  # stops although its heartbeat reader never returns by itself
         await admin.stop()
     assert admin.health()["state"] == "ok"
+
+
+async def test_a_credit_wait_longer_than_a_kafka_request_reports_degraded_until_a_grant(tmp_path: Path) -> None:
+    mem = MemoryBus()
+    mem.create(T.samples, 2)
+    base = settings(tmp_path)  # the trainer (or Kafka) away for more than a request's timeout (1 s here)
+    cfg = base.model_copy(update={"kafka": base.kafka.model_copy(update={"request_timeout_ms": 1000})})
+    sampler = Sampler(cfg, "s-1", bus=mem.bus())
+    publish(sampler, 0)
+    async with running(sampler) as task:
+        await until(lambda: len(mem.records(T.samples)) >= 1, task)
+        assert sampler.health()["state"] == "ok"  # waiting for a grant is flow control at first
+        await until(lambda: sampler.health()["state"] == "degraded", task)
+        assert "no credit grant" in sampler.health()["reasons"]["credits"]
+        seq = parse_seq(fragments(mem)[0][H_SAMPLER_SEQ])
+        assert seq is not None
+        mem.append(T.credits, CreditGrant(trainer="t", window=3, consumed={f"s-1/{seq[0]}": 1}).to_bytes(),
+                   key=b"credits")
+        await until(lambda: sampler.health()["state"] == "ok", task)
