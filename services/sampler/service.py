@@ -33,14 +33,15 @@ import zlib
 from collections import deque
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge
 
+from services.sampler.backlog import BacklogGate
 from services.sampler.rollout import RolloutWorker
+from services.sampler.sender import FragmentSender
 from shared.bus import Bus, Record, kafka_bus
-from shared.credits import H_SAMPLER_SEQ, CreditGate, seq_value
-from shared.fragment import FragmentTooLarge, Headers, encode_fitting
-from shared.kafka import Topics, trainer_group
-from shared.logging import fragment_fields, get_logger
+from shared.credits import CreditGate
+from shared.kafka import Topics
+from shared.logging import get_logger
 from shared.marker import BadPayload, VersionedStore
 from shared.messages import ControlCommand, CreditGrant, PolicyMessage, SamplerBeat
 from shared.retry import (
@@ -63,29 +64,18 @@ from shared.runtime import (
     read_paused,
     runtime_values,
 )
-from shared.service import RateMeter
 from shared.settings import Settings
 from shared.store import open_store
 
-ENV_STEPS = Counter("flywheel_sampler_env_steps_total", "Env steps taken", ["sampler"])
-FRAGMENTS = Counter("flywheel_sampler_fragments_produced_total", "Fragments acknowledged by Kafka", ["sampler"])
-SEND_ERRORS = Counter("flywheel_sampler_send_errors_total", "Fragments Kafka refused", ["sampler"])
 VERSION = Gauge("flywheel_sampler_policy_version", "Policy version the sampler acts with", ["sampler"])
 ADOPTIONS = Counter("flywheel_sampler_policy_adoptions_total", "Policy versions adopted", ["sampler", "trigger"])
-BACKPRESSURE = Counter("flywheel_sampler_backpressure_seconds_total", "Seconds paused because the backlog was full",
-                       ["sampler"])
 CREDIT_WAIT = Counter("flywheel_sampler_credit_wait_seconds_total",
                       "Seconds waiting for flow-control credits (the trainer has not consumed enough yet)",
                       ["sampler"])
 CREDITS_IN_FLIGHT = Gauge("flywheel_sampler_credits_in_flight",
                           "Fragments sent that the trainer has not consumed yet (as of its last grant)", ["sampler"])
 PAUSED = Gauge("flywheel_sampler_paused", "1 while an operator has paused the sampler", ["sampler"])
-IN_FLIGHT = Gauge("flywheel_sampler_in_flight_fragments", "Fragments sent, not yet acknowledged", ["sampler"])
-LAG_PROBE = Histogram("flywheel_sampler_lag_probe_seconds", "Time of one trainer-backlog (consumer lag) query",
-                      ["sampler"], buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
 
-BACKLOG_MAX_AGE_INTERVALS = 25
-"""Flow control forgets a backlog reading this many check intervals old (the probe kept failing)."""
 WAKE_TIMEOUT_S = 0.05
 """Longest a paused (or, in sync mode, waiting) loop sleeps before re-checking on its own."""
 
@@ -127,30 +117,26 @@ class Sampler:
         self.producer = self.bus.publisher
         # Only what is announced from now on: the marker covers the past.
         self.inbox = self.bus.tail(self.topics.policy, self.topics.control, self.topics.credits)
-        self.in_flight = asyncio.Semaphore(settings.sampler.max_in_flight)
         # Always measured: max_backlog can be turned on at run time (PATCH /config).
         self.lag_probe = self.bus.lag()
-        self._backlog: int | None = None  # last measured trainer backlog; None until the first measurement
-        self._backlog_at = 0.0  # monotonic time of that measurement
-        self._lag_failures = 0  # consecutive failed backlog measurements
         self._wake = asyncio.Event()  # backlog dropped to the limit, a policy was announced, or a command came
         self.credits = CreditGate(self.id)
         self.credit_wait_s = 0.0  # finished waits; plus the one in progress since _credit_wait_since
         self._credit_wait_since: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.adopted_at: float | None = None
-        self.fragments = 0
-        self.env_steps = 0
-        self.steps_rate = RateMeter()
         self.recent_returns: deque[float] = deque(maxlen=100)
         self._wanted_version: int | None = None
         self._rejected_version: int | None = None  # the last version whose weights were refused
         self._sync_requested = False
         self._wanted_trigger = "announce"
-        self._pending: set[asyncio.Future[Any]] = set()
         self._labels = {"sampler": self.id}
         self.health_state = Health("sampler")
         self.retry = Retrier(self.health_state, self.log)
+        self.sender = FragmentSender(self.producer, self.topics.samples, self.credits, settings,
+                                     health=self.health_state, retry=self.retry, log=self.log, labels=self._labels)
+        self.backlog = BacklogGate(self.lag_probe, self.topics.samples, lambda: self.settings, self._wake,
+                                   log=self.log, labels=self._labels)
         self.started_at = time.time()
         self._stop = asyncio.Event()
 
@@ -178,7 +164,7 @@ class Sampler:
             self._check_background()
             await self._refresh_policy()
             await self._respect_pause(stop_event)
-            await self._respect_backlog(stop_event)
+            await self.backlog.respect(stop_event, self._wait_and_refresh)
             await self._respect_credits(stop_event)
             if stop_event.is_set():  # the waits end on stop too: no fragment beyond the limits
                 break
@@ -186,7 +172,7 @@ class Sampler:
             await self._respect_pause(stop_event)  # paused while collecting: hold the fragment until resumed
             if self._paused_since is not None:  # stopped while paused: the held fragment is never sent
                 break
-            await self._send(frag)
+            await self.sender.send(frag)
             if self.settings.mode == "sync":
                 await self._wait_for_newer(frag.policy_version, stop_event)
             self.recent_returns.extend(float(r) for r in frag.episode_returns)
@@ -203,15 +189,15 @@ class Sampler:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        if self._pending:
-            await asyncio.wait(self._pending, timeout=CLIENT_STOP_TIMEOUT_S)
+        if self.sender.pending:
+            await asyncio.wait(self.sender.pending, timeout=CLIENT_STOP_TIMEOUT_S)
         # The producer flushes what is buffered.
         await stop_clients([self.producer, self.inbox, self.lag_probe], self.log)
         self.worker.close()
 
     def health(self) -> dict[str, Any]:
-        return {"ok": True, "id": self.id, "policy_version": self.worker.policy_version, "fragments": self.fragments,
-                **self.health_state.as_dict()}
+        return {"ok": True, "id": self.id, "policy_version": self.worker.policy_version,
+                "fragments": self.sender.fragments, **self.health_state.as_dict()}
 
     def _start_task(self, name: str, job: Any) -> None:
         self._tasks.append(asyncio.create_task(job, name=f"sampler-{name}-{self.id}"))
@@ -224,7 +210,7 @@ class Sampler:
         self._start_task("marker", every(lambda: self.settings.sampler.sync_interval_s, self._poll_marker,
                                          name="marker", log=log, stop_event=stop_event, wake=self._poll_now))
         self._start_task("backlog", every(lambda: self.settings.sampler.backlog_check_interval_s,
-                                          self._measure_backlog, name="backlog", log=log, stop_event=stop_event))
+                                          self.backlog.measure, name="backlog", log=log, stop_event=stop_event))
 
     def _check_background(self) -> None:
         """A background task that ended (they run until cancelled or stopped) stops the sampler with its
@@ -242,58 +228,15 @@ class Sampler:
             pass
         self._wake.clear()
 
-    async def _measure_backlog(self) -> None:
-        """One measurement of the trainer's backlog into ``_backlog`` (the ``backlog`` task). A failed
-        query is logged and the last value kept; it never stops the sampler."""
-        interval = self.settings.sampler.backlog_check_interval_s
-        limit = self.settings.sampler.max_backlog  # a runtime setting
-        started = time.monotonic()
-        try:
-            lag = await self.lag_probe.lag(trainer_group(self.settings.run), self.topics.samples)
-        except Exception as exc:  # transient Kafka trouble: keep the last value, try again
-            LAG_PROBE.labels(**self._labels).observe(time.monotonic() - started)
-            self._lag_failures += 1
-            # A reading older than BACKLOG_MAX_AGE_INTERVALS intervals is no longer a reason to pause:
-            # a probe that keeps failing must not park the sampler (it would look alive, doing nothing).
-            if self._backlog is not None and time.monotonic() - self._backlog_at > BACKLOG_MAX_AGE_INTERVALS * interval:
-                self._backlog = None
-                self._wake.set()
-            if self._lag_failures == 1 or self._lag_failures % 100 == 0:
-                self.log.warning("lag_probe_failed", failures=self._lag_failures, kept_backlog=self._backlog,
-                                 error=describe(exc))
-            return
-        LAG_PROBE.labels(**self._labels).observe(time.monotonic() - started)
-        self._backlog_at = time.monotonic()
-        if self._lag_failures:
-            self.log.info("lag_probe_recovered", failures=self._lag_failures)
-            self._lag_failures = 0
-        self._backlog = sum(lag.values())
-        if self._backlog <= limit:
-            self._wake.set()
+    @property
+    def fragments(self) -> int:
+        """Fragments Kafka acknowledged."""
+        return self.sender.fragments
 
-    async def _respect_backlog(self, stop_event: asyncio.Event) -> None:
-        """Flow control: wait while the trainer's backlog is above ``max_backlog`` fragments.
-
-        The backlog comes from :meth:`_measure_backlog` (no Kafka request here); unknown (before the
-        first measurement) counts as not full. While paused the loop keeps adopting policies and
-        sending heartbeats, woken by ``_wake`` or every ``WAKE_TIMEOUT_S``."""
-        limit = self.settings.sampler.max_backlog
-        if limit == 0:
-            return
-        backlog = self._backlog
-        if backlog is None or backlog <= limit:
-            return
-        paused_at = time.monotonic()
-        self.log.debug("backpressure_pause", backlog=backlog, max_backlog=limit)
-        try:
-            while not stop_event.is_set():
-                backlog = self._backlog
-                if backlog is None or backlog <= limit:
-                    break
-                await self._wait_wake(WAKE_TIMEOUT_S)
-                await self._refresh_policy()
-        finally:
-            BACKPRESSURE.labels(**self._labels).inc(time.monotonic() - paused_at)
+    async def _wait_and_refresh(self) -> None:
+        """One step of a flow-control wait: until woken (or ``WAKE_TIMEOUT_S``), then adopt a newer policy."""
+        await self._wait_wake(WAKE_TIMEOUT_S)
+        await self._refresh_policy()
 
     def _credits_on(self) -> bool:
         return self.settings.sampler.credits and self.settings.mode == "async"
@@ -439,7 +382,7 @@ class Sampler:
     def _apply_runtime(self, settings: Settings, revision: int) -> dict[str, Any]:
         """Install validated runtime settings (called by :class:`RuntimeApplier`); the sampler's changes."""
         old = runtime_values(self.settings)
-        self.settings = settings  # one reference swap: the loop sees the old or the new settings whole
+        self.settings = self.sender.settings = settings  # reference swaps: the loop sees old or new whole
         new = runtime_values(settings)
         return {k: {"old": old[k], "new": new[k]} for k in new if k.startswith("sampler.") and old[k] != new[k]}
 
@@ -479,66 +422,6 @@ class Sampler:
             self.log.warning("inbox_message_ignored", topic=topic, reason=str(exc)[:200])
 
     # ---- fragments -------------------------------------------------------------------------
-    async def _send(self, frag: Any) -> None:
-        """Encode ``frag`` (compressed per ``sampler.compression``, split to fit the topic) and send it."""
-        compression = self.settings.sampler.compression
-        try:
-            pieces = encode_fitting(frag, self.settings.kafka.max_message_bytes,
-                                    None if compression == "none" else compression)
-        except FragmentTooLarge as exc:
-            self.log.error("fragment_too_large", error=str(exc), sample_id=frag.sample_id)
-            raise
-        if len(pieces) > 1:
-            self.log.info("fragment_split", pieces=len(pieces), steps=frag.steps, sample_id=frag.sample_id,
-                          sample_ids=[p.sample_id for p, _, _ in pieces])
-        for piece, headers, payload in pieces:
-            await self._send_record(piece, headers, payload)
-
-    async def _send_record(self, frag: Any, headers: Headers, payload: bytes) -> None:
-        seq = self.credits.next_seq()
-        headers.append((H_SAMPLER_SEQ, seq_value(self.credits.incarnation, seq)))
-        await self.in_flight.acquire()
-        IN_FLIGHT.labels(**self._labels).inc()
-        # No key: the partitioner spreads fragments over all partitions, so two samplers never share
-        # one partition while others idle (ordering across fragments does not matter). While the broker
-        # is unreachable the send is retried (the sampler is degraded, producing nothing meanwhile).
-        try:
-            fut = await self.retry(lambda: self.producer.send(self.topics.samples, payload, key=None, headers=headers),
-                                   "send fragment", "kafka", timeout_s=self.settings.kafka.request_timeout_ms / 1000)
-        except BaseException:
-            self.credits.lost(seq)
-            self.in_flight.release()
-            IN_FLIGHT.labels(**self._labels).dec()
-            raise
-        self._pending.add(fut)
-        ids = fragment_fields(frag.sample_id, frag.sampler_id, frag.policy_version)
-
-        def done(f: asyncio.Future[Any]) -> None:
-            self._pending.discard(f)
-            self.in_flight.release()
-            IN_FLIGHT.labels(**self._labels).dec()
-            if f.cancelled() or f.exception() is not None:
-                # Never acknowledged, so never on the topic: this fragment is lost before it existed
-                # (counted and logged with its id); the loop goes on with the next.
-                self.credits.lost(seq)  # never consumed: it must not hold a credit for good
-                SEND_ERRORS.labels(**self._labels).inc()
-                error = "cancelled" if f.cancelled() else describe(f.exception())  # type: ignore[arg-type]
-                self.health_state.degraded("kafka", f"fragment send failed: {error}")
-                self.log.error("fragment_send_failed", error=error, **ids)
-                return
-            if "kafka" in self.health_state.reasons:
-                self.health_state.recovered("kafka")
-            meta = f.result()
-            self.fragments += 1
-            self.env_steps += frag.steps
-            self.steps_rate.add(frag.steps)
-            FRAGMENTS.labels(**self._labels).inc()
-            ENV_STEPS.labels(**self._labels).inc(frag.steps)
-            self.log.info("fragment_produced", steps=frag.steps, episodes=len(frag.episode_returns),
-                          partition=meta.partition, offset=meta.offset, **{k: v for k, v in ids.items()})
-
-        fut.add_done_callback(done)
-
     # ---- heartbeats ------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
         beat = SamplerBeat(
@@ -551,9 +434,9 @@ class Sampler:
             credit_wait_s=round(self.credit_wait_s + (time.monotonic() - self._credit_wait_since
                                                       if self._credit_wait_since is not None else 0.0), 3),
             config_revision=self.runtime.revision,
-            steps_per_s=self.steps_rate.rate(),
-            fragments=self.fragments,
-            env_steps=self.env_steps,
+            steps_per_s=self.sender.steps_rate.rate(),
+            fragments=self.sender.fragments,
+            env_steps=self.sender.env_steps,
             recent_return_mean=sum(self.recent_returns) / len(self.recent_returns) if self.recent_returns else None,
             health=self.health_state.as_dict(), started_at=self.started_at,
         )
