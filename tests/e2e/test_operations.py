@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -11,7 +12,9 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from shared.kafka import Topics
+from shared.marker import VersionedStore
 from tests.e2e.conftest import log_events, status
+from tests.faults.conftest import s3_store
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kafka, pytest.mark.s3, pytest.mark.timeout(600)]
 
@@ -26,6 +29,40 @@ async def _end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
             parts = consumer.partitions_for_topic(topic) or set()
         ends = await consumer.end_offsets([TopicPartition(topic, p) for p in parts])
         return {tp.partition: off for tp, off in ends.items()}
+    finally:
+        await consumer.stop()
+
+
+async def _pause_while_watching(bootstrap: str, topic: str, pause: Callable[[], httpx.Response],
+                                watch_s: float = 5.0) -> tuple[bool, float]:
+    """Watch the topic's end offsets (every ~50 ms, one consumer) for a second, send the pause request, watch
+    ``watch_s`` more. Returns whether they moved in the second before, and the seconds from the request to
+    their last move after it (0 when they never moved again)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    await consumer.start()
+    try:
+        await consumer._client.force_metadata_update()  # noqa: SLF001
+        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or set()]
+        assert tps, f"no partitions for {topic}"
+
+        async def ends() -> int:
+            return sum((await consumer.end_offsets(tps)).values())
+
+        first, t_end = await ends(), time.monotonic() + 1.0
+        last = first
+        while time.monotonic() < t_end:
+            last = await ends()
+            await asyncio.sleep(0.05)
+        r = await asyncio.to_thread(pause)
+        sent = time.monotonic()  # the request's answer: every sampler has been told (202)
+        assert r.status_code == 202, r.text
+        last_move = 0.0
+        while time.monotonic() < sent + watch_s:
+            now = await ends()
+            if now != last:
+                last, last_move = now, time.monotonic() - sent
+            await asyncio.sleep(0.05)
+        return last > first or last_move > 0, last_move
     finally:
         await consumer.stop()
 
@@ -48,13 +85,12 @@ def test_pause_config_and_rollback_on_the_real_stack(make_stack: Any, run_name: 
     _wait(lambda: (status(stack)["policy"]["version"] or 0) >= 5 and len(status(stack)["samplers"]) == 2,
           120, "training to start")
 
-    # ---- pause: the samples topic's end offsets stop moving within 2 s and stay put ----
-    r = httpx.post(f"{url}/samplers/pause", json={}, headers=auth, timeout=10)
-    assert r.status_code == 202, r.text
-    time.sleep(2.0)
+    # ---- pause: the samples topic's end offsets stop moving within a second of the request, and stay put ----
+    moved_before, last_move = asyncio.run(_pause_while_watching(
+        kafka_bootstrap, topic, lambda: httpx.post(f"{url}/samplers/pause", json={}, headers=auth, timeout=10)))
+    assert moved_before, "the samplers produced nothing in the second before the pause: the check proves nothing"
+    assert last_move <= 1.0, f"the samples topic still grew {last_move:.2f} s after the pause request"
     frozen = asyncio.run(_end_offsets(kafka_bootstrap, topic))
-    time.sleep(3.0)
-    assert asyncio.run(_end_offsets(kafka_bootstrap, topic)) == frozen, "samplers produced while paused"
     s = status(stack)
     assert all(x["paused"] and x["paused_since"] for x in s["samplers"]), s["samplers"]
     r = httpx.post(f"{url}/samplers/resume", json={}, headers=auth, timeout=10)
@@ -109,11 +145,14 @@ def test_pause_config_and_rollback_on_the_real_stack(make_stack: Any, run_name: 
     events = _wait(lambda: [e for e in log_events(stack.log_path("trainer"), "rollback_followed")], 10,
                    "the trainer to follow the rollback")
     assert events[0]["rollback_of"] == target["version"]
-    # The trainer's next published version descends from the rollback (its lineage), not from the
-    # abandoned weights: paramsync refuses those.
+    # The trainer's next published versions descend from the rollback (their lineage, stored in each version
+    # record, names it), not from the abandoned weights (paramsync refuses those): read from the store, as
+    # every reader of a version record does.
     _wait(lambda: status(stack)["policy"]["version"] > new_version, 30, "a version trained after the rollback")
-    after = httpx.get(f"{url}/policy/versions", timeout=10).json()["versions"]
-    assert all(v["rollback_of"] is None for v in after if v["version"] > new_version)
+    records = VersionedStore(s3_store(stack.endpoints()), run_name, "policy")
+    after = [r for r in records.records() if r.version > new_version]
+    assert after, "no version record after the rollback"
+    assert all(int(r.extra.get("lineage") or 0) == new_version for r in after), [(r.version, r.extra) for r in after]
     print(f"samplers acted on the rollback {acted_s:.2f} s after it was published")  # noqa: T201
     actions = [e["action"] for e in httpx.get(f"{url}/audit", timeout=10).json()["entries"]]
     assert {"pause", "resume", "config_change", "rollback", "trainer_followed_rollback"} <= set(actions), actions

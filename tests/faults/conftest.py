@@ -6,7 +6,8 @@ S3 endpoint, another member joining the trainer's consumer group, poison records
 points come from one seed, logged at the start (``FAULT_SEED=<n>`` replays a run).
 
 ``make test`` runs the tests marked ``faults`` only; ``make test-faults`` runs the whole suite
-(``faults_full`` too) and writes ``docs/reliability.md`` from what it measured.
+(``faults_full`` too; CI runs it after ``make test``) and writes ``docs/reliability.md`` from what it
+measured: one row per fault test, a failed or xfailed test included (marked so), with the commit it ran on.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ import pytest
 import devstack
 from devstack import kafka as devkafka
 from shared.kafka import Topics, trainer_group
+from shared.store import ObjectStore, S3Store
 from tests.faults.accounting import Accounting, account_now
 from tests.faults.proxy import TcpProxy
 
 KAFKA_PORT, CONTROLLER_PORT, S3_PORT, S3_PROXY_PORT = 19392, 19393, 19300, 19301
+REPO = Path(__file__).resolve().parents[2]
 ADMIN_PORT = 18700
 RECOVERY_GOAL_S = 30.0
 LOG_CAP = 256 * 1024
@@ -45,10 +48,12 @@ class Row:
     fault: str
     outcome: str
     recover_s: float | None
-    lost: int
-    trained_twice: int
+    lost: int | None  # None: not accounted (the test failed before it could)
+    trained_twice: int | None
     restarts: dict[str, int]
     note: str = ""
+    verify: str = "-"
+    """``flywheel verify``'s outcome after the fault: ``ok``, ``FAILED (exit n)``, or ``-`` (not run)."""
 
 
 @dataclass
@@ -87,6 +92,24 @@ class FaultEnv:
         raise AssertionError(f"the published version did not pass {beyond} within {timeout_s:.0f} s "
                              f"(trainer log: {self.stack.log_path('trainer')})")
 
+    def audit(self) -> list[dict[str, Any]]:
+        """Every entry of the run's audit trail (``GET /audit``), oldest first."""
+        r = httpx.get(f"{self.stack.admin_url}/audit", params={"limit": 10_000}, timeout=30)
+        r.raise_for_status()
+        entries: list[dict[str, Any]] = r.json()["entries"]
+        return entries
+
+    def cli(self, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+        """``flywheel <args>`` against this stack's admin, as an operator runs it."""
+        cmd = [sys.executable, "-m", "services.admin.cli", "--url", self.stack.admin_url,
+               "--token", self.stack.admin_token, *args]
+        return subprocess.run(cmd, env=self.stack.service_env("admin"), capture_output=True, text=True,
+                              timeout=timeout_s, cwd=REPO)
+
+    def store(self) -> ObjectStore:
+        """The run's object store, through the S3 proxy the services use."""
+        return s3_store(self.endpoints)
+
     def restarts(self) -> dict[str, int]:
         return {k: v for k, v in self.stack.restarts().items() if v}
 
@@ -100,7 +123,7 @@ class FaultEnv:
         (the checkpoint's ledger against the topics), independent of the trainer's log lines."""
         env = self.stack.service_env("admin")
         proc = subprocess.run([sys.executable, "-m", "services.admin.cli", "verify"], env=env, capture_output=True,
-                              text=True, timeout=180, cwd=Path(__file__).resolve().parents[2])
+                              text=True, timeout=180, cwd=REPO)
         return proc.returncode, (proc.stdout + proc.stderr).strip()
 
     def check_accounting(self, fault: str, recover_s: float | None, note: str = "") -> Accounting:
@@ -110,9 +133,8 @@ class FaultEnv:
         self.say(f"[{fault}] flywheel verify exit {code}:\n{out}")
         ok = not acc.problems() and code == 0
         self.rows.append(Row(fault, "ok" if ok else "FAILED", recover_s, len(acc.missing),
-                             len(acc.trained_twice_in_a_run), self.restarts(),
-                             f"{note}; verify {'ok' if code == 0 else 'FAILED'}" if note else
-                             f"verify {'ok' if code == 0 else 'FAILED'}"))
+                             len(acc.trained_twice_in_a_run), self.restarts(), note,
+                             "ok" if code == 0 else f"FAILED (exit {code})"))
         assert not acc.problems(), acc.problems()
         assert code == 0, f"flywheel verify failed after {fault}:\n{out}"
         return acc
@@ -179,8 +201,43 @@ def fault_env(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
             if os.environ.get("FAULT_REPORT") == "1" and env.rows:
                 from tests.faults.report import write_reliability
 
-                path = write_reliability(env.rows, seed)
+                path = write_reliability(env.rows, seed, minutes=(time.monotonic() - env.started) / 60)
                 say(f"wrote {path}")
+
+
+@pytest.fixture(autouse=True)
+def _row_for_every_fault_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A fault test that fails (or xfails) before it accounted adds its row anyway, marked so: the report
+    never drops a row because its test failed."""
+    env: FaultEnv | None = request.getfixturevalue("fault_env") if "fault_env" in request.fixturenames else None
+    before = len(env.rows) if env is not None else 0
+    yield
+    call = getattr(request.node, "rep_call", None)
+    if env is None or call is None or len(env.rows) != before or call.passed:
+        return
+    xfailed = hasattr(call, "wasxfail")
+    crash = getattr(getattr(call.longrepr, "reprcrash", None), "message", None) or str(call.longrepr)
+    reason = str(getattr(call, "wasxfail", "")) if xfailed else crash.strip().splitlines()[0]
+    name = request.node.name.removeprefix("test_").replace("_", " ")
+    env.rows.append(Row(name, "xfail (known gap)" if xfailed else "FAILED", None, None, None, env.restarts(),
+                        reason.replace("|", "/")[:300], "-"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when == "call":
+        item.rep_call = report  # type: ignore[attr-defined]
+
+
+def s3_store(ep: devstack.InfraEndpoints) -> S3Store:
+    """An S3 store on ``ep`` with its credentials passed explicitly (this process's environment has none)."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=ep.s3_endpoint, region_name=ep.region, aws_access_key_id=ep.access_key,
+                          aws_secret_access_key=ep.secret_key)
+    return S3Store(client, ep.bucket)
 
 
 def run_async(coro: Any) -> Any:

@@ -29,7 +29,7 @@ GUARANTEES = """\
 - **Every record gets an outcome**: trained, dropped as stale (at batch time, against the older of
   the trainer's version and the newest published one), or dead-lettered to `<run>.samples.dlq` with
   a `dlq-reason` header (undecodable, bad dtype or shape, non-finite, out of range, bad header, env
-  mismatch, future version, duplicate sample id, oversize; a payload over the size limit is
+  mismatch, future version, duplicate sample id, ambiguous header, oversize; a payload over the size limit is
   dead-lettered as headers only, `dlq-truncated`). Offsets are committed only after the outcome,
   and only for partitions the trainer owns. A record re-delivered within a run (its commit lost in
   a rebalance) gets a second outcome: it is refused as a duplicate, never trained twice.
@@ -54,8 +54,11 @@ GUARANTEES = """\
 Where it ends:
 
 - **One trainer.** Exactly-once model state assumes a single trainer process owns the run's
-  checkpoints; a second trainer in the group is handled (rebalances are safe, nothing is trained
-  by both) but two trainers would each checkpoint their own share.
+  checkpoints. The trainer holds a lease in the store (`<run>/trainer/lease.json`, renewed every
+  2 s, fencing token checked before every checkpoint): a second trainer for the same run is refused
+  at start naming the running one, and a trainer whose lease was taken over stops before writing.
+  A foreign member in the consumer group (not a trainer) is handled: rebalances are safe, nothing
+  is trained by both.
 - **Records re-read after a crash may be dropped as stale.** They are re-processed from the
   checkpoint's offsets, but against the current published version; those older than
   `max_staleness` are dropped (counted), not trained. Checkpoint more often
@@ -78,36 +81,52 @@ def _git(*args: str) -> str:
         return "?"
 
 
-def write_reliability(rows: list[Row], seed: int, path: Path | None = None) -> Path:
+def commit_label() -> str:
+    """``git rev-parse --short HEAD``, plus `` + uncommitted changes`` when the tree differs from it (this
+    report itself aside: the previous run's rewrite is not a change to the code under test)."""
+    head = _git("rev-parse", "--short", "HEAD")
+    dirty = _git("status", "--porcelain", "--", ".", ":(exclude)docs/reliability.md")
+    return head + (" + uncommitted changes" if dirty else "")
+
+
+def write_reliability(rows: list[Row], seed: int, path: Path | None = None, minutes: float | None = None) -> Path:
     path = path or REPO / "docs" / "reliability.md"
+    took = f", the suite took {minutes:.1f} min" if minutes is not None else ""
     lines = [
         "# Reliability: faults injected into the real stack",
         "",
         "Written by the fault-injection suite (`make test-faults`, `tests/faults/`); do not edit by hand.",
         f"Last run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-        f"commit `{_git('rev-parse', '--short', 'HEAD')}`"
-        f"{' (with uncommitted changes)' if _git('status', '--porcelain') else ''}, seed {seed} "
+        f"commit `{commit_label()}`, seed {seed} "
         f"(replay: `FAULT_SEED={seed} make test-faults`), {platform.node()} "
-        f"({platform.machine()}, Python {platform.python_version()}).",
+        f"({platform.machine()}, Python {platform.python_version()}){took}.",
         "",
         "The stack: its own Kafka broker (KRaft, killed and restarted by the suite), moto S3 behind a TCP proxy",
         "(the endpoint goes down, the objects stay), trainer, paramsync, admin and 2 samplers under the",
         "local stack's supervisor. Faults come from outside the processes. After each, every record on",
         "`<run>.samples` is read back from the broker and matched with the trainer's outcome log lines",
-        "(`tests/faults/accounting.py`).",
+        "(`tests/faults/accounting.py`), and `flywheel verify` proves from the newest checkpoint's ledger",
+        "and the topics that every record below its offsets is in the model exactly once (column *verify*).",
+        "Each test first asserts that its fault really happened (the process died, records moved to the",
+        "other member, the marker was unreadable, the request was refused) and only then that nothing was lost.",
         "",
-        "| fault | outcome | time to recover (s) | records lost | trained twice in a run | restarts so far | note |",
-        "|---|---|---|---|---|---|---|",
+        "| fault | outcome | verify | time to recover (s) | records lost | trained twice in a run | restarts so far "
+        "| note |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         restarts = ", ".join(f"{k} {v}" for k, v in sorted(r.restarts.items())) or "none"
         rec = "-" if r.recover_s is None else f"{r.recover_s:.1f}"
-        lines.append(f"| {r.fault} | {r.outcome} | {rec} | {r.lost} | {r.trained_twice} | {restarts} | {r.note} |")
+        lost, twice = ("-" if n is None else str(n) for n in (r.lost, r.trained_twice))
+        lines.append(f"| {r.fault} | {r.outcome} | {r.verify} | {rec} | {lost} | {twice} | {restarts} "
+                     f"| {r.note} |")
     lines += [
         "",
         "*Time to recover*: for a kill, from the kill until the policy version advances again (worst of",
         "the kills); for an outage, from the dependency's return until the policy version advances.",
         "*Records lost*: records below the trainer group's committed offsets with no outcome.",
+        "*verify*: `flywheel verify` on the newest checkpoint after the fault (exit 0: every record below",
+        "the checkpoint's offsets trained once or dead-lettered or dropped with its reason, none twice).",
         "",
         GUARANTEES,
     ]
