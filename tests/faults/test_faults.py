@@ -529,9 +529,12 @@ def test_guard_rolls_back_a_learning_rate_that_breaks_the_policy(fault_env: Faul
             break
         time.sleep(2)
     assert (ret.get("mean") or 0) >= level, f"the last-100 return did not reach {level} within 300 s: {ret}"
-    env.say(f"last-100 return {ret['mean']:.0f} >= {level:.0f}: setting trainer.learning_rate=1.0")
+    # Both ends of the schedule: once trainer.anneal_env_steps have been trained (a long fault suite gets there),
+    # the rate in use is learning_rate_end, and learning_rate alone would change nothing.
+    env.say(f"last-100 return {ret['mean']:.0f} >= {level:.0f}: setting trainer.learning_rate(_end)=1.0")
     auth = {"Authorization": f"Bearer {env.stack.admin_token}"}
-    r = httpx.patch(f"{env.stack.admin_url}/config", json={"trainer.learning_rate": 1.0}, headers=auth, timeout=30)
+    r = httpx.patch(f"{env.stack.admin_url}/config", json={"trainer.learning_rate": 1.0,
+                                                          "trainer.learning_rate_end": 1.0}, headers=auth, timeout=30)
     assert r.status_code == 200, r.text
     revision = int(r.json()["revision"])
     t1 = time.monotonic()
@@ -540,13 +543,13 @@ def test_guard_rolls_back_a_learning_rate_that_breaks_the_policy(fault_env: Faul
         while time.monotonic() - t1 < 90 and not rollbacks:
             rollbacks = [e for e in env.audit() if e["action"] == "auto_rollback"]
             time.sleep(1)
-        assert rollbacks, "no auto_rollback audit entry within 90 s of trainer.learning_rate=1.0"
+        assert rollbacks, "no auto_rollback audit entry within 90 s of trainer.learning_rate(_end)=1.0"
     finally:
         if not rollbacks:  # leave the run as it was for the tests after this one
             httpx.post(f"{env.stack.admin_url}/config/revert", json={"revision": revision - 1}, headers=auth,
                        timeout=30)
     decided_s = time.monotonic() - t1
-    env.check_accounting("learning_rate=1.0 after solving (the guard)", round(decided_s, 1),
+    env.check_accounting("learning_rate(_end)=1.0 after solving (the guard)", round(decided_s, 1),
                          f"auto_rollback audited {decided_s:.1f} s after the change: {rollbacks[-1]['params']}"[:300])
 
 
