@@ -7,6 +7,9 @@ SAMPLERS ?= 2
 # Kafka nodes: 1, or 3 for a replicated KRaft cluster (RF 3, min.insync.replicas 2; docs/local-stack.md). Docker:
 # the compose `cluster` profile, which COMPOSE_CLUSTER turns on; local processes: FLYWHEEL_INFRA_BROKERS.
 BROKERS ?= 1
+# Data-parallel trainer ranks (trainer.world_size; docs/architecture.md "Trainer ranks"). Docker: 1, or 2 with the
+# compose `ranks` profile; local processes: any number up to the samples topic's partitions.
+TRAINERS ?= 1
 COMPOSE_CLUSTER := COMPOSE_PROFILES=cluster KAFKA_CLUSTER_VOTERS=1@kafka:9093,2@kafka-2:9093,3@kafka-3:9093 KAFKA_CLUSTER_REPLICATION=3 KAFKA_CLUSTER_MIN_ISR=2 KAFKA_CLUSTER_BOOTSTRAP=kafka:9092,kafka-2:9092,kafka-3:9092
 CONFIG ?= configs/cartpole.yaml
 PYTEST_ARGS ?=
@@ -39,14 +42,15 @@ up: install
 		export FLYWHEEL_ADMIN_TOKEN=$${FLYWHEEL_ADMIN_TOKEN:-$$($(PY) -c 'import secrets; print(secrets.token_urlsafe(32))')}; \
 		echo "Docker engine found: docker compose up (admin token: $$FLYWHEEL_ADMIN_TOKEN)"; \
 		case "$(BROKERS)" in 1) ;; 3) export $(COMPOSE_CLUSTER);; *) echo "compose runs BROKERS=1 or 3" >&2; exit 2;; esac; \
+		case "$(TRAINERS)" in 1) ;; 2) export COMPOSE_PROFILES=$${COMPOSE_PROFILES:+$$COMPOSE_PROFILES,}ranks;; *) echo "compose runs TRAINERS=1 or 2" >&2; exit 2;; esac; \
 		docker compose up -d --build --scale sampler=$(SAMPLERS) && docker compose ps; \
 	else \
 		echo "No Docker engine: running the same stack as local processes."; \
-		$(PY) -m devstack up --samplers $(SAMPLERS) --brokers $(BROKERS) --config $(CONFIG); \
+		$(PY) -m devstack up --samplers $(SAMPLERS) --brokers $(BROKERS) --trainers $(TRAINERS) --config $(CONFIG); \
 	fi
 
 down: install
-	@if docker info >/dev/null 2>&1; then COMPOSE_PROFILES=cluster docker compose down; else $(PY) -m devstack down; fi
+	@if docker info >/dev/null 2>&1; then COMPOSE_PROFILES=cluster,ranks docker compose down; else $(PY) -m devstack down; fi
 
 status: install
 	$(PY) -m devstack status

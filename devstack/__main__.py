@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", parents=[common], help="start (or reuse) the stack and wait until it is healthy")
     up.add_argument("--samplers", type=int, help="sampler replicas (default: as last time, else 2)")
+    up.add_argument("--trainers", type=int,
+                    help="data-parallel trainer ranks, trainer.world_size (default: as last time, else 1)")
     up.add_argument("--brokers", type=int,
                     help="Kafka nodes: 1, or 3 for a replicated KRaft cluster (default: as last time, else "
                     "$FLYWHEEL_INFRA_BROKERS, else 1; a home's Kafka keeps the size it was formatted with)")
@@ -91,7 +93,9 @@ def _stack(home: Path, config: str | None = None, run: str | None = None, store:
                       admin_port=ports.get("admin", 8080), trainer_port=ports.get("trainer", 8101),
                       paramsync_port=ports.get("paramsync", 8102), sampler_base_port=ports.get("sampler_base", 8110),
                       prometheus_port=ports.get("prometheus", 9090), supervise=supervise, log_max_bytes=log_max_bytes,
-                      brokers=brokers or last.get("brokers"))
+                      brokers=brokers or last.get("brokers"),
+                      trainer_rank_base_port=ports.get("trainer_rank_base", 8170),
+                      rendezvous_port=ports.get("rendezvous", 29500))
 
 
 def _up(args: argparse.Namespace, home: Path) -> int:
@@ -106,12 +110,13 @@ def _up(args: argparse.Namespace, home: Path) -> int:
         _out(f"note: {', '.join(changed)} changed since the last up; processes already running keep the old "
              "settings (down, then up, to apply them everywhere)")
     try:
-        stack.up(samplers=samplers, timeout_s=args.timeout, prometheus=not args.no_prometheus)
+        stack.up(samplers=samplers, timeout_s=args.timeout, prometheus=not args.no_prometheus, trainers=args.trainers)
     except StackError as exc:
         raise StackError(f"{exc}\n(what did start is still running: see `{PROG} status`, "
                          f"stop it with `{PROG} down`)") from None
     _out()
-    _out(f"Flywheel is up: {samplers} sampler(s), config {stack.config}, state in {home}")
+    ranks = f", {stack.trainers} trainer ranks" if stack.trainers > 1 else ""
+    _out(f"Flywheel is up: {samplers} sampler(s){ranks}, config {stack.config}, state in {home}")
     _out(f"kafka:      {stack.endpoints().kafka_bootstrap}")
     store = f"{home}/store (kept across down/up)" if stack.store_backend == "local" else "the S3 server"
     _out(f"store:      {store}")

@@ -20,21 +20,29 @@ TOKEN_ENV = "FLYWHEEL_ADMIN_TOKEN"
 TOKEN_FILE = "admin-token"
 
 
+REPLICATED = ("sampler", "trainer")
+"""Services with replicas: samplers, and trainer ranks (``trainer`` is rank 0, ``trainer-<r>`` rank r)."""
+
+
 def proc_key(service: str, replica: int = 0) -> str:
-    """``trainer``, ``paramsync``, ``admin``, or ``sampler-<i>``: the process's name (pid file, log, pids())."""
+    """``trainer`` (rank 0), ``trainer-<r>``, ``paramsync``, ``admin``, or ``sampler-<i>``: the process's name
+    (pid file, log, pids())."""
     if service not in SERVICES:
         raise StackError(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
-    if replica < 0 or (service != "sampler" and replica != 0):
-        raise StackError(f"{service} has no replica {replica} (only samplers are replicated)")
-    return f"sampler-{replica}" if service == "sampler" else service
+    if replica < 0 or (service not in REPLICATED and replica != 0):
+        raise StackError(f"{service} has no replica {replica} (only samplers and trainer ranks are replicated)")
+    if service == "sampler":
+        return f"sampler-{replica}"
+    return f"trainer-{replica}" if service == "trainer" and replica else service
 
 
 def parse_key(key: str) -> tuple[str, int]:
-    """The inverse of :func:`proc_key`: ``sampler-1`` -> (``sampler``, 1); ``sampler`` -> (``sampler``, 0)."""
+    """The inverse of :func:`proc_key`: ``sampler-1`` -> (``sampler``, 1); ``sampler`` -> (``sampler``, 0);
+    ``trainer-1`` -> (``trainer``, 1)."""
     service, _, index = key.partition("-")
-    if service == "sampler" and index:
-        if not index.isdigit():
-            raise StackError(f"bad sampler name {key!r}; expected sampler-<index>, e.g. sampler-1")
+    if service in REPLICATED and index:
+        if not index.isdigit() or (service == "trainer" and int(index) == 0):
+            raise StackError(f"bad {service} name {key!r}; expected {service}-<index>, e.g. {service}-1")
         return service, int(index)
     proc_key(service)  # validates the name
     return service, 0

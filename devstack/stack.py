@@ -79,6 +79,9 @@ class LocalStack:
         paramsync_port: int = 8102,
         sampler_base_port: int = 8110,
         store_backend: str = "local",
+        trainer_rank_base_port: int = 8170,
+        rendezvous_port: int = 29500,
+        trainers: int | None = None,
         *,
         prometheus_port: int = 9090,
         supervise: bool = True,
@@ -103,6 +106,9 @@ class LocalStack:
         self._owns_infra = infra is None
         self._ports = {"trainer": trainer_port, "paramsync": paramsync_port, "admin": admin_port}
         self._sampler_base_port = sampler_base_port
+        self._trainer_rank_base_port = trainer_rank_base_port
+        self.rendezvous_port = rendezvous_port
+        self._trainers = trainers
         self._progress = progress
         self._token: tuple[str, str] | None = None
         self.state = StackState(self.home)
@@ -133,7 +139,18 @@ class LocalStack:
 
     def port(self, service: str, replica: int = 0) -> int:
         proc_key(service, replica)
-        return self._sampler_base_port + replica if service == "sampler" else self._ports[service]
+        if service == "sampler":
+            return self._sampler_base_port + replica
+        if service == "trainer" and replica:
+            return self._trainer_rank_base_port + replica
+        return self._ports[service]
+
+    @property
+    def trainers(self) -> int:
+        """Trainer ranks (``trainer.world_size``): as given, else as at the last ``up``, else 1."""
+        if self._trainers is None:
+            self._trainers = int(self.state.load().get("trainers") or 1)
+        return self._trainers
 
     @property
     def admin_url(self) -> str:
@@ -160,11 +177,16 @@ class LocalStack:
         return self._infra
 
     def service_env(self, service: str, replica: int = 0) -> dict[str, str]:
-        """The full environment one service process is started with (see ``services.service_env``)."""
-        return service_env(os.environ, service=service, replica=replica, port=self.port(service, replica),
-                           home=self.home, config=self.config, run=self.run, store_backend=self.store_backend,
-                           endpoints=self.endpoints(), admin_token=self.admin_token, overrides=self.env,
-                           log_max_bytes=self.log_max_bytes, log_backups=LOG_BACKUPS)
+        """The full environment one service process is started with (see ``services.service_env``); trainer
+        ranks get their rank, the world size and rank 0's rendezvous address."""
+        env = service_env(os.environ, service=service, replica=replica, port=self.port(service, replica),
+                          home=self.home, config=self.config, run=self.run, store_backend=self.store_backend,
+                          endpoints=self.endpoints(), admin_token=self.admin_token, overrides=self.env,
+                          log_max_bytes=self.log_max_bytes, log_backups=LOG_BACKUPS)
+        if service == "trainer" and self.trainers > 1:
+            env.update({"FLYWHEEL_TRAINER_WORLD_SIZE": str(self.trainers), "FLYWHEEL_TRAINER_RANK": str(replica),
+                        "FLYWHEEL_TRAINER_RENDEZVOUS": f"{HOST}:{self.rendezvous_port}"})
+        return env
 
     # ---- one process ---------------------------------------------------------------------
     def pid(self, service: str, replica: int = 0) -> int | None:
@@ -257,17 +279,26 @@ class LocalStack:
         return supervisor.proc(self.home).pid()
 
     # ---- the whole stack -----------------------------------------------------------------
-    def up(self, samplers: int = 2, timeout_s: float = 120.0, prometheus: bool = True) -> None:
-        """Infra (if needed), admin token, trainer, paramsync, admin, ``samplers`` samplers, the
-        supervisor; wait for all, then Prometheus.
+    def up(self, samplers: int = 2, timeout_s: float = 120.0, prometheus: bool = True,
+           trainers: int | None = None) -> None:
+        """Infra (if needed), admin token, the trainer (``trainers`` ranks), paramsync, admin, ``samplers``
+        samplers, the supervisor; wait for all, then Prometheus.
 
-        Running processes are reused; samplers beyond ``samplers`` are stopped (scaling down).
+        Running processes are reused; samplers beyond ``samplers`` are stopped (scaling down). Changing the
+        number of trainer ranks needs ``down`` first (running ranks keep their world size).
         """
         if samplers < 0:
             raise StackError(f"samplers must be >= 0, got {samplers=}")
+        if trainers is not None:
+            if trainers < 1:
+                raise StackError(f"trainers must be >= 1, got {trainers=}")
+            running = self.trainers if self.pid("trainer") is not None else trainers
+            if running != trainers:
+                raise StackError(f"the trainer runs {running} rank(s); `down` first to run {trainers}")
+            self._trainers = trainers
         deadline = time.monotonic() + timeout_s
         with file_lock(self.home / ".localstack.lock"):
-            wanted = self._layout(range(samplers))
+            wanted = self._layout(range(samplers), self.trainers)
             for service, replica in wanted:  # before anything starts: a taken port fails fast
                 if self.pid(service, replica) is None:
                     require_free(proc_key(service, replica), self.port(service, replica), self.home)
@@ -278,10 +309,12 @@ class LocalStack:
                 if replica >= samplers:
                     self.stop("sampler", replica)
                     SupervisorState(self.home).forget([proc_key("sampler", replica)])
-            self.state.save(samplers=list(range(samplers)), prometheus=prometheus, config=str(self.config),
+            self.state.save(samplers=list(range(samplers)), trainers=self.trainers, prometheus=prometheus,
+                            config=str(self.config),
                             run=self.run, store_backend=self.store_backend, log_max_bytes=self.log_max_bytes,
                             ports={**self._ports, "sampler_base": self._sampler_base_port,
-                                   "prometheus": self.prometheus_port},
+                                   "trainer_rank_base": self._trainer_rank_base_port,
+                                   "rendezvous": self.rendezvous_port, "prometheus": self.prometheus_port},
                             brokers=len(self.endpoints().kafka_bootstrap.split(",")) if self._owns_infra else None)
             for service, replica in wanted:
                 self.start(service, replica)
@@ -295,6 +328,7 @@ class LocalStack:
                 self.wait_healthy(service, replica, timeout_s=max(1.0, deadline - time.monotonic()))
             if prometheus:
                 targets = {s: [self.port(s)] for s in ("trainer", "paramsync", "admin")}
+                targets["trainer"] = [self.port("trainer", r) for r in range(self.trainers)]
                 targets["sampler"] = [self.port("sampler", r) for r in range(samplers)]
                 prom.ensure_running(self.home, self.prometheus_port, targets, deadline=deadline,
                                     progress=self._progress)
@@ -307,11 +341,13 @@ class LocalStack:
         with file_lock(self.home / ".localstack.lock"):
             if (pid := supervisor.proc(self.home).stop()) is not None:
                 self._progress(f"stopped the supervisor (pid {pid})")
-            layout = self._layout(self.state.samplers())
+            layout = self._layout(self.state.samplers(), self.trainers)
             with ThreadPoolExecutor(max_workers=8) as pool:
                 list(pool.map(lambda r: self.stop("sampler", r), [r for s, r in layout if s == "sampler"]))
-            for service in ("admin", "paramsync", "trainer"):
-                self.stop(service)
+                for service in ("admin", "paramsync"):
+                    self.stop(service)
+                # Ranks together: the first to stop votes the group out (rank 0 writes the last checkpoint).
+                list(pool.map(lambda r: self.stop("trainer", r), [r for s, r in layout if s == "trainer"]))
             if (pid := prom.proc(self.home).stop()) is not None:
                 self._progress(f"stopped prometheus (pid {pid})")
             stopped = [proc_key(s, r) for s, r in layout] + [prom.NAME]
@@ -323,7 +359,7 @@ class LocalStack:
     def status(self, infra: bool = True) -> list[ProcStatus]:
         """Every process this stack runs or should run, alive or dead, with pid, endpoint and restarts."""
         out = [self._proc(s, r).status(f"http://{HOST}:{self.port(s, r)}")
-               for s, r in self._layout(self.state.samplers())]
+               for s, r in self._layout(self.state.samplers(), self.trainers)]
         if self.state.load().get("prometheus") and prom.binary():
             out.append(prom.proc(self.home).status(f"http://{HOST}:{self.prometheus_port}"))
         if infra and self._owns_infra:
@@ -333,6 +369,7 @@ class LocalStack:
                                     held=bool(sup.get(st.name, {}).get("held"))) for st in out]
 
     @staticmethod
-    def _layout(samplers: Iterable[int]) -> list[tuple[str, int]]:
-        """(service, replica) in start order."""
-        return [(s, 0) for s in START_ORDER if s != "sampler"] + [("sampler", i) for i in samplers]
+    def _layout(samplers: Iterable[int], trainers: int = 1) -> list[tuple[str, int]]:
+        """(service, replica) in start order: trainer ranks, paramsync, admin, samplers."""
+        return ([("trainer", r) for r in range(trainers)]
+                + [(s, 0) for s in START_ORDER if s not in ("sampler", "trainer")] + [("sampler", i) for i in samplers])

@@ -45,7 +45,8 @@ def auto_window(settings: Settings) -> int:
     t = settings.trainer
     if t.flow_window is not None:
         return t.flow_window
-    return t.batch_fragments * t.publish_every * min(2, max(1, t.max_staleness))
+    # Every rank of a data-parallel trainer forms its own batch of batch_fragments per update.
+    return t.batch_fragments * t.world_size * t.publish_every * min(2, max(1, t.max_staleness))
 
 
 def new_incarnation() -> str:

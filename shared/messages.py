@@ -2,11 +2,15 @@
 
 Every message is one pydantic model; unknown fields are ignored so newer senders do not break
 older readers. Keys: policy messages are keyed ``candidate`` / ``announce`` (the topic is
-compacted: the latest of each survives), heartbeats by the sender's id.
+compacted: the latest of each survives, so the newest announcement, with its inline weights, stays
+readable by a reader that starts late), heartbeats by the sender's id.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import time
 from typing import Any, Literal
 
@@ -25,8 +29,17 @@ class _Msg(BaseModel):
         return self.model_dump_json().encode()
 
 
+class InlineMismatch(ValueError):
+    """An announcement's inline weights are not the ones its sha256 and size name (corrupt or forged)."""
+
+
 class PolicyMessage(_Msg):
-    """A candidate (trainer -> paramsync) or an announcement (paramsync -> samplers)."""
+    """A candidate (trainer -> paramsync) or an announcement (paramsync -> samplers).
+
+    ``sha256`` and ``size`` are those of the weights (the blob ``blob`` names in the store, and ``inline``
+    when set). Encoded without the ``inline`` key when it is None, so candidates and store-only
+    announcements are byte for byte what readers before inline policies know.
+    """
 
     type: Literal["candidate", "announce"]
     version: int
@@ -41,6 +54,36 @@ class PolicyMessage(_Msg):
     lineage is older than the last rollback it published: it was trained from abandoned weights."""
     rollback_of: int | None = None
     """On an announcement made by a rollback: the version whose weights this one republishes."""
+    inline: str | None = None
+    """On an announcement: the weights themselves, base64 (standard alphabet, padded), when they fit
+    ``paramsync.inline_max_bytes`` and ``kafka.max_message_bytes``; their sha256 and size are ``sha256`` and
+    ``size``. None: fetch ``blob`` from the store. Readers that do not know the field ignore it."""
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json(exclude={"inline"} if self.inline is None else None).encode()
+
+    def with_inline(self, data: bytes) -> PolicyMessage:
+        """This message carrying ``data`` inline; ValueError unless ``data`` is what ``sha256`` and ``size`` name."""
+        if len(data) != self.size or hashlib.sha256(data).hexdigest() != self.sha256:
+            raise ValueError(f"inline weights of version {self.version} do not match its sha256 and size")
+        return self.model_copy(update={"inline": base64.b64encode(data).decode("ascii")})
+
+    def inline_weights(self) -> bytes | None:
+        """The inline weights, checked against ``sha256`` and ``size``; None when there are none.
+
+        Raises :class:`InlineMismatch` when they are not valid base64 or do not match: never act on them.
+        """
+        if self.inline is None:
+            return None
+        try:
+            data = base64.b64decode(self.inline, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise InlineMismatch(f"inline weights of version {self.version} are not base64: {exc}") from exc
+        sha = hashlib.sha256(data).hexdigest()
+        if sha != self.sha256 or len(data) != self.size:
+            raise InlineMismatch(f"inline weights of version {self.version} are corrupt: sha256 {sha[:12]}.. "
+                                 f"size {len(data)}, want {self.sha256[:12]}.. size {self.size}")
+        return data
 
     @classmethod
     def of(cls, type_: Literal["candidate", "announce"], rec: VersionRecord) -> PolicyMessage:
@@ -145,6 +188,12 @@ class TrainerBeat(_Msg):
     """Per sampler id: ``{"mean", "p95", "max", "dropped", "dropped_fraction"}`` (staleness as trained)."""
     health: dict[str, Any] | None = None
     started_at: float | None = None
+    rank: int = 0
+    """Data-parallel trainers: this process's rank (rank 0 publishes and checkpoints)."""
+    world_size: int = 1
+    weights_digest: str | None = None
+    """sha256 (first 16 hex digits) of the weights after update ``digest_update``: every rank's is equal."""
+    digest_update: int | None = None
     ts: float = Field(default_factory=time.time)
 
 

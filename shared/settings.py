@@ -181,6 +181,12 @@ class EnvSettings(_Section):
 class SamplerSettings(_Section):
     sync_interval_s: float = Field(2.0, gt=0)
     """Fallback: how often the sampler polls the policy marker besides announcements."""
+    min_adoption_interval_s: float = Field(1.0, ge=0)
+    """Least time between two policy fetches from the object store (versions announced without their
+    weights inline, or found only behind the marker); meanwhile the newest known version waits, and it is
+    the one fetched when the interval has passed. A version seen only behind the marker also waits this
+    long for its announcement, whose inline weights cost no store GET. Inline policies are adopted at once;
+    an operator's ``sync`` fetches at once. 0: no limit (docs/policies.md)."""
     max_in_flight: int = Field(8, ge=1)
     """Fragments sent but not yet acknowledged by Kafka before the sampler waits."""
     max_fragments_per_s: float = Field(0.0, ge=0)
@@ -376,6 +382,24 @@ class TrainerSettings(_Section):
     trainer whose checkpoints are all unusable refuses to start rather than silently reset the run."""
     guard: GuardSettings = GuardSettings()
     """The automatic rollback guard (``trainer.guard.*``)."""
+    world_size: int = Field(1, ge=1)
+    """Data-parallel trainer ranks (docs/architecture.md, "Trainer ranks"): K processes in one consumer
+    group, each forming batches from its own partitions, gradients all-reduced every step (gloo on CPU,
+    NCCL on CUDA), so every rank holds identical weights. Rank 0 publishes and checkpoints. Start-up
+    refuses a samples topic with fewer partitions than ranks."""
+    rank: int = Field(0, ge=0)
+    """This process's rank, 0 .. world_size - 1 (Kubernetes: the StatefulSet pod index)."""
+    rendezvous: str = Field("127.0.0.1:29500", pattern=r"^[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$")
+    """``host:port`` of rank 0's rendezvous store (torch.distributed TCPStore; rank 0 listens there)."""
+    rank_timeout_s: float = Field(60.0, gt=0)
+    """A collective (the per-step vote, a gradient all-reduce) waiting longer than this fails the rank;
+    the others then fail too and the group restarts from its checkpoint. Also bounds the rendezvous."""
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> TrainerSettings:
+        if self.rank >= self.world_size:
+            raise ValueError(f"trainer.rank {self.rank} must be below trainer.world_size {self.world_size}")
+        return self
 
 
 class ParamsyncSettings(_Section):
@@ -386,6 +410,10 @@ class ParamsyncSettings(_Section):
     heartbeat_interval_s: float = Field(1.0, gt=0)
     reannounce_interval_s: float = Field(5.0, gt=0)
     """Re-announce the published version this often, so readers that missed an announcement catch up."""
+    inline_max_bytes: int = Field(1024 * 1024, ge=0)
+    """Policies up to this size ride on their announcements on ``<run>.policy`` (base64, with their sha256), so
+    samplers adopt them without a store GET; larger ones are fetched from the store. The encoded announcement
+    must also fit ``kafka.max_message_bytes`` (else it goes without them). 0: never inline (docs/policies.md)."""
 
 
 class AdminSettings(_Section):

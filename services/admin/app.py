@@ -37,6 +37,15 @@ class StallStatus(BaseModel):
     reason: str
 
 
+class RankStatus(BaseModel):
+    rank: int
+    alive: bool
+    updates: int
+    weights_digest: str | None = Field(description="sha256 prefix of the weights after update digest_update")
+    digest_update: int | None
+    world_size: int
+
+
 class TrainerStatus(BaseModel):
     alive: bool
     step: int = Field(description="Trainer step: optimizer updates done (the checkpoint step)")
@@ -54,6 +63,9 @@ class TrainerStatus(BaseModel):
         None, description="Set while records arrive but no update happens (why, and since when)")
     learning_rate: float | None = Field(None, description="For the next update (schedule and runtime settings)")
     config_revision: int = Field(0, description="The runtime-settings revision the trainer applied")
+    ranks: list[RankStatus] = Field(
+        default_factory=list, description="Data-parallel ranks (trainer.world_size > 1): each rank's weights "
+                                          "digest at a common update; equal digests mean identical weights")
 
 
 class SamplerStatus(BaseModel):
@@ -181,7 +193,12 @@ def create_app(state: AdminState) -> FastAPI:
                 published_version=tb.published_version if tb else None,
                 learning_rate=tb.learning_rate if tb else None, config_revision=tb.config_revision if tb else 0,
                 stalled=StallStatus(since=tb.stalled_since, reason=tb.stalled_reason)
-                if tb and tb.stalled_reason and s.alive(v.trainer, now) else None),
+                if tb and tb.stalled_reason and s.alive(v.trainer, now) else None,
+                ranks=[RankStatus(rank=r, alive=s.alive(seen, now), updates=seen.beat.updates,
+                                  weights_digest=seen.beat.weights_digest, digest_update=seen.beat.digest_update,
+                                  world_size=seen.beat.world_size)
+                       for r, seen in sorted(v.trainer_ranks.items())
+                       if tb is not None and tb.world_size > 1 and r < tb.world_size]),
             samplers=samplers,
             backlog=BacklogStatus(records=sum(v.lag.values()) if v.lag is not None else None,
                                   per_partition={str(p): n for p, n in sorted((v.lag or {}).items())}),

@@ -45,6 +45,9 @@ class Seen:
 @dataclass
 class ClusterView:
     trainer: Seen | None = None
+    """Rank 0 (the trainer of a single-process run)."""
+    trainer_ranks: dict[int, Seen] = field(default_factory=dict)
+    """Every rank of a data-parallel trainer, rank 0 included."""
     paramsync: Seen | None = None
     samplers: dict[str, Seen] = field(default_factory=dict)
     lag: dict[int, int] | None = None
@@ -124,6 +127,11 @@ class AdminState:
             self.view.samplers[beat.id] = seen
             role = f"sampler:{beat.id}"
         elif isinstance(beat, TrainerBeat):
+            self.view.trainer_ranks[beat.rank] = seen
+            if beat.rank > 0:  # rank 0 speaks for the group; the others show their digests
+                role = f"trainer:{beat.rank}"
+                self._note_start(role, getattr(beat, "started_at", None))
+                return
             self.view.trainer = seen
             role = "trainer"
             if beat.published_version is not None and beat.return_mean is not None:
@@ -133,14 +141,16 @@ class AdminState:
         else:
             self.view.paramsync = seen
             role = "paramsync"
-        started = getattr(beat, "started_at", None)
+        self._note_start(role, getattr(beat, "started_at", None))
+        self._forget_silent_samplers(seen.at)
+
+    def _note_start(self, role: str, started: float | None) -> None:
         if started is not None:
             last = self.view.started.get(role)
             if last is not None and started > last + 1e-3:
                 self.view.restarts[role] = self.view.restarts.get(role, 0) + 1
             if last is None or started > last:
                 self.view.started[role] = started
-        self._forget_silent_samplers(seen.at)
 
     def _forget_silent_samplers(self, now: float) -> None:
         for sid in [sid for sid, s in self.view.samplers.items() if now - s.at > SAMPLER_FORGET_S]:

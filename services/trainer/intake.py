@@ -352,9 +352,11 @@ class Intake:
         return None
 
     # ---- batches ----------------------------------------------------------------------------
-    def form_batch(self, now: float, live_samplers: set[str] | None = None) -> Batch:
+    def form_batch(self, now: float, live_samplers: set[str] | None = None, force: bool = False) -> Batch:
         """Drop what is now too stale, then take a batch if the strategy says one is due (``train``
-        empty otherwise). ``live_samplers``: for a strategy that waits for every live sampler."""
+        empty otherwise). ``live_samplers``: for a strategy that waits for every live sampler. ``force``:
+        as if the oldest fragment had waited ``batch_timeout_s`` (a data-parallel rank joining an update
+        another rank's batch made due)."""
         out = Batch()
         keep = []
         bound = self.bound
@@ -370,7 +372,7 @@ class Intake:
         if not self.strategy.may_train(self.model_version, self.published, bound):
             out.waiting_publication = True
             return out
-        timed_out = now - self.buffer[0].at > self.batch_timeout_s
+        timed_out = force or now - self.buffer[0].at > self.batch_timeout_s
         n = self.strategy.take(self.buffer, timed_out, live_samplers)
         if n == 0:
             return out

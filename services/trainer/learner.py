@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.trainer.ranks import Ranks
 from services.trainer.update import UpdateConfig, UpdateStats, ppo_update
 from shared.fragment import Fragment, FragmentSpec
 from shared.rl.frames import stack_frames
@@ -57,11 +58,21 @@ class ReturnScaler:
             ret[done[t]] = 0.0
         return out
 
-    def scale(self, fragments: list[Fragment]) -> list[Fragment]:
-        """Fold the batch's discounted returns into the statistics; the fragments with scaled rewards."""
-        returns = np.concatenate([self._discounted_returns(f).reshape(-1) for f in fragments])
+    def returns(self, fragments: list[Fragment]) -> np.ndarray:
+        """The batch's discounted returns, flat (what :meth:`fold` takes)."""
+        if not fragments:
+            return np.zeros(0, np.float64)
+        return np.concatenate([self._discounted_returns(f).reshape(-1) for f in fragments])
+
+    def fold(self, returns: np.ndarray) -> None:
         mean, var, self.count = update_moments(np.array(self.mean), np.array(self.var), self.count, returns)
         self.mean, self.var = float(mean), float(var)
+
+    def scale(self, fragments: list[Fragment], fold: bool = True) -> list[Fragment]:
+        """Fold the batch's discounted returns into the statistics (unless the caller folded them already,
+        as data-parallel ranks do with every rank's returns); the fragments with scaled rewards."""
+        if fold:
+            self.fold(self.returns(fragments))
         std = np.sqrt(self.var + self.EPS)
         return [dataclasses.replace(f, rewards=np.clip(f.rewards / std, -self.CLIP, self.CLIP).astype(np.float32))
                 for f in fragments]
@@ -142,13 +153,14 @@ class Learner:
         """The clip range for the next update (``clip_coef`` -> ``clip_coef_end``, the same schedule)."""
         return self._annealed(self.cfg.clip_coef, self.cfg.clip_coef_end)
 
-    def update(self, fragments: list[Fragment]) -> UpdateStats:
-        lr = self.learning_rate()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        clip = self.clip_coef()
-        if clip != self.update_cfg.clip_coef:
-            self.update_cfg = dataclasses.replace(self.update_cfg, clip_coef=clip)
+    def update(self, fragments: list[Fragment], ranks: Ranks | None = None) -> UpdateStats:
+        """One update on ``fragments``. With ``ranks`` (data-parallel) every rank calls this at the same
+        step with its own fragments (possibly none): the normalisation statistics take every rank's batch,
+        in rank order, and the gradients are averaged (``ppo_update``), so the weights stay identical; the
+        counters count every rank's data."""
+        if ranks is not None:
+            return self._update_ranked(fragments, ranks)
+        self._apply_schedule()
         # Normalisation statistics first: this update's targets and gradient steps see the observation
         # statistics that are published with its weights, so version v is trained under exactly the
         # normalisation it acts with (updating after would shift a trained policy's inputs unclipped).
@@ -163,6 +175,36 @@ class Learner:
         self.counters.env_steps_trained += stats.env_steps
         self.counters.fragments_trained += len(fragments)
         return stats
+
+    def _update_ranked(self, fragments: list[Fragment], ranks: Ranks) -> UpdateStats:
+        self._apply_schedule()
+        obs = (np.concatenate([f.obs.reshape(f.steps, -1) for f in fragments]) if fragments
+               else np.zeros((0, 0), np.float32))
+        returns = self.return_scaler.returns(fragments) if self.return_scaler is not None else None
+        shared = ranks.gather((obs if self.model.obs_norm is not None else None, returns, len(fragments)))
+        if self.model.obs_norm is not None:
+            self.model.obs_norm.update(np.concatenate([o for o, _, _ in shared if o is not None and o.size]
+                                                      or [obs]))
+        if self.return_scaler is not None:
+            self.return_scaler.fold(np.concatenate([r for _, r, _ in shared]))
+            fragments = self.return_scaler.scale(fragments, fold=False) if fragments else fragments
+        if self.frame_stack > 1:
+            fragments = [stack_frames(f, self.frame_stack) for f in fragments]
+        stats = ppo_update(self.model, self.optimizer, fragments, self.update_cfg, self.device, self.generator,
+                           sync=ranks)
+        env_steps, = ranks.sum([float(stats.env_steps)])
+        self.counters.updates += 1
+        self.counters.env_steps_trained += int(env_steps)
+        self.counters.fragments_trained += sum(n for _, _, n in shared)
+        return dataclasses.replace(stats, env_steps=int(env_steps))
+
+    def _apply_schedule(self) -> None:
+        lr = self.learning_rate()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        clip = self.clip_coef()
+        if clip != self.update_cfg.clip_coef:
+            self.update_cfg = dataclasses.replace(self.update_cfg, clip_coef=clip)
 
     def weights(self) -> bytes:
         return weights_to_bytes(self.model)

@@ -168,5 +168,22 @@ class OffsetLedger:
             if tp not in self._parts:
                 self._parts[tp] = PartitionLedger(start=int(off), frontier=int(off), next=int(off))
 
+    def export(self, partitions: Iterable[TopicPartition]) -> dict[str, dict[str, Any]]:
+        """The entries of ``partitions`` (the ones this rank owns) for the other ranks (:meth:`adopt`)."""
+        return {tp_key(tp): self._parts[tp].to_json() for tp in partitions if tp in self._parts}
+
+    def adopt(self, entries: dict[str, dict[str, Any]], owned: set[TopicPartition]) -> None:
+        """Take another rank's entries for partitions this rank does not own (data-parallel ranks exchange
+        them after every update): this rank's checkpoint then holds what every rank trained, and a partition
+        assigned to it later is read from where the model ends. The owner's entry is the truth, even one
+        behind this rank's own older entry (records this rank dropped after the last exchange and before a
+        revoke are read again by the new owner and get their outcome there)."""
+        for key, d in entries.items():
+            tp = parse_tp(key)
+            if tp in owned:
+                continue
+            self._parts[tp] = PartitionLedger.from_json(d)
+            self._committed.pop(tp, None)
+
     def partitions(self) -> set[TopicPartition]:
         return set(self._parts)

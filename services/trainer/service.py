@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import os
 import socket
 import time
@@ -33,6 +34,7 @@ from services.trainer.intake import Batch, BatchStrategy, Intake, StallWatch, st
 from services.trainer.learner import Learner
 from services.trainer.outcomes import RecordOutcomes
 from services.trainer.publication import Publication, announcement
+from services.trainer.ranks import Ranks, Vote
 from services.trainer.tasks import TrainerTasks
 from services.trainer.tracking import Tracker
 from services.trainer.update import UpdateStats
@@ -47,6 +49,9 @@ from shared.rl.envs import fragment_spec
 from shared.runtime import AuditLog, RuntimeApplier, RuntimeConfig, RuntimeWatcher
 from shared.settings import Settings
 from shared.store import open_store
+
+DIGEST_EVERY = 10
+"""Data-parallel ranks note their weights digest every this many updates (the same updates on every rank)."""
 
 
 class Trainer:
@@ -63,6 +68,12 @@ class Trainer:
                                                       settings.env.frame_stack),
                                         max_abs_value=self.cfg.max_abs_value)
         self.learner = Learner(self.spec, self.cfg)
+        # Data-parallel ranks (services/trainer/ranks.py): None for a single trainer.
+        self.ranks = (Ranks(world_size=self.cfg.world_size, rank=self.cfg.rank, rendezvous=self.cfg.rendezvous,
+                            timeout_s=self.cfg.rank_timeout_s, device=self.learner.device)
+                      if self.cfg.world_size > 1 else None)
+        self.leader = self.ranks is None or self.ranks.leader  # publishes, checkpoints, guards, holds the lease
+        self.digest: tuple[int, str] | None = None  # (update, weights digest) for the heartbeat
         store = open_store(settings)
         self.store = store
         self.audit = m.Auditor(AuditLog(store, settings.run), self.log)
@@ -74,7 +85,11 @@ class Trainer:
         self.policies = VersionedStore(store, settings.run, "policy", on_repair=repaired("policy"))
         self.health_state = Health("trainer")
         self.retry = Retrier(self.health_state, self.log)
-        bus = bus or kafka_bus(settings, trainer_group(settings.run), self.cfg.group_instance_id)
+        instance = self.cfg.group_instance_id
+        if self.ranks is not None and instance is not None:
+            instance = f"{instance}-rank{self.cfg.rank}"  # static member ids must differ between ranks
+        bus = bus or kafka_bus(settings, trainer_group(settings.run), instance)
+        self.lag_reader = bus.lag
         self.create_topics = bus.create_topics
         self.producer, self.source, self.announcements = bus.publisher, bus.source, bus.tail(self.topics.policy)
         kafka_timeout_s = settings.kafka.request_timeout_ms / 1000
@@ -101,7 +116,8 @@ class Trainer:
         self.guard = GuardShell(RollbackGuard(self.cfg.guard), store=store, run=settings.run, policies=self.policies,
                                 config=self.runtime.watcher.config, producer=self.producer,
                                 control_topic=self.topics.control, audit=self.audit, log=self.log, holder=self.id)
-        self.tracker = Tracker.from_settings(settings)  # TensorBoard (on by default), MLflow when configured
+        # TensorBoard (on by default), MLflow when configured; rank 0's only (the ranks train one model).
+        self.tracker = Tracker.from_settings(settings) if self.leader else Tracker()
         self.tasks = TrainerTasks(self)
         self.outcomes = RecordOutcomes(group=self.group, intake=self.intake, stall=self.stall,
                                        consumption=self.consumption, stats=self.stats, spec=self.spec, log=self.log,
@@ -117,11 +133,24 @@ class Trainer:
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         await self.retry(self.create_topics, "create topics", "kafka")
-        await self.tasks.acquire_lease()
-        await self._restore()
+        if self.ranks is not None:
+            await self._check_partitions()
+        if self.leader:
+            await self.tasks.acquire_lease()  # the other ranks are fenced by rank 0: none trains without it
+        if self.ranks is not None:
+            self.log.info("rank_rendezvous", rank=self.ranks.rank, world_size=self.ranks.world_size,
+                          rendezvous=self.ranks.rendezvous, backend=self.ranks.backend)
+            await asyncio.to_thread(self.ranks.join)
+            self.log.info("rank_joined", rank=self.ranks.rank, world_size=self.ranks.world_size)
+        if self.leader:
+            await self._restore()
+        if self.ranks is not None:
+            await self._share_restore()
         await self.retry(self.producer.start, "start producer", "kafka")
         marker = await self.retry(self.publication.read_marker, "read policy marker", "store")
-        if marker is None:
+        if marker is None and not self.leader:
+            pass  # rank 0 publishes version 0
+        elif marker is None:
             c = self.learner.counters
             await self.publication.publish(c.policy_version, self.learner.weights(), c.updates, self._lineage_extra(),
                                            required=True)  # version 0
@@ -137,11 +166,16 @@ class Trainer:
     async def run(self, stop_event: asyncio.Event) -> None:
         self._stop = self.retry.stop_event = stop_event
         self.tasks.start(stop_event)
-        while not stop_event.is_set():
+        while not stop_event.is_set() or self.ranks is not None:
             if self._fatal is not None:
                 raise self._fatal
             self.tasks.raise_if_ended()
             await self._poll_once()
+            if self.ranks is not None:  # one vote a pass; an update when any rank holds a batch
+                if not await self._rank_step(stop_event.is_set()):
+                    break
+                await self._after_pass()
+                continue
             if self.pending_rollback is not None:
                 await self.follow_rollback(self.pending_rollback)
             if self.beats is not None:
@@ -154,11 +188,110 @@ class Trainer:
                 if not batch.train:
                     break
                 await self._train(batch)
-            if self._after_update is not None and self._after_update.done():
-                await self._settle()  # a fatal error in the background commit or publish stops the trainer here
-            if self._after_update is None:  # else that task commits; this one would only run first
-                await self.group.commit()  # dropped / dead-lettered progress
+            await self._after_pass()
+
+    async def _after_pass(self) -> None:
+        if self._after_update is not None and self._after_update.done():
+            await self._settle()  # a fatal error in the background commit or publish stops the trainer here
+        if self._after_update is None:  # else that task commits; this one would only run first
+            await self.group.commit()  # dropped / dead-lettered progress
+        if self.leader:
             await self.tasks.publication_watch()
+
+    # ---- data-parallel ranks ------------------------------------------------------------------
+    async def _check_partitions(self) -> None:
+        """Every rank needs a partition of its own: fewer partitions than ranks is refused at start."""
+        reader = self.lag_reader()
+        try:
+            await self.retry(reader.start, "start lag reader", "kafka")
+            parts = len(await self.retry(lambda: reader.lag(trainer_group(self.settings.run), self.topics.samples),
+                                         "read samples partitions", "kafka"))
+        finally:
+            await stop_clients([reader], self.log)
+        if parts < self.cfg.world_size:
+            raise ValueError(f"trainer.world_size is {self.cfg.world_size} but {self.topics.samples} has {parts} "
+                             "partitions: every rank needs at least one (raise kafka.samples_partitions for a new "
+                             "run, or add partitions to the topic)")
+
+    async def _share_restore(self) -> None:
+        """Every rank starts from rank 0's restored state (weights, optimizer, counters, ledger, lineage),
+        so the ranks are identical from the first step whatever each could read from the store."""
+        assert self.ranks is not None
+        state: dict[str, Any] | None = None
+        if self.leader:
+            offsets, ledger = self.group.ledger.snapshot(), self.group.ledger.state()
+            state = {"learner": self.learner.state_bytes(offsets, ledger), "offsets": offsets, "ledger": ledger,
+                     "lineage": self.lineage, "abandoned": self.intake.abandoned,
+                     "checkpoint": self.checkpoints.last}
+        state = await asyncio.to_thread(self.ranks.broadcast, state)
+        assert state is not None
+        if not self.leader:
+            self.learner.restore(state["learner"])
+            self.group.restore(state["ledger"], state["offsets"])
+            for lo, hi in state["abandoned"]:
+                self.intake.abandon(lo, hi)
+            self.lineage = state["lineage"]
+            self.checkpoints.last = state["checkpoint"]
+            self.intake.model_version = self.learner.counters.policy_version
+            m.VERSION.set(self.learner.counters.policy_version)
+        self._note_digest()
+        self.log.info("rank_state_shared", update=self.learner.counters.updates,
+                      policy_version=self.learner.counters.policy_version, weights_digest=self.digest)
+
+    async def _rank_step(self, stopping: bool) -> bool:
+        """One vote; then, in the same order on every rank: follow rank 0's rollback, stop, or train (every
+        rank, with what it holds, when any rank holds a batch). False when the group stops."""
+        assert self.ranks is not None
+        now, live = time.monotonic(), self.tasks.live_samplers()
+        batch = self.intake.form_batch(now, live)
+        self.outcomes.drop_stale(batch)
+        if batch.waiting_publication:
+            self.tasks.note_publication_wait()
+        leader = self.ranks.leader
+        mine = Vote(ready=bool(batch.train), stop=stopping,
+                    rollback=self.pending_rollback if leader else None,
+                    learner=(self.learner.cfg, self.learner.update_cfg) if leader else None,
+                    checkpoint=self.checkpoints.last if leader else None)
+        votes = await asyncio.to_thread(self.ranks.vote, mine)
+        lead = votes[0]
+        if not leader:  # rank 0's hyperparameters, rollbacks and checkpoints are the group's
+            self.pending_rollback = None
+            self.learner.cfg, self.learner.update_cfg = lead.learner
+            self.checkpoints.last = lead.checkpoint
+            if lead.checkpoint is not None:
+                self.group.hold_commits = False
+        if lead.rollback is not None:
+            self.intake.release(batch.train)
+            await self.follow_rollback(lead.rollback)
+            return True
+        if any(v.stop for v in votes):
+            self.intake.release(batch.train)
+            async with self._update_lock:
+                await self._exchange_ledgers()  # rank 0's final checkpoint holds every rank's outcomes
+            self.log.info("ranks_stopping", stopping=[r for r, v in enumerate(votes) if v.stop])
+            return False
+        if any(v.ready for v in votes):
+            if not batch.train:  # another rank's batch is due: train what this one holds with it
+                batch = self.intake.form_batch(now, live, force=True)
+                self.outcomes.drop_stale(batch)
+            await self._train(batch)
+        return True
+
+    async def _exchange_ledgers(self) -> None:
+        """Every rank's ledger entries for the partitions it owns, to every rank (under the update lock)."""
+        assert self.ranks is not None
+        owned = {tp for tp in self.source.assignment() if tp not in self.group.revoking}
+        exported = await asyncio.to_thread(self.ranks.gather, self.group.ledger.export(owned))
+        merged: dict[str, dict[str, Any]] = {}
+        for entries in exported:
+            for key, d in entries.items():
+                if key not in merged or int(d["end"]) > int(merged[key]["end"]):
+                    merged[key] = d
+        self.group.ledger.adopt(merged, owned)
+
+    def _note_digest(self) -> None:
+        c = self.learner.counters
+        self.digest = (c.updates, hashlib.sha256(self.learner.weights()).hexdigest()[:16])
 
     async def _poll_once(self) -> None:
         want, timeout_ms = self.intake.wants(), self.intake.strategy.poll_timeout_ms
@@ -186,6 +319,8 @@ class Trainer:
                 if self._update_failed:
                     self.log.error("final_checkpoint_skipped", reason="an update failed part-way; the previous "
                                    "checkpoint stays the resume point")
+                elif not self.leader:
+                    pass  # rank 0 writes the group's checkpoint
                 elif updates and self.checkpoints.last == updates:
                     self.log.info("checkpoint_up_to_date", update=updates)
                 elif updates:
@@ -199,8 +334,11 @@ class Trainer:
             if self.beats is not None:
                 clients.append(self.beats)
             await stop_clients(clients, self.log)
-            await self.tasks.release_lease()
+            if self.leader:
+                await self.tasks.release_lease()
             self.tracker.close()
+            if self.ranks is not None:
+                self.ranks.close()
 
     def health(self) -> dict[str, Any]:
         c = self.learner.counters
@@ -217,17 +355,23 @@ class Trainer:
                 keep = [(p, st) for p, st in zip(batch.train, batch.staleness, strict=True) if self.group.owned(p.tp)]
                 batch = Batch(train=[p for p, _ in keep], staleness=[st for _, st in keep])
                 self.log.info("revoked_batch_items_released", count=len(gone))
-                if not batch.train:
+                if not batch.train and self.ranks is None:  # a rank takes part in the update all the same
                     return
             t0 = time.perf_counter()
             try:
-                stats = await asyncio.to_thread(self.learner.update, [p.frag for p in batch.train])
+                frags = [p.frag for p in batch.train]
+                stats = await (asyncio.to_thread(self.learner.update, frags) if self.ranks is None
+                               else asyncio.to_thread(self.learner.update, frags, self.ranks))
             except BaseException:
                 self._update_failed = True  # the weights may hold part of this update: no final checkpoint
                 raise
             # The ledger takes the outcomes in the same step as the weights took the gradients.
             for p in batch.train:
                 self.group.finished(p.tp, p.offset, "trained")
+            if self.ranks is not None:
+                await self._exchange_ledgers()
+                if self.learner.counters.updates % DIGEST_EVERY == 0:
+                    self._note_digest()
             self.tasks.updated(batch, stats, time.perf_counter() - t0)
             await self._after_update_step(stats)
 
@@ -239,9 +383,14 @@ class Trainer:
         c = self.learner.counters
         candidate = None
         if c.updates % self.cfg.publish_every == 0:
-            candidate = (c.policy_version + 1, self.learner.weights(), c.updates)  # as of this update
-            c.policy_version += 1  # the model is at that version now
+            c.policy_version += 1  # the model is at that version now (every rank counts; rank 0 publishes)
             self.intake.model_version = c.policy_version
+            if self.leader:
+                candidate = (c.policy_version, self.learner.weights(), c.updates)  # as of this update
+        if not self.leader:  # commits wait for rank 0's first checkpoint (the vote says when it is written)
+            self.group.hold_commits = self.checkpoints.last is None
+            self._after_update = asyncio.create_task(self._commit_and_publish(None), name="trainer-commit")
+            return
         mean = sum(c.recent_returns) / len(c.recent_returns) if c.recent_returns else None
         self.guard.observe(time.time(), c.policy_version, mean, c.episodes, stats)
         # A fresh run checkpoints its first update before committing anything, so no record ever counts as
@@ -338,8 +487,14 @@ class Trainer:
                               partitions=sorted({p.tp.partition for p in removed}))
 
     async def _on_assign(self, assigned: set[TopicPartition]) -> None:
-        """Every assigned partition is read from where this model's ledger ends (``ConsumerGroup.assigned``)."""
-        self.group.assigned(assigned)
+        """Every assigned partition is read from where this model's ledger ends (``ConsumerGroup.assigned``).
+        A rank waits for the update in progress: its ledger exchange may bring the newest entry of a
+        partition another rank just gave up."""
+        if self.ranks is not None:
+            async with self._update_lock:
+                self.group.assigned(assigned)
+        else:
+            self.group.assigned(assigned)
         for tp in assigned:
             off = self.group.ledger.resume_offset(tp)
             if off is not None:
@@ -382,7 +537,10 @@ class Trainer:
                                     "store")
             abandoned = self._adopt_rollback(msg, data)
             m.VERSION.set(self.learner.counters.policy_version)
-            await self._try_checkpoint()
+            if self.ranks is not None:  # every rank follows at the same step; rank 0 checkpoints for all
+                await self._exchange_ledgers()
+            if self.leader:
+                await self._try_checkpoint()
         m.RECOVERIES.labels(action="follow_rollback").inc()
         self.log.warning("rollback_followed", rollback_of=msg.rollback_of, policy_version=msg.version,
                          abandoned=list(abandoned), optimizer="reset")

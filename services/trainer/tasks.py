@@ -63,10 +63,13 @@ class TrainerTasks:
                                              log=t.log, stop_event=stop)),
             ("trainer-marker-refresh", every(lambda: POLICY_REFRESH_S, self.refresh_marker, name="marker-refresh",
                                              log=t.log, stop_event=stop)),
-            ("trainer-lease", every(lambda: RENEW_S, self.renew_lease, name="lease", log=t.log, stop_event=stop)),
-            ("trainer-rollback-guard", every(lambda: GUARD_CHECK_S, self.guard_check, name="rollback-guard",
-                                             log=t.log, stop_event=stop)),
         ]
+        if t.leader:  # data-parallel ranks: rank 0 holds the lease and guards the group's model
+            jobs += [
+                ("trainer-lease", every(lambda: RENEW_S, self.renew_lease, name="lease", log=t.log, stop_event=stop)),
+                ("trainer-rollback-guard", every(lambda: GUARD_CHECK_S, self.guard_check, name="rollback-guard",
+                                                 log=t.log, stop_event=stop)),
+            ]
         self._tasks = [asyncio.create_task(job, name=name) for name, job in jobs]
 
     def raise_if_ended(self) -> None:
@@ -137,6 +140,9 @@ class TrainerTasks:
             candidates_resent=t.publication.resent, health=t.health_state.as_dict(), started_at=s.started_at,
             staleness_per_sampler=s.lags.report(time.monotonic()), dropped_fraction=s.dropped_fraction(),
             learning_rate=t.learner.learning_rate(), config_revision=s.config_revision,
+            rank=t.cfg.rank, world_size=t.cfg.world_size,
+            weights_digest=None if t.digest is None else t.digest[1],
+            digest_update=None if t.digest is None else t.digest[0],
         )
         try:
             await t.producer.send(t.topics.heartbeats, beat.to_bytes(), key=t.id.encode())

@@ -12,8 +12,9 @@ compares it with IMPALA's V-trace.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
@@ -76,6 +77,14 @@ class UpdateStats:
     constant): how much of the return the critic explains (returns - V is the GAE advantage)."""
     """The largest gradient norm before clipping over the update's steps (inf when one was not finite):
     what the rollback guard reads for an explosion."""
+
+
+class GradSync(Protocol):
+    """The collectives of a data-parallel update (``services.trainer.ranks.Ranks``)."""
+
+    def sum(self, values: list[float]) -> list[float]: ...
+
+    def average_grads(self, params: Iterable[nn.Parameter], weight: float) -> None: ...
 
 
 def _t(x: object, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -147,10 +156,20 @@ def ppo_update(
     cfg: UpdateConfig,
     device: torch.device,
     generator: torch.Generator | None = None,
+    sync: GradSync | None = None,
 ) -> UpdateStats:
-    """Decoupled-PPO update on ``fragments``; returns diagnostics. Mutates model and optimizer."""
+    """Decoupled-PPO update on ``fragments``; returns diagnostics. Mutates model and optimizer.
+
+    With ``sync`` (data-parallel ranks) every rank runs exactly ``epochs x minibatches`` steps, in the same
+    order of collectives, whatever data it holds (none at all included): the KL stop and the step counts
+    are decided on the sums over ranks, and each step applies the sample-weighted mean of the ranks'
+    gradients, so every rank's weights stay identical. Advantages are normalised per rank's minibatch."""
     # ---- 1. Targets with the current critic, per fragment, then one flat batch ----
-    obs, actions, behav_logp, prox_logp, adv, returns = _targets(model, fragments, cfg, device)
+    if fragments:
+        obs, actions, behav_logp, prox_logp, adv, returns = _targets(model, fragments, cfg, device)
+    else:  # a data-parallel rank with nothing this step: it only takes part in the collectives
+        empty = torch.zeros(0, device=device)
+        obs, actions, behav_logp, prox_logp, adv, returns = empty, empty, empty, empty, empty, empty
     ret_var = float(returns.var()) if returns.numel() > 1 else 0.0
     explained_variance = 1.0 - float(adv.var()) / ret_var if ret_var > 0 else math.nan
     batch = actions.shape[0]
@@ -174,41 +193,61 @@ def ppo_update(
     # out that epoch (a fresh permutation each epoch, so not the same samples).
     mb_size = max(1, batch // cfg.minibatches)
     n_minibatches = min(cfg.minibatches, batch)
+    steps_per_epoch = cfg.minibatches if sync is not None else n_minibatches
     stats = {"pg": 0.0, "v": 0.0, "ent": 0.0, "kl": 0.0, "clip": 0.0}
-    n, skipped, stopped = 0, 0, False
+    n, n_local, skipped, stopped = 0, 0, 0, False
     max_grad_norm = 0.0
     for _ in range(cfg.epochs):
         order = torch.randperm(batch, generator=generator).to(device)
-        for start in range(0, n_minibatches * mb_size, mb_size):
-            idx = order[start : start + mb_size]
-            logp, entropy = model.logp_entropy(obs[idx], actions[idx])
-            with torch.no_grad():
-                prox_log_ratio = logp - prox_logp[idx]  # http://joschu.net/blog/kl-approx.html
-                kl = float(((torch.exp(prox_log_ratio) - 1) - prox_log_ratio).mean())
-            ratio = torch.exp(logp - clip_logp[idx])
+        for step in range(steps_per_epoch):
+            have = step < n_minibatches  # this rank has samples for this step
+            if have:
+                idx = order[step * mb_size : (step + 1) * mb_size]
+                logp, entropy = model.logp_entropy(obs[idx], actions[idx])
+                with torch.no_grad():
+                    prox_log_ratio = logp - prox_logp[idx]  # http://joschu.net/blog/kl-approx.html
+                    kl = float(((torch.exp(prox_log_ratio) - 1) - prox_log_ratio).mean())
+            else:
+                kl = 0.0
+            local_samples = mb_size if have else 0
+            step_samples = local_samples
+            if sync is not None:  # the step's KL and size over every rank
+                kl_sum, step_samples_f = sync.sum([kl * local_samples, float(local_samples)])
+                step_samples = int(step_samples_f)
+                kl = kl_sum / step_samples if step_samples else 0.0
+                if step_samples == 0:  # no rank has samples for this step
+                    continue
             # KL early stopping (as CleanRL's target_kl): once the policy has moved this far from the
             # proximal policy, further steps on the same batch overfit it; stop before stepping again.
             # The first minibatch always trains (the policy is still the proximal one there).
             if cfg.target_kl is not None and n > 0 and kl > cfg.target_kl:
                 stopped = True
                 break
-            mb_adv = adv[idx]
-            if cfg.normalize_advantages and mb_adv.numel() > 1:
-                # The floor keeps noise-level advantages of a solved task from being blown up to unit scale.
-                adv_std = mb_adv.std().clamp(min=cfg.advantage_std_floor) if cfg.advantage_std_floor else mb_adv.std()
-                mb_adv = (mb_adv - mb_adv.mean()) / (adv_std + 1e-8)
-            # PPO clipped surrogate (Schulman et al. 2017, https://arxiv.org/abs/1707.06347), weighted by
-            # the behaviour correction: the decoupled objective.
-            surrogate = torch.min(ratio * mb_adv, ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef) * mb_adv)
-            policy_loss = -(behaviour_weight[idx] * surrogate).mean()
-            value_loss = 0.5 * (model.value(obs[idx]) - returns[idx]).pow(2).mean()
-            entropy = entropy.mean()
-            loss = policy_loss + cfg.vf_coef * value_loss
-            if cfg.ent_coef:  # with no bonus the entropy stays out of the graph: no backward pass through it
-                loss = loss - cfg.ent_coef * entropy
-
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # type: ignore[no-untyped-call]
+            if have:
+                ratio = torch.exp(logp - clip_logp[idx])
+                mb_adv = adv[idx]
+                if cfg.normalize_advantages and mb_adv.numel() > 1:
+                    # The floor keeps noise-level advantages of a solved task from being blown up to unit scale.
+                    adv_std = (mb_adv.std().clamp(min=cfg.advantage_std_floor) if cfg.advantage_std_floor
+                               else mb_adv.std())
+                    mb_adv = (mb_adv - mb_adv.mean()) / (adv_std + 1e-8)
+                # PPO clipped surrogate (Schulman et al. 2017, https://arxiv.org/abs/1707.06347), weighted by
+                # the behaviour correction: the decoupled objective.
+                surrogate = torch.min(ratio * mb_adv, ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef) * mb_adv)
+                policy_loss = -(behaviour_weight[idx] * surrogate).mean()
+                value_loss = 0.5 * (model.value(obs[idx]) - returns[idx]).pow(2).mean()
+                entropy = entropy.mean()
+                loss = policy_loss + cfg.vf_coef * value_loss
+                if cfg.ent_coef:  # with no bonus the entropy stays out of the graph: no backward pass through it
+                    loss = loss - cfg.ent_coef * entropy
+                loss.backward()  # type: ignore[no-untyped-call]
+                if not torch.isfinite(loss) and sync is not None:  # refuse the step on every rank alike
+                    for p in model.parameters():
+                        if p.grad is not None:
+                            p.grad.fill_(math.nan)
+            if sync is not None:
+                sync.average_grads(model.parameters(), local_samples / step_samples)
             if cfg.separate_grad_clip:  # a large value gradient no longer shrinks the policy's step
                 grad_norm = torch.maximum(nn.utils.clip_grad_norm_(actor_params, cfg.max_grad_norm),
                                           nn.utils.clip_grad_norm_(critic_params, cfg.max_grad_norm))
@@ -218,23 +257,25 @@ def ppo_update(
             # weights and the optimizer state as they are, and let the caller count it.
             g = float(grad_norm)
             max_grad_norm = max(max_grad_norm, g if math.isfinite(g) else math.inf)
-            if not (torch.isfinite(loss) and math.isfinite(g)):
+            if not math.isfinite(g) or (have and not torch.isfinite(loss)):
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 continue
             optimizer.step()
-
+            n += 1
+            if not have:
+                continue
             stats["kl"] += kl
             with torch.no_grad():
                 stats["clip"] += float(((ratio - 1).abs() > cfg.clip_coef).float().mean())
             stats["pg"] += float(policy_loss.detach())
             stats["v"] += float(value_loss.detach())
             stats["ent"] += float(entropy.detach())
-            n += 1
+            n_local += 1
         if stopped:
             break
 
-    d = max(n, 1)
+    d = max(n_local, 1)
     return UpdateStats(
         policy_loss=stats["pg"] / d,
         value_loss=stats["v"] / d,
@@ -244,7 +285,7 @@ def ppo_update(
         behaviour_weight_mean=float(behaviour_weight.mean()),
         env_steps=batch,
         sgd_steps=n,
-        sample_passes=n * mb_size,
+        sample_passes=n_local * mb_size,
         stopped_early=stopped,
         skipped_steps=skipped,
         masked_fraction=float(over_cap.float().mean()) if cfg.behaviour_weight_mode == "mask" else 0.0,

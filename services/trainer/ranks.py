@@ -1,0 +1,125 @@
+"""Data-parallel trainer ranks: the process group, the per-step vote and gradient averaging.
+
+K trainer processes (``trainer.world_size``) are members of one consumer group; each forms batches from
+the partitions Kafka assigned to it. They move in lock step (docs/architecture.md, "Trainer ranks"):
+
+- Every loop pass each rank calls :meth:`Ranks.vote` exactly once (an all-gather of a small
+  :class:`Vote`). When any rank holds a batch, every rank runs one update: a rank with no data takes
+  part with a zero gradient, so collectives always match and nobody deadlocks. A rank with no data
+  holds the others back by at most one poll (``Intake``'s poll timeout) plus the vote's round trip.
+- Inside an update every minibatch step all-reduces the KL and sample counts (:meth:`Ranks.sum`), then
+  the gradients weighted by each rank's share of the step's samples (:meth:`Ranks.average_grads`):
+  every rank applies the same gradient to the same weights with the same optimizer state, so the
+  weights stay identical (``/status`` shows each rank's weights digest).
+- Rank 0 alone publishes candidates, writes checkpoints, runs the rollback guard and holds the trainer
+  lease; ledgers are exchanged after every update (:meth:`Ranks.gather`), so rank 0's checkpoint holds
+  what every rank trained and a partition that moves between ranks is read from where the model ends.
+- A rank that dies makes the others' next collective fail (a closed connection at once, or after
+  ``trainer.rank_timeout_s``): they stop, and every rank restarts from the checkpoint.
+
+The collectives block, so the service calls them from a worker thread, one at a time, from its loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class Vote:
+    """One rank's state at a loop pass; every rank sees every rank's vote."""
+
+    ready: bool = False
+    """This rank holds a batch due for training."""
+    stop: bool = False
+    """This rank is stopping (a signal, or an error it is about to raise)."""
+    rollback: Any = None
+    """Rank 0 only: a rollback to follow at this step (a ``PolicyMessage``)."""
+    learner: Any = None
+    """Rank 0 only: ``(TrainerSettings, UpdateConfig)`` the update uses (runtime changes reach the ranks at
+    different moments; the leader's apply to all, at the same step)."""
+    checkpoint: int | None = None
+    """Rank 0 only: the update of its newest checkpoint (None: none yet; the ranks hold commits until one)."""
+
+
+def parse_rendezvous(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class Ranks:
+    """This process's membership of the trainer group. ``join`` before any other call."""
+
+    def __init__(self, *, world_size: int, rank: int, rendezvous: str, timeout_s: float,
+                 device: torch.device) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.world_size = world_size
+        self.rank = rank
+        self.rendezvous = rendezvous
+        self.timeout_s = timeout_s
+        self.device = device
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.joined = False
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def join(self) -> None:
+        """Blocks until every rank has joined (rank 0 listens on the rendezvous port), at most
+        ``timeout_s``."""
+        host, port = parse_rendezvous(self.rendezvous)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(self.backend, init_method=f"tcp://{host}:{port}", world_size=self.world_size,
+                                rank=self.rank, timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.joined = True
+
+    def close(self) -> None:
+        if self.joined:
+            self.joined = False
+            dist.destroy_process_group()
+
+    # ---- objects -------------------------------------------------------------------------------
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (pickled: small objects only)."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def vote(self, vote: Vote) -> list[Vote]:
+        return self.gather(vote)
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        box = [obj if self.leader else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # ---- the update's collectives (services.trainer.update.GradSync) -----------------------------
+    def sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return [float(v) for v in t.cpu()]
+
+    def average_grads(self, params: Iterable[torch.nn.Parameter], weight: float) -> None:
+        """Every parameter's gradient becomes the sum over ranks of ``weight_r * grad_r`` (the weights are
+        each rank's share of the step's samples, so this is the gradient of the mean loss over all of them).
+        A missing gradient counts as zero; a non-finite one stays non-finite everywhere (the step is then
+        refused by every rank alike)."""
+        ps = list(params)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(torch.float32) * weight
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        at = 0
+        for p in ps:
+            n = p.numel()
+            p.grad = flat[at:at + n].view_as(p).to(p.dtype).clone()
+            at += n
