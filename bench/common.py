@@ -298,17 +298,19 @@ class BenchStack:
         self.home = BENCH_HOME / "runs" / run
         self.stack = LocalStack(self.home, config=config, run=run, env=env, infra=ctx.infra,
                                 admin_port=ADMIN_PORT, trainer_port=TRAINER_PORT, paramsync_port=PARAMSYNC_PORT,
-                                sampler_base_port=SAMPLER_BASE_PORT, store_backend="local",
+                                sampler_base_port=SAMPLER_BASE_PORT, trainer_rank_base_port=ADMIN_PORT + 90,
+                                rendezvous_port=ADMIN_PORT + 99, store_backend="local",
                                 supervise=False, progress=lambda m: None)  # figures restart processes by hand
         self.samplers = 0
         self.scrape_misses = 0
         self._last_sampler: dict[int, dict[str, float]] = {}
 
     # lifecycle
-    def up(self, samplers: int, timeout_s: float = 180.0) -> float:
-        """Start (or scale to) ``samplers`` samplers plus trainer, paramsync, admin; return seconds taken."""
+    def up(self, samplers: int, timeout_s: float = 180.0, trainers: int | None = None) -> float:
+        """Start (or scale to) ``samplers`` samplers plus trainer (``trainers`` ranks), paramsync, admin; return
+        seconds taken."""
         t0 = time.monotonic()
-        self.stack.up(samplers=samplers, timeout_s=timeout_s, prometheus=False)
+        self.stack.up(samplers=samplers, timeout_s=timeout_s, prometheus=False, trainers=trainers)
         self.samplers = samplers
         return time.monotonic() - t0
 

@@ -284,20 +284,19 @@ class LocalStack:
         """Infra (if needed), admin token, the trainer (``trainers`` ranks), paramsync, admin, ``samplers``
         samplers, the supervisor; wait for all, then Prometheus.
 
-        Running processes are reused; samplers beyond ``samplers`` are stopped (scaling down). Changing the
-        number of trainer ranks needs ``down`` first (running ranks keep their world size).
+        Running processes are reused; samplers beyond ``samplers`` are stopped (scaling down). A different
+        number of trainer ranks re-forms the group: the running ranks stop together (rank 0 writes the last
+        checkpoint), then ``trainers`` ranks start from it.
         """
         if samplers < 0:
             raise StackError(f"samplers must be >= 0, got {samplers=}")
-        if trainers is not None:
-            if trainers < 1:
-                raise StackError(f"trainers must be >= 1, got {trainers=}")
-            running = self.trainers if self.pid("trainer") is not None else trainers
-            if running != trainers:
-                raise StackError(f"the trainer runs {running} rank(s); `down` first to run {trainers}")
-            self._trainers = trainers
+        if trainers is not None and trainers < 1:
+            raise StackError(f"trainers must be >= 1, got {trainers=}")
         deadline = time.monotonic() + timeout_s
         with file_lock(self.home / ".localstack.lock"):
+            if trainers is not None and trainers != self.trainers:
+                self._stop_ranks()
+                self._trainers = trainers
             wanted = self._layout(range(samplers), self.trainers)
             for service, replica in wanted:  # before anything starts: a taken port fails fast
                 if self.pid(service, replica) is None:
@@ -346,8 +345,7 @@ class LocalStack:
                 list(pool.map(lambda r: self.stop("sampler", r), [r for s, r in layout if s == "sampler"]))
                 for service in ("admin", "paramsync"):
                     self.stop(service)
-                # Ranks together: the first to stop votes the group out (rank 0 writes the last checkpoint).
-                list(pool.map(lambda r: self.stop("trainer", r), [r for s, r in layout if s == "trainer"]))
+            self._stop_ranks()
             if (pid := prom.proc(self.home).stop()) is not None:
                 self._progress(f"stopped prometheus (pid {pid})")
             stopped = [proc_key(s, r) for s, r in layout] + [prom.NAME]
@@ -355,6 +353,14 @@ class LocalStack:
                 infra_down(self.home, progress=self._progress)
                 stopped += [*INFRA, *(f"{kafka.NAME}-{i}" for i in range(2, MAX_BROKERS + 1))]
             SupervisorState(self.home).forget(stopped)
+
+    def _stop_ranks(self) -> None:
+        """Stop every trainer rank together: the first to stop votes the group out, and rank 0 writes the
+        last checkpoint. Ranks no longer wanted are forgotten by the supervisor."""
+        ranks = list(range(self.trainers))
+        with ThreadPoolExecutor(max_workers=max(1, len(ranks))) as pool:
+            list(pool.map(lambda r: self.stop("trainer", r), ranks))
+        SupervisorState(self.home).forget([proc_key("trainer", r) for r in ranks if r])
 
     def status(self, infra: bool = True) -> list[ProcStatus]:
         """Every process this stack runs or should run, alive or dead, with pid, endpoint and restarts."""

@@ -184,6 +184,7 @@ def fault_env(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
     stack = devstack.LocalStack(
         root / "stack", run=run, infra=endpoints, store_backend="s3", admin_port=ADMIN_PORT,
         trainer_port=ADMIN_PORT + 1, paramsync_port=ADMIN_PORT + 2, sampler_base_port=ADMIN_PORT + 10,
+        trainer_rank_base_port=ADMIN_PORT + 60, rendezvous_port=ADMIN_PORT + 99,
         env={"FLYWHEEL_TRAINER_CHECKPOINT_EVERY": "10", "FLYWHEEL_TRAINER_SEED": str(seed % 1000),
              "FLYWHEEL_SAMPLER_SEED": str(seed % 1000), "FLYWHEEL_LOG_BACKUPS": "1000"},
         log_max_bytes=LOG_CAP, progress=say)
