@@ -42,6 +42,7 @@ up: install
 		export FLYWHEEL_ADMIN_TOKEN=$${FLYWHEEL_ADMIN_TOKEN:-$$($(PY) -c 'import secrets; print(secrets.token_urlsafe(32))')}; \
 		echo "Docker engine found: docker compose up (admin token: $$FLYWHEEL_ADMIN_TOKEN)"; \
 		case "$(BROKERS)" in 1) ;; 3) export $(COMPOSE_CLUSTER);; *) echo "compose runs BROKERS=1 or 3" >&2; exit 2;; esac; \
+		export TRAINERS=$(TRAINERS); \
 		case "$(TRAINERS)" in 1) ;; 2) export COMPOSE_PROFILES=$${COMPOSE_PROFILES:+$$COMPOSE_PROFILES,}ranks;; *) echo "compose runs TRAINERS=1 or 2" >&2; exit 2;; esac; \
 		docker compose up -d --build --scale sampler=$(SAMPLERS) && docker compose ps; \
 	else \

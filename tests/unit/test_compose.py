@@ -48,18 +48,19 @@ INTERPOLATION = re.compile(r"\$\{(\w+)(?:(:?-)([^}]*)|(:?\?)([^}]*))?\}")
 
 
 @pytest.fixture(scope="module")
-def compose() -> dict:
+def compose() -> dict[str, Any]:
     data = yaml.safe_load(COMPOSE.read_text())
     assert isinstance(data, dict) and isinstance(data.get("services"), dict)
     return data
 
 
 @pytest.fixture(scope="module")
-def services(compose: dict) -> dict[str, dict]:
-    return compose["services"]
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = compose["services"]
+    return found
 
 
-def _env(service: dict) -> dict[str, str]:
+def _env(service: dict[str, Any]) -> dict[str, str]:
     env = service.get("environment") or {}
     if isinstance(env, list):
         env = dict(item.split("=", 1) for item in env)
@@ -89,11 +90,12 @@ def _image_ref(image: str) -> tuple[str, str]:
     return repo, tag
 
 
-def _healthcheck_cmd(service: dict) -> str:
+def _healthcheck_cmd(service: dict[str, Any]) -> str:
     test = service["healthcheck"]["test"]
     if isinstance(test, list):
         assert test[0] in ("CMD", "CMD-SHELL"), f"healthcheck test must start with CMD or CMD-SHELL: {test}"
         return " ".join(test[1:])
+    assert isinstance(test, str), test
     return test
 
 
@@ -122,12 +124,12 @@ def _dockerfile_instructions() -> list[tuple[str, str]]:
 # ---- services and images ----------------------------------------------------------------------
 
 
-def test_all_services_present(services: dict) -> None:
+def test_all_services_present(services: dict[str, Any]) -> None:
     missing = set(FLYWHEEL_SERVICES + INFRA_SERVICES) - set(services)
     assert not missing, f"docker-compose.yml lacks services {sorted(missing)}"
 
 
-def test_every_pulled_image_is_pinned(services: dict) -> None:
+def test_every_pulled_image_is_pinned(services: dict[str, Any]) -> None:
     for name, svc in services.items():
         assert "image" in svc or "build" in svc, f"{name}: needs an image or a build"
         if "build" in svc:
@@ -139,7 +141,7 @@ def test_every_pulled_image_is_pinned(services: dict) -> None:
         )
 
 
-def test_kafka_is_official_image_in_kraft_mode(compose: dict, services: dict) -> None:
+def test_kafka_is_official_image_in_kraft_mode(compose: dict[str, Any], services: dict[str, Any]) -> None:
     kafka = services["kafka"]
     repo, tag = _image_ref(kafka["image"])
     assert repo == "apache/kafka", f"expected the official apache/kafka image, got {kafka['image']!r}"
@@ -178,7 +180,7 @@ def _kafka_env_to_properties(env: dict[str, str]) -> dict[str, str]:
     return props
 
 
-def test_kafka_settings_match_the_local_stack(services: dict, tmp_path: Path) -> None:
+def test_kafka_settings_match_the_local_stack(services: dict[str, Any], tmp_path: Path) -> None:
     from devstack.config import InfraConfig
     from devstack.kafka import server_properties
 
@@ -238,7 +240,7 @@ def test_cluster_profile_runs_three_nodes_like_the_local_cluster(services: dict[
         assert _interpolate(env["FLYWHEEL_KAFKA_BOOTSTRAP"], given) == "kafka:9092,kafka-2:9092,kafka-3:9092"
 
 
-def test_minio_pinned_to_recent_release(services: dict) -> None:
+def test_minio_pinned_to_recent_release(services: dict[str, Any]) -> None:
     repo, tag = _image_ref(services["minio"]["image"])
     assert repo in ("minio/minio", "quay.io/minio/minio"), f"unexpected MinIO image {repo!r}"
     m = RELEASE_TAG.fullmatch(tag)
@@ -249,7 +251,7 @@ def test_minio_pinned_to_recent_release(services: dict) -> None:
     assert "healthcheck" in services["minio"]
 
 
-def test_minio_init_creates_the_services_bucket_idempotently(services: dict) -> None:
+def test_minio_init_creates_the_services_bucket_idempotently(services: dict[str, Any]) -> None:
     init = services["minio-init"]
     repo, tag = _image_ref(init["image"])
     assert repo in ("minio/mc", "quay.io/minio/mc") and RELEASE_TAG.fullmatch(tag), init["image"]
@@ -265,7 +267,7 @@ def test_minio_init_creates_the_services_bucket_idempotently(services: dict) -> 
     assert init_env["MINIO_ROOT_PASSWORD"] == minio_env["MINIO_ROOT_PASSWORD"]
 
 
-def test_prometheus_mounts_config_and_rules(services: dict) -> None:
+def test_prometheus_mounts_config_and_rules(services: dict[str, Any]) -> None:
     prom = services["prometheus"]
     repo, tag = _image_ref(prom["image"])
     assert repo in ("prom/prometheus", "quay.io/prometheus/prometheus")
@@ -285,7 +287,7 @@ def test_prometheus_mounts_config_and_rules(services: dict) -> None:
     assert "/-/healthy" in _healthcheck_cmd(prom)
 
 
-def test_prometheus_scrapes_the_compose_services(services: dict) -> None:
+def test_prometheus_scrapes_the_compose_services(services: dict[str, Any]) -> None:
     cfg = yaml.safe_load((REPO / "deploy" / "prometheus" / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
     for name in ("trainer", "paramsync", "admin"):
@@ -295,7 +297,7 @@ def test_prometheus_scrapes_the_compose_services(services: dict) -> None:
     assert dns["names"] == ["sampler"] and dns["type"] == "A" and dns["port"] == HTTP_PORTS["sampler"]
 
 
-def test_grafana_is_provisioned_read_only_and_signs_in(compose: dict, services: dict) -> None:
+def test_grafana_is_provisioned_read_only_and_signs_in(compose: dict[str, Any], services: dict[str, Any]) -> None:
     """Pinned official image, the data source and dashboards mounted read-only from deploy/grafana, started
     after Prometheus is healthy, no anonymous access, and an admin password from the environment with a
     default for a laptop. tests/unit/test_grafana.py checks what the mounted files contain."""
@@ -335,7 +337,7 @@ def test_grafana_is_provisioned_read_only_and_signs_in(compose: dict, services: 
 # ---- the four Flywheel services ---------------------------------------------------------------
 
 
-def test_flywheel_services_share_one_image_from_deploy_dockerfile(services: dict) -> None:
+def test_flywheel_services_share_one_image_from_deploy_dockerfile(services: dict[str, Any]) -> None:
     images = set()
     for name in FLYWHEEL_SERVICES:
         svc = services[name]
@@ -353,7 +355,7 @@ def test_compose_command_is_a_runnable_module(name: str) -> None:
     assert main.is_file(), f"`python -m services.{name}` needs {main.relative_to(REPO)}"
 
 
-def test_flywheel_services_settings_are_valid(services: dict) -> None:
+def test_flywheel_services_settings_are_valid(services: dict[str, Any]) -> None:
     """Each service's environment resolves, with the shared config file, to valid Flywheel settings."""
     from shared.settings import load_settings
 
@@ -370,7 +372,7 @@ def test_flywheel_services_settings_are_valid(services: dict) -> None:
         assert settings.http.port == HTTP_PORTS[name]
 
 
-def test_admin_requires_a_token_and_publishes_8080(services: dict) -> None:
+def test_admin_requires_a_token_and_publishes_8080(services: dict[str, Any]) -> None:
     admin = services["admin"]
     token = _env(admin)["FLYWHEEL_ADMIN_TOKEN"]
     assert re.fullmatch(r"\$\{FLYWHEEL_ADMIN_TOKEN:\?[^}]+\}", token), (
@@ -382,7 +384,7 @@ def test_admin_requires_a_token_and_publishes_8080(services: dict) -> None:
 
 
 @pytest.mark.parametrize("name", FLYWHEEL_SERVICES)
-def test_flywheel_service_healthcheck_and_ordering(services: dict, name: str) -> None:
+def test_flywheel_service_healthcheck_and_ordering(services: dict[str, Any], name: str) -> None:
     svc = services[name]
     cmd = _healthcheck_cmd(svc)
     assert cmd.startswith("python -c "), f"{name}: the slim image has no curl; use python"
@@ -397,7 +399,7 @@ def test_flywheel_service_healthcheck_and_ordering(services: dict, name: str) ->
     assert svc["restart"] == "unless-stopped"
 
 
-def test_healthy_dependencies_have_healthchecks(services: dict) -> None:
+def test_healthy_dependencies_have_healthchecks(services: dict[str, Any]) -> None:
     for name, svc in services.items():
         deps = svc.get("depends_on") or {}
         for dep, spec in deps.items() if isinstance(deps, dict) else []:
@@ -408,7 +410,7 @@ def test_healthy_dependencies_have_healthchecks(services: dict) -> None:
                 )
 
 
-def test_sampler_is_scalable(services: dict) -> None:
+def test_sampler_is_scalable(services: dict[str, Any]) -> None:
     sampler = services["sampler"]
     for key in ("container_name", "ports", "hostname"):
         assert key not in sampler, f"sampler must not set {key}: `--scale sampler=N` replicas would collide"
@@ -418,7 +420,7 @@ def test_sampler_is_scalable(services: dict) -> None:
 # ---- security defaults ------------------------------------------------------------------------
 
 
-def _port_binding(port: str | int | dict) -> tuple[str | None, str | None, str]:
+def _port_binding(port: str | int | dict[str, Any]) -> tuple[str | None, str | None, str]:
     """(host_ip, published, target) of a port in short (`[IP:][HOST:]CONTAINER[/PROTO]`) or long syntax."""
     if isinstance(port, dict):
         published = port.get("published")
@@ -436,7 +438,7 @@ def _port_binding(port: str | int | dict) -> tuple[str | None, str | None, str]:
     return ":".join(parts[:-2]), parts[-2] or None, parts[-1]
 
 
-def test_published_ports_bind_loopback_only(services: dict) -> None:
+def test_published_ports_bind_loopback_only(services: dict[str, Any]) -> None:
     published = {name: svc["ports"] for name, svc in services.items() if svc.get("ports")}
     assert published == PUBLISHED, "only admin, Prometheus and Grafana are published, and only as listed"
     for name, ports in published.items():
@@ -455,7 +457,7 @@ def _mentions(value: object, needle: str) -> bool:
     return needle in json.dumps(value)
 
 
-def test_only_minio_and_minio_init_see_the_root_credentials(services: dict) -> None:
+def test_only_minio_and_minio_init_see_the_root_credentials(services: dict[str, Any]) -> None:
     for name, svc in services.items():
         env = _env(svc)
         if name in ROOT_CREDENTIAL_SERVICES:
@@ -473,7 +475,7 @@ def _default(value: str) -> tuple[str, str]:
     return m.group(1), m.group(3)
 
 
-def test_services_authenticate_as_the_bucket_limited_user(services: dict) -> None:
+def test_services_authenticate_as_the_bucket_limited_user(services: dict[str, Any]) -> None:
     init_env = _env(services["minio-init"])
     user, password = init_env["SERVICE_USER"], init_env["SERVICE_PASSWORD"]
     for name in FLYWHEEL_SERVICES:
@@ -500,14 +502,14 @@ def test_interpolated_flywheel_variables_are_settings() -> None:
         load_settings(None, environ={name: "x" * 40})
 
 
-def _policy_file(services: dict) -> Path:
+def _policy_file(services: dict[str, Any]) -> Path:
     init = services["minio-init"]
     policy_in_container = Path(_env(init)["POLICY_FILE"])
     for volume in init["volumes"]:
         source, target, *mode = volume.split(":")
         if policy_in_container.parent == Path(target):
             assert mode == ["ro"], "mount the policy read-only"
-            local = REPO / source / policy_in_container.name
+            local: Path = REPO / source / policy_in_container.name
             assert local.is_file(), f"{local} is mounted as {policy_in_container} but does not exist"
             return local
     raise AssertionError(f"minio-init does not mount {policy_in_container.parent}")
@@ -517,7 +519,7 @@ def _as_set(value: str | list[str]) -> set[str]:
     return {value} if isinstance(value, str) else set(value)
 
 
-def test_policy_file_names_only_the_bucket(services: dict) -> None:
+def test_policy_file_names_only_the_bucket(services: dict[str, Any]) -> None:
     path = _policy_file(services)
     assert path.parent == MINIO_DIR
     bucket = _env(services["minio-init"])["BUCKET"]
@@ -554,7 +556,7 @@ esac
 
 @pytest.mark.skipif(shutil.which("sh") is None, reason="no POSIX sh")
 @pytest.mark.parametrize("attach", ["ok", "already", "denied"])
-def test_minio_init_script(services: dict, tmp_path: Path, attach: str) -> None:
+def test_minio_init_script(services: dict[str, Any], tmp_path: Path, attach: str) -> None:
     """The script, with a stand-in `mc`: the bucket, the policy from the mounted file, the user, the attachment;
     attaching a policy that is already attached counts as success, any other failure fails the job."""
     init = services["minio-init"]
@@ -584,7 +586,7 @@ def test_minio_init_script(services: dict, tmp_path: Path, attach: str) -> None:
     ]
 
 
-def test_every_service_rotates_its_logs(compose: dict, services: dict) -> None:
+def test_every_service_rotates_its_logs(compose: dict[str, Any], services: dict[str, Any]) -> None:
     shared = compose["x-logging"]
     assert shared["driver"] == "json-file"
     assert re.fullmatch(r"\d+[km]", shared["options"]["max-size"]), shared
@@ -665,3 +667,268 @@ def test_docker_compose_config_is_valid() -> None:
         check=False,
     )
     assert proc.returncode == 0, f"docker compose config failed:\n{proc.stdout}\n{proc.stderr}"
+
+
+# ---- trainer ranks (the `ranks` profile) -------------------------------------------------------
+
+
+def _trainer_settings(services: dict[str, Any], name: str, given: dict[str, str]) -> Any:
+    from shared.settings import load_settings
+
+    env = {k: _interpolate(v, given) for k, v in _env(services[name]).items()}
+    return load_settings(CONFIG, environ=env)
+
+
+def test_ranks_profile_runs_rank_1_beside_rank_0(services: dict[str, Any]) -> None:
+    from shared.settings import ConfigError
+
+    trainer, rank1 = services["trainer"], services["trainer-1"]
+    assert "profiles" not in trainer and rank1["profiles"] == ["ranks"]
+    for key in ("image", "build", "command", "healthcheck", "depends_on", "restart", "init", "stop_grace_period"):
+        assert rank1[key] == trainer[key], key
+    for svc in (trainer, rank1):
+        assert not svc.get("ports"), "the rendezvous store has no authentication: never published"
+    given = {"TRAINERS": "2"}
+    r0, r1 = (_trainer_settings(services, n, given).trainer for n in ("trainer", "trainer-1"))
+    assert (r0.world_size, r0.rank, r1.world_size, r1.rank) == (2, 0, 2, 1)
+    assert r0.rendezvous == r1.rendezvous == "trainer:29500"  # rank 0's service name
+    # One group instance id; the rank suffix makes the static member ids distinct.
+    assert r0.group_instance_id == r1.group_instance_id
+    assert len({f"{t.group_instance_id}-rank{t.rank}" for t in (r0, r1)}) == 2
+    assert _trainer_settings(services, "trainer", {}).trainer.world_size == 1  # default: one rank
+    with pytest.raises(ConfigError, match="rank"):
+        _trainer_settings(services, "trainer-1", {})  # the profile without TRAINERS=2 stops at start
+
+
+# ---- per-role identities (deploy/kafka/compose.acl.yml) -----------------------------------------
+
+ACL_OVERRIDE = REPO / "deploy" / "kafka" / "compose.acl.yml"
+KAFKA_INIT = REPO / "deploy" / "kafka" / "kafka_init.py"
+INIT_STEPS = ("kafka-users", "kafka-init", "minio-roles-init")
+
+
+@pytest.fixture(scope="module")
+def acl() -> dict[str, dict[str, Any]]:
+    data = yaml.safe_load(ACL_OVERRIDE.read_text())
+    assert isinstance(data, dict)
+    services: dict[str, dict[str, Any]] = data["services"]
+    return services
+
+
+def _merged_env(base: dict[str, Any], override: dict[str, Any], name: str, given: dict[str, str]) -> dict[str, str]:
+    """The environment of ``name`` with the override file applied (compose merges environment maps)."""
+    env = {**_env(base.get(name, {})), **_env(override.get(name, {}))}
+    return {k: _interpolate(v, given) for k, v in env.items()}
+
+
+def test_acl_broker_matches_the_local_stack_with_its_authorizer(services: dict[str, Any], acl: dict[str, Any],
+                                                               tmp_path: Path) -> None:
+    from devstack.config import InfraConfig
+    from devstack.kafka import server_properties
+
+    local = {}
+    cfg = InfraConfig.resolve(home=tmp_path, kafka_sasl_port=19094, kafka_authorizer=True)
+    for line in server_properties(cfg).splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            local[key.strip()] = value.strip()
+    props = _kafka_env_to_properties(_merged_env(services, acl, "kafka", {}))
+    where = {"listeners", "advertised.listeners", "controller.quorum.voters", "log.dirs"}
+    assert {k: v for k, v in props.items() if k not in where} == {k: v for k, v in local.items() if k not in where}
+    assert props["listeners"] == "PLAINTEXT://:9092,CONTROLLER://:9093,SASL_PLAINTEXT://:9094"
+    assert props["advertised.listeners"] == "PLAINTEXT://kafka:9092,SASL_PLAINTEXT://kafka:9094"
+    assert not acl["kafka"].get("ports"), "the broker stays unpublished"
+
+
+def test_acl_every_service_has_its_own_identity(services: dict[str, Any], acl: dict[str, Any]) -> None:
+    from shared.acl import ROLES
+    from shared.settings import load_settings
+
+    users, minio = _env(acl["kafka-users"]), _env(acl["minio-roles-init"])
+    assert tuple(users["ROLES"].split()) == ROLES, "kafka-users must create exactly shared.acl.ROLES"
+    assert tuple(minio["ROLES"].split()) == ROLES
+    given = {"FLYWHEEL_ADMIN_TOKEN": "t" * 40, "TRAINERS": "2"}
+    for name in (*FLYWHEEL_SERVICES, "trainer-1"):
+        role = "trainer" if name == "trainer-1" else name
+        env = _merged_env(services, acl, name, given)
+        settings = load_settings(CONFIG, environ=env)  # unknown FLYWHEEL_* variables raise
+        kafka = settings.kafka
+        assert (kafka.bootstrap, kafka.security_protocol, kafka.sasl_mechanism) == (
+            "kafka:9094", "SASL_PLAINTEXT", "SCRAM-SHA-512"), name
+        assert kafka.sasl_username == role, f"{name}: principal User:{role} is what shared.acl grants"
+        assert kafka.sasl_password is not None
+        # The password the service sends is the one kafka-users sets, through the same variable.
+        assert _env(acl[name])["FLYWHEEL_KAFKA_SASL_PASSWORD"] == users[f"SCRAM_PASSWORD_{role}"], name
+        assert env["AWS_ACCESS_KEY_ID"] == f"flywheel-{role}"
+        assert _env(acl[name])["AWS_SECRET_ACCESS_KEY"] == minio[f"PASSWORD_{role}"], name
+        assert (MINIO_DIR / f"flywheel-{role}.json").is_file()
+        assert set(INIT_STEPS) <= set(acl[name]["depends_on"]), name
+        assert all(d["condition"] == "service_completed_successfully" for d in acl[name]["depends_on"].values())
+    for step in INIT_STEPS:
+        assert acl[step]["restart"] == "no" and step not in services
+
+
+def test_acl_dev_passwords_are_the_local_stacks(acl: dict[str, Any]) -> None:
+    from devstack.config import kafka_role_password as role_password
+    from shared.acl import ROLES
+
+    users = {k: _interpolate(v, {}) for k, v in _env(acl["kafka-users"]).items()}
+    assert {role: users[f"SCRAM_PASSWORD_{role}"] for role in ROLES} == {role: role_password(role) for role in ROLES}
+
+
+def test_acl_init_steps_are_pinned_logged_and_ordered(compose: dict[str, Any], acl: dict[str, Any]) -> None:
+    override = yaml.safe_load(ACL_OVERRIDE.read_text())
+    assert override["x-logging"] == compose["x-logging"]
+    for step in INIT_STEPS:
+        assert acl[step]["logging"] == compose["x-logging"], step
+    assert acl["kafka-users"]["image"] == compose["services"]["kafka"]["image"]
+    assert acl["minio-roles-init"]["image"] == compose["services"]["minio-init"]["image"]
+    assert acl["kafka-init"]["image"] == compose["services"]["trainer"]["image"]
+    assert acl["kafka-init"]["build"] == compose["services"]["trainer"]["build"]
+    assert acl["kafka-users"]["depends_on"] == {"kafka": {"condition": "service_healthy"}}
+    assert acl["kafka-init"]["depends_on"] == {"kafka": {"condition": "service_healthy"}}
+    assert acl["minio-roles-init"]["depends_on"] == {"minio-init": {"condition": "service_completed_successfully"}}
+
+
+def test_acl_kafka_init_generates_the_acls_from_shared_acl(services: dict[str, Any], acl: dict[str, Any]) -> None:
+    """kafka-init runs deploy/kafka/kafka_init.py (mounted) with the services' config: provision_run, no copy."""
+    from shared.settings import load_settings
+
+    init = acl["kafka-init"]
+    [mount] = init["volumes"]
+    src, dst, mode = mount.split(":")
+    assert (REPO / src).resolve() == KAFKA_INIT.parent and mode == "ro"
+    assert init["entrypoint"] == ["python", f"{dst}/{KAFKA_INIT.name}"]
+    env = {k: _interpolate(v, {}) for k, v in _env(init).items()}
+    settings = load_settings(CONFIG, environ=env)
+    assert settings.kafka.bootstrap == "kafka:9092" and settings.kafka.security_protocol == "PLAINTEXT"
+    assert env["FLYWHEEL_CONFIG"] == _env(services["trainer"])["FLYWHEEL_CONFIG"]
+    text = KAFKA_INIT.read_text()
+    assert "provision_run(settings)" in text and "User:" not in text
+
+
+KAFKA_CONFIGS_STUB = """#!/bin/sh
+echo "$*" >> "$KC_LOG"
+"""
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="no POSIX sh")
+@pytest.mark.parametrize("password", ["ok", "bad"])
+def test_acl_kafka_users_script(acl: dict[str, Any], tmp_path: Path, password: str) -> None:
+    """The script, with a stand-in kafka-configs.sh: one SCRAM user per role with its own password; a password
+    that kafka-configs' syntax cannot carry stops it before any user is changed."""
+    from shared.acl import ROLES
+
+    users = acl["kafka-users"]
+    assert users["entrypoint"] == ["/bin/sh", "-c"] and len(users["command"]) == 1
+    bin_dir = tmp_path / "opt" / "kafka" / "bin"
+    bin_dir.mkdir(parents=True)
+    script = _interpolate(users["command"][0], {}).replace("/opt/kafka/bin/", f"{bin_dir}/")
+    given = {} if password == "ok" else {"KAFKA_SAMPLER_PASSWORD": "x],SCRAM-SHA-256=[password=y"}
+    env = {k: _interpolate(v, given) for k, v in _env(users).items()}
+    (bin_dir / "kafka-configs.sh").write_text(KAFKA_CONFIGS_STUB)
+    (bin_dir / "kafka-configs.sh").chmod(0o755)
+    log = tmp_path / "kc.log"
+    proc = subprocess.run(["sh", "-c", script], env={"PATH": "/usr/bin:/bin", "KC_LOG": str(log), **env},
+                          capture_output=True, text=True, timeout=30, check=False)
+    if password == "bad":
+        assert proc.returncode == 2 and "the password of sampler" in proc.stderr and not log.exists()
+        return
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text().splitlines() == [
+        f"--bootstrap-server kafka:9092 --alter --entity-type users --entity-name {role} "
+        f"--add-config SCRAM-SHA-512=[password={role}-dev-scram-secret]" for role in ROLES]
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="no POSIX sh")
+def test_acl_minio_roles_init_script(acl: dict[str, Any], tmp_path: Path) -> None:
+    from shared.acl import ROLES
+
+    init = acl["minio-roles-init"]
+    script = _interpolate(init["command"][0], {})
+    env = {k: _interpolate(v, {}) for k, v in _env(init).items()}
+    (tmp_path / "mc").write_text(MC_STUB)
+    (tmp_path / "mc").chmod(0o755)
+    log = tmp_path / "mc.log"
+    proc = subprocess.run(["sh", "-c", script], env={"PATH": f"{tmp_path}:/usr/bin:/bin", "MC_LOG": str(log),
+                                                      "MC_ATTACH": "already", "MC_PREFIX": "x", **env},
+                          capture_output=True, text=True, timeout=30, check=False)
+    assert proc.returncode == 0, proc.stderr
+    [mount] = init["volumes"]
+    src, dst, _ = mount.split(":")
+    expected = [f"alias set flywheel http://minio:9000 {env['MINIO_ROOT_USER']} {env['MINIO_ROOT_PASSWORD']}"]
+    for role in ROLES:
+        assert (REPO / src / f"flywheel-{role}.json").is_file()
+        expected += [f"admin policy create flywheel flywheel-{role} {dst}/flywheel-{role}.json",
+                     f"admin user add flywheel flywheel-{role} flywheel-{role}-dev-secret",
+                     f"admin policy attach flywheel flywheel-{role} --user flywheel-{role}"]
+    assert log.read_text().splitlines() == expected
+
+
+def _load_kafka_init() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kafka_init", KAFKA_INIT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kafka_init_retries_transient_errors_and_stops_on_refusals() -> None:
+    import asyncio
+    import random
+
+    from shared.acl import AclError
+
+    ki = _load_kafka_init()
+    now = {"t": 0.0}
+    waits: list[float] = []
+
+    async def sleep(s: float) -> None:  # a fake clock: sleeping advances it
+        waits.append(s)
+        now["t"] += s
+
+    def clock() -> float:
+        return now["t"]
+
+    def retry(step: Any, deadline_s: float, backoff: Any) -> None:
+        asyncio.run(ki.run_with_retries(step, deadline_s, backoff, random.Random(1), lambda _: None, sleep, clock))
+
+    calls = {"n": 0}
+
+    async def flaky() -> None:
+        calls["n"] += 1
+        if calls["n"] < 4:
+            raise ConnectionRefusedError("not yet")
+
+    retry(flaky, 60.0, ki.Backoff(0.5, 2.0))
+    assert calls["n"] == 4 and len(waits) == 3 and all(0 <= w <= 2.0 for w in waits)
+
+    async def refused() -> None:
+        calls["n"] += 1
+        raise AclError("no authorizer")
+
+    calls["n"], waits[:] = 0, []
+    with pytest.raises(AclError):
+        retry(refused, 60.0, ki.Backoff())
+    assert calls["n"] == 1 and not waits  # a refusal is not retried
+
+    async def down() -> None:
+        now["t"] += 0.5  # each attempt takes time too: the deadline is on the clock, not on the pauses
+        raise ConnectionRefusedError("down")
+
+    now["t"], waits[:] = 0.0, []
+    with pytest.raises(ConnectionRefusedError):
+        retry(down, 5.0, ki.Backoff(1.0, 1.0))
+    assert 5.0 <= now["t"] < 5.0 + 1.0 + 0.5  # gave up at the first attempt past the deadline
+    with pytest.raises(ValueError, match="base_s"):
+        ki.Backoff(0.0, 1.0)
+
+
+def test_kafka_init_bad_settings_exit_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    ki = _load_kafka_init()
+    monkeypatch.setenv("FLYWHEEL_CONFIG", str(CONFIG))
+    monkeypatch.setenv("FLYWHEEL_KAFKA_SECURITY_PROTOCOL", "SASL_PLAINTEXT")  # no username or password
+    assert ki.main(deadline_s=0.0) == 2
+    assert "kafka-init: invalid settings" in capsys.readouterr().err

@@ -25,6 +25,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
 EXPOSE_EXAMPLE = REPO / "deploy" / "compose.expose.example.yml"
+ACL_OVERRIDE = REPO / "deploy" / "kafka" / "compose.acl.yml"
 TOOL = REPO / "tools" / "compose-validate"
 
 FLYWHEEL_SERVICES = ("trainer", "paramsync", "admin", "sampler")
@@ -32,7 +33,7 @@ LONG_RUNNING = ("kafka", "minio", "prometheus", "grafana", *FLYWHEEL_SERVICES)
 ADMIN_TOKEN = "compose-spec-test-token-0123456789abcdef"  # >= 32 characters, as admin requires
 # Variables the file interpolates: dropped from the test's environment so that the shell's values
 # (or a developer's exports) cannot change what is checked.
-COMPOSE_VARIABLES = ("FLYWHEEL_", "MINIO_", "GRAFANA_", "COMPOSE_", "DOCKER_")
+COMPOSE_VARIABLES = ("FLYWHEEL_", "MINIO_", "GRAFANA_", "COMPOSE_", "DOCKER_", "KAFKA_", "TRAINERS")
 BUILD_TIMEOUT_S = 270  # inside pytest-timeout's 300 s for the first test
 
 
@@ -264,6 +265,52 @@ def test_expose_example_overrides_the_loopback_binding(validator: Path) -> None:
         ("0.0.0.0", "8080", 8080)
     ]
     assert services["prometheus"]["ports"][0]["host_ip"] == "127.0.0.1"
+
+
+def test_trainers_sets_the_world_size_of_both_ranks(validator: Path, tmp_path: Path) -> None:
+    """`TRAINERS=2 docker compose --profile ranks up`: both ranks get world size 2 and rank 1 is the trainer's
+    service with its own rank. The loader leaves profiles off, so a copy without the profile line shows trainer-1
+    as compose-go merges it (the YAML merge keys and the environment)."""
+    assert _load(validator)["services"]["trainer"]["environment"]["FLYWHEEL_TRAINER_WORLD_SIZE"] == "1"
+    copy = _broken(tmp_path, "    profiles: [ranks]\n", "")
+    svcs = _load(validator, copy, env={"TRAINERS": "2"})["services"]
+    trainer, rank1 = svcs["trainer"], svcs["trainer-1"]
+    env0, env1 = trainer["environment"], rank1["environment"]
+    assert env0["FLYWHEEL_TRAINER_WORLD_SIZE"] == env1["FLYWHEEL_TRAINER_WORLD_SIZE"] == "2"
+    assert (env0["FLYWHEEL_TRAINER_RANK"], env1["FLYWHEEL_TRAINER_RANK"]) == ("0", "1")
+    rank = "FLYWHEEL_TRAINER_RANK"
+    assert {k: v for k, v in env1.items() if k != rank} == {k: v for k, v in env0.items() if k != rank}
+    for key in ("image", "command", "depends_on", "healthcheck", "restart", "init", "stop_grace_period", "logging"):
+        assert rank1[key] == trainer[key], key
+    assert "ports" not in rank1 and "ports" not in trainer
+
+
+def test_acl_override_merges_as_docker_compose_does(validator: Path) -> None:
+    """deploy/kafka/compose.acl.yml over docker-compose.yml, as compose-go merges and interpolates it."""
+    svcs = _load(validator, COMPOSE, ACL_OVERRIDE)["services"]
+    init_steps = ("kafka-users", "kafka-init", "minio-roles-init")
+    for name in FLYWHEEL_SERVICES:
+        env, deps = svcs[name]["environment"], svcs[name]["depends_on"]
+        assert (env["FLYWHEEL_KAFKA_BOOTSTRAP"], env["FLYWHEEL_KAFKA_SASL_USERNAME"]) == ("kafka:9094", name)
+        assert env["AWS_ACCESS_KEY_ID"] == f"flywheel-{name}" and env["FLYWHEEL_S3_ENDPOINT"] == "http://minio:9000"
+        for step in init_steps:  # added to the base file's dependencies, not replacing them
+            assert deps[step] == {"condition": "service_completed_successfully", "required": True}, (name, step)
+        assert deps["minio-init"]["condition"] == "service_completed_successfully"
+        assert deps["kafka"]["condition"] == "service_healthy"
+    for step in init_steps:
+        assert svcs[step]["restart"] == "no" and svcs[step]["logging"]["driver"] == "json-file", step
+    kafka = svcs["kafka"]["environment"]
+    assert kafka["KAFKA_LISTENERS"] == "PLAINTEXT://:9092,CONTROLLER://:9093,SASL_PLAINTEXT://:9094"
+    assert kafka["KAFKA_NODE_ID"] == "1", "the override adds to the broker's environment"
+    # `$$` in the file reaches the shell as `$`: the indirect lookup of each role's password.
+    [users] = svcs["kafka-users"]["command"]
+    assert 'eval "password=\\${SCRAM_PASSWORD_$role}"' in users, users
+    assert svcs["kafka-users"]["environment"]["SCRAM_PASSWORD_admin"] == "admin-dev-scram-secret"
+    [mount] = svcs["kafka-init"]["volumes"]
+    assert (mount["source"], mount["target"], mount["read_only"]) == (
+        str(REPO / "deploy" / "kafka"), "/etc/flywheel/kafka", True)
+    assert svcs["kafka-init"]["entrypoint"] == ["python", "/etc/flywheel/kafka/kafka_init.py"]
+    assert not svcs["kafka-init"].get("command"), "the image's CMD must not reach the script as arguments"
 
 
 # ---- broken files are rejected ----------------------------------------------------------------

@@ -34,6 +34,7 @@ K8S = REPO / "deploy" / "k8s"
 OVERLAYS = ("local", "gpu", "cluster")
 BINARY = REPO / ".flywheel" / "bin" / "k8s-check"
 ROLES = ("sampler", "trainer", "paramsync", "admin")
+POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
 BUILD_TIMEOUT_S = 560  # a cold Go cache downloads kustomize and k8s.io/api and compiles them
 # Whichever test runs first builds the checker inside its own timeout.
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT_S + 60)
@@ -122,6 +123,7 @@ def _add_secret(root: Path) -> None:
 
 CLUSTER_KAFKA = "overlays/cluster/kafka.yaml"
 SAMPLER, TRAINER, ADMIN = "base/sampler.yaml", "base/trainer.yaml", "base/admin.yaml"
+GPU_RANKS = "overlays/gpu/trainer-ranks.yaml"
 SAMPLER_DEPLOYMENT, TRAINER_STS = "Deployment/flywheel/flywheel-sampler", "StatefulSet/flywheel/flywheel-trainer"
 ADMIN_DEPLOYMENT = "Deployment/flywheel/flywheel-admin"
 
@@ -144,6 +146,20 @@ def _sampler(change: Callable[[Doc], None]) -> Callable[[Path], None]:
 
 def _trainer(change: Callable[[Doc], None]) -> Callable[[Path], None]:
     return lambda root: _edit(root, TRAINER, "StatefulSet", "flywheel-trainer", change)
+
+
+def _trainer_env(name: str, var: Doc) -> Callable[[Path], None]:
+    """Replace the base trainer's env variable ``name`` with ``var``."""
+    def change(d: Doc) -> None:
+        env = _first(d)["env"]
+        [i] = [i for i, v in enumerate(env) if v["name"] == name]
+        env[i] = var
+    return _trainer(change)
+
+
+def _two_replicas_without_world_size(d: Doc) -> None:
+    d["spec"]["replicas"] = 2
+    _first(d)["env"] = [v for v in _first(d)["env"] if v["name"] != "FLYWHEEL_TRAINER_WORLD_SIZE"]
 
 
 def _admin(change: Callable[[Doc], None]) -> Callable[[Path], None]:
@@ -187,6 +203,26 @@ BROKEN = [
     Broken("strimzi-unknown-field", "cluster", "strict-decode", "Kafka/flywheel/flywheel",
            'unknown field "spec.kafka.listeners[0].authentification"',
            _kafka_listener(lambda listener: listener.update(authentification={"type": "scram-sha-512"}))),
+    Broken("ranks-replicas", "gpu", "trainer-ranks", TRAINER_STS,
+           "replicas 3 but FLYWHEEL_TRAINER_WORLD_SIZE 2; scale the StatefulSet and the world size together",
+           lambda root: _edit(root, GPU_RANKS, "StatefulSet", "flywheel-trainer",
+                              lambda d: d["spec"].update(replicas=3))),
+    Broken("ranks-rendezvous-other-pod", "gpu", "trainer-ranks", TRAINER_STS,
+           'FLYWHEEL_TRAINER_RENDEZVOUS "flywheel-trainer-1.flywheel-trainer:29500" must be '
+           "flywheel-trainer-0.flywheel-trainer",
+           _trainer_env("FLYWHEEL_TRAINER_RENDEZVOUS", {"name": "FLYWHEEL_TRAINER_RENDEZVOUS",
+                                                        "value": "flywheel-trainer-1.flywheel-trainer:29500"})),
+    Broken("ranks-rendezvous-port", "gpu", "trainer-ranks", TRAINER_STS,
+           "rendezvous port 29501 is not one of its container ports",
+           _trainer_env("FLYWHEEL_TRAINER_RENDEZVOUS",
+                        {"name": "FLYWHEEL_TRAINER_RENDEZVOUS",
+                         "value": "flywheel-trainer-0.flywheel-trainer.flywheel:29501"})),
+    Broken("ranks-constant-rank", "gpu", "trainer-ranks", TRAINER_STS,
+           "FLYWHEEL_TRAINER_RANK must come from fieldRef metadata.labels['apps.kubernetes.io/pod-index']",
+           _trainer_env("FLYWHEEL_TRAINER_RANK", {"name": "FLYWHEEL_TRAINER_RANK", "value": "0"})),
+    Broken("ranks-without-world-size", "local", "trainer-ranks", TRAINER_STS,
+           "2 replicas of services.trainer without FLYWHEEL_TRAINER_WORLD_SIZE: each pod would train alone",
+           _trainer(_two_replicas_without_world_size)),
     Broken("strimzi-enum", "cluster", "strict-decode", "Kafka/flywheel/flywheel",
            'type "internel": not a Strimzi listener type',
            _kafka_listener(lambda listener: listener.update(type="internel"))),
@@ -210,6 +246,23 @@ def test_a_broken_copy_is_refused_naming_the_rule(checker: Path, tmp_path: Path,
     assert any(broken.text in f for f in findings), findings
 
 
+def test_ranks_in_the_shared_config_map_are_refused(checker: Path, tmp_path: Path) -> None:
+    """The world size belongs on the StatefulSet, beside the replicas it must equal, not in flywheel-env."""
+    root = tmp_path / "k8s"
+    shutil.copytree(K8S, root)
+    kustomization = root / "base" / "kustomization.yaml"
+    text = kustomization.read_text()
+    line = "      - FLYWHEEL_HTTP_PORT=8000\n"
+    assert text.count(line) == 1
+    kustomization.write_text(text.replace(line, line + "      - FLYWHEEL_TRAINER_WORLD_SIZE=2\n"))
+    proc = subprocess.run([str(checker), str(root / "overlays" / "local")], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    [finding] = proc.stderr.strip().splitlines()
+    assert ": ConfigMap/flywheel/flywheel-env-" in finding
+    assert "[trainer-ranks] key FLYWHEEL_TRAINER_WORLD_SIZE" in finding
+
+
 def test_usage_errors_exit_2(checker: Path) -> None:
     proc = subprocess.run([str(checker)], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and "usage: k8s-check" in proc.stderr
@@ -231,6 +284,8 @@ def _resolved_env(docs: list[Doc], container: Doc, secret_value: str) -> dict[st
             env[var["name"]] = var["value"]
         elif "secretKeyRef" in var["valueFrom"]:
             env[var["name"]] = secret_value
+        elif var["valueFrom"]["fieldRef"]["fieldPath"] == POD_INDEX:
+            env[var["name"]] = "0"  # the pod-index label of pod flywheel-trainer-0
         else:
             env[var["name"]] = "flywheel-trainer-0"  # fieldRef metadata.name
     return env
@@ -301,6 +356,35 @@ def test_trainer_ranks_have_stable_dns_names(checker: Path) -> None:
     [svc] = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == trainer["spec"]["serviceName"]]
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert {"name": "rendezvous", "port": 29500, "targetPort": "rendezvous"} in svc["spec"]["ports"]
+
+
+@pytest.mark.parametrize(("overlay", "ranks"), [("local", 1), ("gpu", 2), ("cluster", 1)])
+def test_trainer_ranks_one_pod_per_rank(checker: Path, overlay: str, ranks: int) -> None:
+    docs = _dump(checker, overlay)
+    trainer = _workload(docs, "trainer")
+    container = _container(docs, "trainer")
+    env = {v["name"]: v for v in container["env"]}
+    assert trainer["spec"]["replicas"] == ranks and env["FLYWHEEL_TRAINER_WORLD_SIZE"]["value"] == str(ranks)
+    assert env["FLYWHEEL_TRAINER_RANK"]["valueFrom"] == {"fieldRef": {"fieldPath": POD_INDEX}}
+    assert env["FLYWHEEL_TRAINER_RENDEZVOUS"]["value"] == "flywheel-trainer-0.flywheel-trainer:29500"
+    settings = load_settings(REPO / "configs" / "cartpole.yaml", environ={
+        "FLYWHEEL_TRAINER_WORLD_SIZE": str(ranks), "FLYWHEEL_TRAINER_RANK": str(ranks - 1),
+        "FLYWHEEL_TRAINER_RENDEZVOUS": env["FLYWHEEL_TRAINER_RENDEZVOUS"]["value"]})
+    assert settings.kafka.samples_partitions >= ranks  # the trainer refuses fewer partitions than ranks
+    if overlay != "local":
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"  # one GPU per rank
+    # Lockstep: no voluntary eviction of any rank (each would restart the whole group).
+    [pdb] = [d for d in docs if d["kind"] == "PodDisruptionBudget" and d["metadata"]["name"] == "flywheel-trainer"]
+    assert pdb["spec"]["maxUnavailable"] == 0
+    # The store's port and the collectives' ephemeral ports, from and to trainer pods only.
+    [netpol] = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "flywheel-trainer"]
+    own = {"podSelector": {"matchLabels": trainer["spec"]["selector"]["matchLabels"]}}
+    between = [{"port": 29500, "protocol": "TCP"}, {"port": 32768, "endPort": 60999, "protocol": "TCP"}]
+    assert [r for r in netpol["spec"]["ingress"] if r.get("from") == [own]] == [{"from": [own], "ports": between}]
+    assert [r for r in netpol["spec"]["egress"] if r.get("to") == [own]] == [{"to": [own], "ports": between}]
+    for rules in (netpol["spec"]["ingress"], netpol["spec"]["egress"]):
+        opened = [p["port"] for r in rules if r.get("from", r.get("to")) != [own] for p in r.get("ports", [])]
+        assert 29500 not in opened and 32768 not in opened
 
 
 def test_cluster_topics_are_the_ones_the_services_create(checker: Path) -> None:

@@ -2,7 +2,10 @@ package main
 
 import (
 	"fmt"
+	"net"
 	"regexp"
+	"strconv"
+	"strings"
 
 	appsv1 "k8s.io/api/apps/v1"
 	batchv1 "k8s.io/api/batch/v1"
@@ -21,6 +24,16 @@ const (
 	rulePDB       = "pdb"
 	ruleNetpol    = "network-policy"
 	ruleRefs      = "references"
+	ruleRanks     = "trainer-ranks"
+)
+
+// The trainer's rank settings (shared/settings.py, TrainerSettings) and the label the StatefulSet
+// controller puts on every pod (Kubernetes >= 1.28).
+const (
+	envWorldSize  = "FLYWHEEL_TRAINER_WORLD_SIZE"
+	envRank       = "FLYWHEEL_TRAINER_RANK"
+	envRendezvous = "FLYWHEEL_TRAINER_RENDEZVOUS"
+	podIndexField = "metadata.labels['apps.kubernetes.io/pod-index']"
 )
 
 // flywheelLabel marks Flywheel's own services, whose probes must be HTTP GET /healthz.
@@ -84,7 +97,141 @@ func check(objs []object) []finding {
 			}
 		}
 	}
+	out = append(out, rankRules(objs)...)
 	return append(out, coverage(objs)...)
+}
+
+// rankRules checks the trainer's ranks (docs/kubernetes.md, "Trainer ranks"):
+//   - no ConfigMap sets FLYWHEEL_TRAINER_WORLD_SIZE or FLYWHEEL_TRAINER_RANK (they belong on the
+//     StatefulSet, beside the replicas they must agree with);
+//   - a workload running services.trainer with more than one replica sets FLYWHEEL_TRAINER_WORLD_SIZE
+//     (without it, each pod would be a trainer of its own);
+//
+// and every StatefulSet whose containers set FLYWHEEL_TRAINER_WORLD_SIZE:
+//   - the world size is an integer >= 1 and equals spec.replicas (default 1): one pod per rank;
+//   - with a world size above 1, FLYWHEEL_TRAINER_RANK comes from the pod-index label (one rank per
+//     pod, never a constant), and FLYWHEEL_TRAINER_RENDEZVOUS is host:port where host is pod 0 of
+//     this StatefulSet under its own serviceName (<name>-0.<serviceName>, optionally followed by
+//     .<namespace>, .svc and .cluster.local), serviceName is a headless Service of the build, and
+//     the port is a container port of the pod.
+func rankRules(objs []object) []finding {
+	headless := map[string]bool{}
+	for _, o := range objs {
+		if svc, ok := o.typed.(*corev1.Service); ok && svc.Spec.ClusterIP == corev1.ClusterIPNone {
+			headless[o.namespace+"/"+o.name] = true
+		}
+	}
+	var out []finding
+	for _, o := range objs {
+		if cm, ok := o.typed.(*corev1.ConfigMap); ok {
+			for _, key := range []string{envWorldSize, envRank} {
+				if _, has := cm.Data[key]; has {
+					out = append(out, finding{o.ref(), ruleRanks, fmt.Sprintf(
+						"key %s: set it on the trainer's StatefulSet, where it must agree with replicas", key)})
+				}
+			}
+		}
+		if d, ok := o.typed.(*appsv1.Deployment); ok && d.Spec.Replicas != nil && *d.Spec.Replicas > 1 &&
+			runsTrainer(d.Spec.Template.Spec) {
+			out = append(out, finding{o.ref(), ruleRanks, fmt.Sprintf(
+				"%d replicas of services.trainer in a Deployment: ranks need a StatefulSet (stable pod index)", *d.Spec.Replicas)})
+		}
+		sts, ok := o.typed.(*appsv1.StatefulSet)
+		if !ok {
+			continue
+		}
+		bad := func(format string, args ...any) {
+			out = append(out, finding{o.ref(), ruleRanks, fmt.Sprintf(format, args...)})
+		}
+		for _, c := range sts.Spec.Template.Spec.Containers {
+			env := map[string]corev1.EnvVar{}
+			for _, e := range c.Env {
+				env[e.Name] = e
+			}
+			ws, has := env[envWorldSize]
+			if !has {
+				if sts.Spec.Replicas != nil && *sts.Spec.Replicas > 1 && runsTrainer(sts.Spec.Template.Spec) {
+					bad("container %q: %d replicas of services.trainer without %s: each pod would train alone",
+						c.Name, *sts.Spec.Replicas, envWorldSize)
+				}
+				continue
+			}
+			world, err := strconv.Atoi(ws.Value)
+			if err != nil || world < 1 {
+				bad("container %q: %s must be an integer >= 1, got %q", c.Name, envWorldSize, ws.Value)
+				continue
+			}
+			replicas := int32(1)
+			if sts.Spec.Replicas != nil {
+				replicas = *sts.Spec.Replicas
+			}
+			if int(replicas) != world {
+				bad("container %q: replicas %d but %s %d; scale the StatefulSet and the world size together",
+					c.Name, replicas, envWorldSize, world)
+			}
+			if world == 1 {
+				continue
+			}
+			if r, has := env[envRank]; !has || r.ValueFrom == nil || r.ValueFrom.FieldRef == nil ||
+				r.ValueFrom.FieldRef.FieldPath != podIndexField {
+				bad("container %q: with world size %d, %s must come from fieldRef %s", c.Name, world, envRank, podIndexField)
+			}
+			rv, has := env[envRendezvous]
+			if !has || rv.Value == "" {
+				bad("container %q: with world size %d, %s must name rank 0 (%s-0.%s:PORT)", c.Name, world, envRendezvous,
+					sts.Name, sts.Spec.ServiceName)
+				continue
+			}
+			host, port, err := net.SplitHostPort(rv.Value)
+			want := sts.Name + "-0." + sts.Spec.ServiceName
+			if err != nil || !rendezvousHost(host, want, o.namespace) {
+				bad("container %q: %s %q must be %s[.%s[.svc[.cluster.local]]]:PORT, pod 0 under the StatefulSet's own service",
+					c.Name, envRendezvous, rv.Value, want, o.namespace)
+				continue
+			}
+			if !headless[o.namespace+"/"+sts.Spec.ServiceName] {
+				bad("serviceName %q is not a headless Service (clusterIP: None) of the build", sts.Spec.ServiceName)
+			}
+			if !containerPort(c, port) {
+				bad("container %q: rendezvous port %s is not one of its container ports", c.Name, port)
+			}
+		}
+	}
+	return out
+}
+
+// rendezvousHost reports whether host is want, or want qualified by namespace (and .svc, .svc.cluster.local).
+func rendezvousHost(host, want, namespace string) bool {
+	if host == want {
+		return true
+	}
+	rest, ok := strings.CutPrefix(host, want+".")
+	if !ok {
+		return false
+	}
+	rest = strings.TrimSuffix(rest, ".")
+	return rest == namespace || rest == namespace+".svc" || rest == namespace+".svc.cluster.local"
+}
+
+// runsTrainer reports whether a pod runs the trainer service (`python -m services.trainer`).
+func runsTrainer(spec corev1.PodSpec) bool {
+	for _, c := range spec.Containers {
+		for _, a := range append(append([]string{}, c.Command...), c.Args...) {
+			if a == "services.trainer" || strings.Contains(a, "-m services.trainer") {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+func containerPort(c corev1.Container, port string) bool {
+	for _, p := range c.Ports {
+		if strconv.Itoa(int(p.ContainerPort)) == port {
+			return true
+		}
+	}
+	return false
 }
 
 func podRules(w workload) []finding {
