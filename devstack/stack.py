@@ -327,7 +327,7 @@ class LocalStack:
                 self.wait_healthy(service, replica, timeout_s=max(1.0, deadline - time.monotonic()))
             if prometheus:
                 targets = {s: [self.port(s)] for s in ("trainer", "paramsync", "admin")}
-                targets["trainer"] = [self.port("trainer", r) for r in range(self.trainers)]
+                targets["trainer-ranks"] = [self.port("trainer", r) for r in range(1, self.trainers)]
                 targets["sampler"] = [self.port("sampler", r) for r in range(samplers)]
                 prom.ensure_running(self.home, self.prometheus_port, targets, deadline=deadline,
                                     progress=self._progress)
