@@ -15,6 +15,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.conn import collect_hosts, create_conn
 from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
 from aiokafka.helpers import create_ssl_context
@@ -114,6 +115,45 @@ def replication_for(brokers: int) -> tuple[int, int]:
     return min(3, brokers), min(2, brokers)
 
 
+POLICY_SEGMENT_MS = 10 * 60 * 1000
+"""The policy topic's active segment rolls at least this often (Kafka never compacts the active segment)."""
+
+
+def policy_segments(max_message_bytes: int) -> dict[str, str]:
+    """Segment configs of the compacted policy topic: 16 MiB segments (at least 4 of the largest message, which
+    Kafka requires to fit in one), rolled every :data:`POLICY_SEGMENT_MS`, so inline weights of superseded
+    announcements are compacted away within minutes instead of after the 1 GiB / 7 day defaults."""
+    return {"segment.bytes": str(max(16 * 1024 * 1024, 4 * max_message_bytes)), "segment.ms": str(POLICY_SEGMENT_MS)}
+
+
+BROKER_DEFAULT_MESSAGE_BYTES = 1_048_588
+"""Kafka's default ``message.max.bytes``: what a topic without its own ``max.message.bytes`` accepts."""
+
+
+async def topic_max_message_bytes(settings: Settings, topic: str) -> int | None:
+    """The ``max.message.bytes`` in force on ``topic`` (its own, else the broker's), or None when it cannot be
+    read (no such topic, not authorized to describe it). paramsync caps inline policies by it: a policy topic
+    created before they existed keeps the broker's default, and a record the broker refuses as too large
+    leaves the idempotent producer out of sequence (``OutOfOrderSequenceNumber`` on every later send)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap,
+                                request_timeout_ms=settings.kafka.request_timeout_ms, **client_security(settings))
+    await admin.start()
+    try:
+        responses = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, topic, {"max.message.bytes": None})])
+    finally:
+        await admin.close()
+    for response in responses:
+        for error_code, _message, _type, _name, entries in response.resources:
+            if error_code != 0:
+                log.warning("topic_config_unreadable", topic=topic, error_code=error_code)
+                return None
+            for name, value, *_ in entries:
+                if name == "max.message.bytes" and value is not None:
+                    return int(value)
+    return None
+
+
 def topic_specs(settings: Settings, brokers: int | None = None) -> list[NewTopic]:
     """Partitions and configs of every run topic, from settings and the cluster's size.
 
@@ -136,9 +176,11 @@ def topic_specs(settings: Settings, brokers: int | None = None) -> list[NewTopic
                  topic_configs={"retention.ms": str(k.samples_retention_ms), "max.message.bytes": big, **isr}),
         NewTopic(t.dlq, 1, rf,
                  topic_configs={"retention.ms": str(k.dlq_retention_ms), "max.message.bytes": big, **isr}),
-        # Compacted: the latest candidate and the latest announcement survive forever.
+        # Compacted: the latest candidate and the latest announcement (with its inline weights) survive
+        # forever; segments roll so that older announcements, and the weights on them, are compacted away.
         NewTopic(t.policy, 1, rf,
-                 topic_configs={"cleanup.policy": "compact", "min.compaction.lag.ms": "60000", **isr}),
+                 topic_configs={"cleanup.policy": "compact", "min.compaction.lag.ms": "60000",
+                                "max.message.bytes": big, **policy_segments(int(big)), **isr}),
         NewTopic(t.control, 1, rf, topic_configs={"retention.ms": str(24 * 3600 * 1000), **isr}),
         NewTopic(t.heartbeats, 1, rf, topic_configs={"retention.ms": str(k.heartbeats_retention_ms), **isr}),
         # Flow-control grants: only the newest matters, and readers start at the end.

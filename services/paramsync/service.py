@@ -2,7 +2,8 @@
 
 Candidates arrive on ``<run>.policy`` (consumer group ``<run>.paramsync``, committed after each
 one is handled). Each is verified — blob present, sha256 and size match, weights load into the
-model — then the marker is moved conditionally and the version announced on the same topic.
+model — then the marker is moved conditionally and the version announced on the same topic, with its
+weights inline when they fit ``paramsync.inline_max_bytes`` (:mod:`services.paramsync.inline`, docs/policies.md).
 Heartbeats tell which samplers are live and on which version (sync latency); ``sync`` commands
 on ``<run>.control`` re-announce the current version.
 
@@ -24,16 +25,18 @@ import contextlib
 import os
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiokafka import TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.paramsync.inline import BATCH_OVERHEAD_BYTES, InlinePayload
 from services.paramsync.rollbacks import RollbackQueue, RollbackRequest, Status, republish
 from services.paramsync.tracker import SyncTracker
 from shared.bus import Bus, Record, kafka_bus
-from shared.kafka import Topics
+from shared.kafka import BROKER_DEFAULT_MESSAGE_BYTES, Topics, topic_max_message_bytes
 from shared.logging import get_logger
 from shared.marker import BadPayload, MarkerConflict, StaleVersion, VersionedStore, VersionRecord
 from shared.messages import KEY_ANNOUNCE, ControlCommand, ParamsyncBeat, PolicyMessage, SamplerBeat, parse_heartbeat
@@ -60,6 +63,9 @@ ROLLBACK_POLL_S = 2.0
 PRUNE_EVERY = 10
 PUBLISH_SECONDS = Histogram("flywheel_paramsync_publish_seconds", "Verify + marker write + announce")
 REANNOUNCED = Counter("flywheel_paramsync_reannouncements_total", "Periodic re-announcements of the published version")
+ANNOUNCEMENTS = Counter("flywheel_paramsync_announcements_total",
+                        "Announcements sent (re-announcements included), by where readers get the weights",
+                        ["payload"])  # inline: in the message; store: a GET of the blob
 
 
 class AbandonedLineage(Exception):
@@ -73,7 +79,10 @@ class AbandonedLineage(Exception):
 class Paramsync:
     name = "paramsync"
 
-    def __init__(self, settings: Settings, bus: Bus | None = None) -> None:
+    def __init__(self, settings: Settings, bus: Bus | None = None,
+                 policy_topic_limit: Callable[[], Awaitable[int | None]] | None = None) -> None:
+        """``policy_topic_limit``: reads the policy topic's ``max.message.bytes`` at start (inline announcements
+        are capped by it); with the real bus (``bus`` None) the broker is asked, with a bus passed in nothing is."""
         self.settings = settings
         self.id = f"paramsync-{socket.gethostname()}-{os.getpid()}"
         self.topics = Topics.for_run(settings.run)
@@ -88,6 +97,10 @@ class Paramsync:
                                           normalize_observations=settings.trainer.normalize_observations,
                                           gsde=settings.trainer.gsde, model=settings.trainer.model)
         self.tracker = SyncTracker(settings.paramsync.sampler_timeout_s)
+        self.inline = InlinePayload(settings.paramsync.inline_max_bytes, settings.kafka.max_message_bytes)
+        if policy_topic_limit is None and bus is None:
+            policy_topic_limit = lambda: topic_max_message_bytes(settings, self.topics.policy)  # noqa: E731
+        self._policy_topic_limit = policy_topic_limit
         self.bus = bus or kafka_bus(settings, group=paramsync_group(settings.run))
         self.producer = self.bus.publisher
         self.candidates = self.bus.source  # the group's member on <run>.policy, committed after each poll
@@ -113,6 +126,14 @@ class Paramsync:
         current = await self.retry(lambda: asyncio.to_thread(self.policies.read_marker), "read marker", "store")
         if current is not None:
             self._set_published(current[0])
+        if self._policy_topic_limit is not None and self.inline.limit > 0:
+            limit = await self.retry(self._policy_topic_limit, "read the policy topic's message limit", "kafka",
+                                     timeout_s=self.settings.kafka.request_timeout_ms / 1000)
+            self.inline.cap((limit or BROKER_DEFAULT_MESSAGE_BYTES) - BATCH_OVERHEAD_BYTES)
+        if self.inline.limit < self.inline.configured:
+            self.log.warning("inline_limit_capped", inline_max_bytes=self.inline.configured, limit=self.inline.limit,
+                             reason="an inline announcement must fit kafka.max_message_bytes and the policy "
+                                    "topic's max.message.bytes")
         self._started = True
 
     async def run(self, stop_event: asyncio.Event) -> None:
@@ -202,6 +223,7 @@ class Paramsync:
         try:
             data = await self.retry(lambda: asyncio.to_thread(self.policies.fetch, record), "fetch candidate", "store")
             load_weights(self.model, data)
+            self.inline.keep(record, data)  # verified: it rides on the announcement if it fits
         except (BadPayload, WeightsError) as exc:
             self.log.warning("candidate_rejected", policy_version=msg.version, reason=str(exc))
             return "rejected"
@@ -260,10 +282,48 @@ class Paramsync:
         if removed:
             self.log.info("versions_pruned", versions=removed)
 
-    async def _announce(self, record: VersionRecord) -> None:
-        ann = PolicyMessage.of("announce", record).to_bytes()
-        await self.retry(lambda: self.producer.send_and_wait(self.topics.policy, ann, key=KEY_ANNOUNCE),
-                          "announce", "kafka", timeout_s=self.settings.kafka.request_timeout_ms / 1000)
+    async def _announce(self, record: VersionRecord, *, quiet: bool = False) -> None:
+        """Announce ``record`` (inline when its weights fit) and wait for the acknowledgement, retried while
+        Kafka is away (``quiet``: once; a transient error is raised). Inline announcements are sized below the
+        policy topic's limit read at start; should a broker still refuse one as too large (the topic altered
+        since), only smaller weights go inline from now on and the announcement is sent without them (an
+        idempotent producer may be out of sequence after a refusal: then that send fails and paramsync stops,
+        to restart with a fresh producer and the topic's limit read again)."""
+        await self._hold_inline(record)
+        ann, inline = self.inline.announcement(record)
+        try:
+            await self._send_announcement(ann, quiet)
+        except (MessageSizeTooLargeError, RecordListTooLargeError) as exc:
+            if not inline:
+                raise
+            self.inline.refused(len(ann))
+            self.log.warning("inline_announcement_refused", policy_version=record.version, bytes=len(ann),
+                             limit=self.inline.limit, error=describe(exc))
+            ann, inline = self.inline.announcement(record)
+            await self._send_announcement(ann, quiet)
+        ANNOUNCEMENTS.labels(payload="inline" if inline else "store").inc()
+
+    async def _send_announcement(self, value: bytes, quiet: bool) -> None:
+        timeout_s = self.settings.kafka.request_timeout_ms / 1000
+        if quiet:
+            await asyncio.wait_for(self.producer.send_and_wait(self.topics.policy, value, key=KEY_ANNOUNCE), timeout_s)
+            return
+        await self.retry(lambda: self.producer.send_and_wait(self.topics.policy, value, key=KEY_ANNOUNCE),
+                         "announce", "kafka", timeout_s=timeout_s)
+
+    async def _hold_inline(self, record: VersionRecord) -> None:
+        """Fetch ``record``'s weights to announce them inline, when they fit and are not held (a rollback, a
+        restarted paramsync's marker). A store that fails is not worth waiting for: announced without them."""
+        if not self.inline.wants(record):
+            return
+        try:
+            data = await asyncio.wait_for(asyncio.to_thread(self.policies.fetch, record),
+                                          self.settings.kafka.request_timeout_ms / 1000)
+            self.inline.keep(record, data)
+        except Exception as exc:
+            if not (is_transient(exc) or isinstance(exc, BadPayload | ValueError)):
+                raise
+            self.log.warning("inline_payload_unavailable", policy_version=record.version, error=describe(exc))
 
     # ---- heartbeats and control ------------------------------------------------------------
     async def _on_inbox(self, rec: Record) -> None:
@@ -401,9 +461,14 @@ class Paramsync:
         restart, a late start) catches up."""
         if self.published_record is None:
             return
-        if await self._send_quietly(self.topics.policy, PolicyMessage.of("announce", self.published_record).to_bytes(),
-                                    KEY_ANNOUNCE):
-            REANNOUNCED.inc()
+        try:
+            await self._announce(self.published_record, quiet=True)
+        except Exception as exc:  # not worth stopping for: the next period announces again
+            if not is_transient(exc):
+                raise
+            self.log.debug("reannounce_failed", error=describe(exc))
+            return
+        REANNOUNCED.inc()
 
     async def _send_quietly(self, topic: str, value: bytes, key: bytes) -> bool:
         """Send without waiting for the acknowledgement; a transient failure is not worth stopping for (the

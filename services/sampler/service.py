@@ -1,8 +1,11 @@
-"""The sampler service: policy in (S3 marker + announcements), fragments out (Kafka).
+"""The sampler service: policy in (announcements, S3 marker), fragments out (Kafka).
 
 Between fragments it adopts newer policies (announcements on ``<run>.policy``, the marker polled
 every ``sync_interval_s`` as a fallback, ``sync`` commands on ``<run>.control``); it never changes
-policy mid-fragment. Sends are bounded by ``max_in_flight`` and optionally rate-capped.
+policy mid-fragment. An announcement that carries the weights inline is adopted without a store GET
+once they match its sha256; other versions are fetched from the store no more often than
+``min_adoption_interval_s`` (services.sampler.adoption decides, docs/policies.md). Sends are bounded
+by ``max_in_flight`` and optionally rate-capped.
 
 Flow control is credit-based (shared.credits): the sampler keeps at most the window the trainer grants
 of fragments in flight that the trainer has not consumed; ``max_backlog`` (the group's measured lag) is
@@ -10,10 +13,12 @@ an optional second limit.
 
 Kafka is reached only through ``shared.bus`` (a :class:`~shared.bus.Bus` passed in, ``kafka_bus`` by
 default, ``MemoryBus`` in unit tests). Named background tasks keep slow or blocking reads out of the
-loop: ``inbox`` reads policy announcements, control commands and credit grants as they arrive
-(``shared.retry.read_forever``); ``marker`` reads the marker and the operator state every
-``sync_interval_s`` or at once on a ``config`` command, ``backlog`` measures the trainer's backlog every
-``backlog_check_interval_s``, ``heartbeats`` beats every ``heartbeat_interval_s`` (``shared.retry.every``).
+loop: ``announcements`` reads ``<run>.policy`` from ``POLICY_HISTORY`` records before its end (a late
+starter finds the newest announcement, with its inline weights, on the compacted topic), ``inbox`` reads
+control commands and credit grants as they arrive (both ``shared.retry.read_forever``); ``marker`` reads
+the marker and the operator state every ``sync_interval_s`` or at once on a ``config`` command,
+``backlog`` measures the trainer's backlog every ``backlog_check_interval_s``, ``heartbeats`` beats every
+``heartbeat_interval_s`` (``shared.retry.every``).
 They set ``_wake``, on which the loop waits while flow control pauses it (or, in ``mode: sync``, while
 it waits for the next version), so a paused sampler adopts a new policy as soon as it is announced.
 Nothing here imports torch for MLP policies (inference is numpy); CNN policies run in torch (rollout.py).
@@ -35,6 +40,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
+from services.sampler.adoption import AdoptInline, AdoptionPlan, FetchFromStore
 from services.sampler.backlog import BacklogGate
 from services.sampler.rollout import RolloutWorker
 from services.sampler.sender import FragmentSender
@@ -42,8 +48,8 @@ from shared.bus import Bus, Record, kafka_bus
 from shared.credits import CreditGate
 from shared.kafka import Topics
 from shared.logging import get_logger
-from shared.marker import BadPayload, VersionedStore
-from shared.messages import ControlCommand, CreditGrant, PolicyMessage, SamplerBeat
+from shared.marker import BadPayload, VersionedStore, VersionRecord
+from shared.messages import ControlCommand, CreditGrant, InlineMismatch, PolicyMessage, SamplerBeat
 from shared.retry import (
     CLIENT_STOP_TIMEOUT_S,
     Health,
@@ -65,7 +71,7 @@ from shared.runtime import (
     runtime_values,
 )
 from shared.settings import Settings
-from shared.store import open_store
+from shared.store import StoreError, open_store
 
 VERSION = Gauge("flywheel_sampler_policy_version", "Policy version the sampler acts with", ["sampler"])
 ADOPTIONS = Counter("flywheel_sampler_policy_adoptions_total", "Policy versions adopted", ["sampler", "trigger"])
@@ -75,9 +81,20 @@ CREDIT_WAIT = Counter("flywheel_sampler_credit_wait_seconds_total",
 CREDITS_IN_FLIGHT = Gauge("flywheel_sampler_credits_in_flight",
                           "Fragments sent that the trainer has not consumed yet (as of its last grant)", ["sampler"])
 PAUSED = Gauge("flywheel_sampler_paused", "1 while an operator has paused the sampler", ["sampler"])
+POLICY_FETCHES = Counter("flywheel_sampler_policy_fetches_total",
+                         "Policy weights obtained: inline (from the announcement, no store GET) or store (one GET of "
+                         "the blob)", ["sampler", "source"])
+INLINE_REFUSED = Counter("flywheel_sampler_inline_policy_refused_total",
+                         "Inline weights that did not match their sha256 and size (fetched from the store instead)",
+                         ["sampler"])
 
 WAKE_TIMEOUT_S = 0.05
 """Longest a paused (or, in sync mode, waiting) loop sleeps before re-checking on its own."""
+POLICY_HISTORY = 8
+"""Records of ``<run>.policy`` read before its end at start: the newest announcement is among them unless the
+trainer sent that many candidates since (then the marker, and the store, cover it)."""
+FIRST_MARKER_READ_S = 0.5
+"""While no policy is adopted yet, the marker is read this often."""
 
 
 def sampler_seed(base: int | None, sampler_id: str) -> int | None:
@@ -115,8 +132,9 @@ class Sampler:
         self.worker = RolloutWorker.from_settings(settings, self.id, sampler_seed(settings.sampler.seed, self.id))
         self.bus = bus or kafka_bus(settings)
         self.producer = self.bus.publisher
-        # Only what is announced from now on: the marker covers the past.
-        self.inbox = self.bus.tail(self.topics.policy, self.topics.control, self.topics.credits)
+        # Commands and grants from now on; announcements from a few records back (the newest may carry weights).
+        self.inbox = self.bus.tail(self.topics.control, self.topics.credits)
+        self.announcements = self.bus.tail(self.topics.policy, history=POLICY_HISTORY)
         # Always measured: max_backlog can be turned on at run time (PATCH /config).
         self.lag_probe = self.bus.lag()
         self._wake = asyncio.Event()  # backlog dropped to the limit, a policy was announced, or a command came
@@ -126,10 +144,8 @@ class Sampler:
         self._tasks: list[asyncio.Task[None]] = []
         self.adopted_at: float | None = None
         self.recent_returns: deque[float] = deque(maxlen=100)
-        self._wanted_version: int | None = None
-        self._rejected_version: int | None = None  # the last version whose weights were refused
+        self.plan = AdoptionPlan()  # which version next, inline or from the store
         self._sync_requested = False
-        self._wanted_trigger = "announce"
         self._labels = {"sampler": self.id}
         self.health_state = Health("sampler")
         self.retry = Retrier(self.health_state, self.log)
@@ -146,6 +162,7 @@ class Sampler:
         await self.retry(self.bus.create_topics, "create topics", "kafka", timeout_s=timeout_s)
         await self.retry(self.producer.start, "start producer", "kafka", timeout_s=timeout_s)
         await self.retry(self.inbox.start, "start inbox", "kafka", timeout_s=timeout_s)
+        await self.retry(self.announcements.start, "start announcement reader", "kafka", timeout_s=timeout_s)
         await self.retry(self.lag_probe.start, "start lag probe", "kafka", timeout_s=timeout_s)
         # A restarted sampler comes back paused if it was, and with the latest runtime settings.
         await self.retry(self._refresh_operator_state, "read operator state", "store", timeout_s=timeout_s)
@@ -192,7 +209,7 @@ class Sampler:
         if self.sender.pending:
             await asyncio.wait(self.sender.pending, timeout=CLIENT_STOP_TIMEOUT_S)
         # The producer flushes what is buffered.
-        await stop_clients([self.producer, self.inbox, self.lag_probe], self.log)
+        await stop_clients([self.producer, self.inbox, self.announcements, self.lag_probe], self.log)
         self.worker.close()
 
     def health(self) -> dict[str, Any]:
@@ -207,6 +224,8 @@ class Sampler:
             return
         log = self.log
         self._start_task("inbox", read_forever(self.inbox, self._on_inbox, name="inbox", log=log))
+        self._start_task("announcements", read_forever(self.announcements, self._on_announcement,
+                                                       name="announcements", log=log))
         self._start_task("marker", every(lambda: self.settings.sampler.sync_interval_s, self._poll_marker,
                                          name="marker", log=log, stop_event=stop_event, wake=self._poll_now))
         self._start_task("backlog", every(lambda: self.settings.sampler.backlog_check_interval_s,
@@ -277,26 +296,74 @@ class Sampler:
 
     # ---- policy ----------------------------------------------------------------------------
     async def _wait_for_first_policy(self, stop_event: asyncio.Event) -> None:
-        waited = 0.0
+        """Until a policy is adopted: the newest announcement (inline weights: no store GET) or the marker's
+        version, read every ``FIRST_MARKER_READ_S`` (from the store as :class:`AdoptionPlan` allows)."""
+        started = time.monotonic()
+        next_read = logged = started
         while not stop_event.is_set():
-            if await self._adopt_latest("start"):
+            now = time.monotonic()
+            if now >= next_read:
+                next_read = now + FIRST_MARKER_READ_S
+                await self._read_marker_for_start(now)
+            await self._refresh_policy()
+            if self.worker.policy_version is not None:
                 return
-            if waited % 5.0 < 0.5:
+            if now >= logged:
+                logged = now + 5.0
                 self.log.info("waiting_for_policy", marker=self.policies.marker_key)
-            await self._wait_wake(0.5)  # an announcement wakes it early
-            waited += 0.5
+            await self._wait_wake(WAKE_TIMEOUT_S)  # an announcement wakes it early
+
+    async def _read_marker_for_start(self, now: float) -> None:
+        try:
+            marker = await asyncio.to_thread(self.policies.read_marker)
+        except StoreError as exc:  # the store is down or the marker unrepairable: an announcement may still come
+            self.log.warning("marker_read_rejected", keeping_version=None, reason=describe(exc))
+            return
+        if marker is not None:
+            self.plan.found_behind_marker(marker[0].version, now, trigger="start")
+
+    def _load_from_store(self, have: int | None) -> tuple[VersionRecord, bytes] | None:
+        """The marker's version and its payload from the store when newer than ``have`` (runs in a thread).
+        Missing or corrupt payloads and unreadable markers are logged and give None (keep what we have)."""
+        try:
+            current = self.policies.read_marker()
+            if current is None or (have is not None and current[0].version <= have):
+                return None
+            POLICY_FETCHES.labels(source="store", **self._labels).inc()
+            return current[0], self.policies.fetch(current[0])
+        except StoreError as exc:
+            self.log.warning("marker_read_rejected", keeping_version=have, reason=describe(exc))
+            return None
 
     async def _adopt_latest(self, trigger: str) -> bool:
-        """Load the marker's version if newer than ours. True if a policy was adopted."""
-        found = await asyncio.to_thread(self.policies.load_newer, self.worker.policy_version)
+        """Load the marker's version from the store if newer than ours. True if a policy was adopted."""
+        self.plan.fetched_from_store(time.monotonic())
+        found = await asyncio.to_thread(self._load_from_store, self.worker.policy_version)
         if found is None:
             return False
         record, data = found
+        return await self._install(record, data, trigger)
+
+    async def _adopt_inline(self, msg: PolicyMessage) -> bool:
+        """Adopt the weights an announcement carries, once they match its sha256 and size; corrupt ones are
+        logged, counted and dropped (that version is then fetched from the store). True if adopted."""
+        try:
+            data = msg.inline_weights()
+        except InlineMismatch as exc:
+            INLINE_REFUSED.labels(**self._labels).inc()
+            self.log.warning("inline_policy_refused", policy_version=msg.version, reason=str(exc))
+            self.plan.inline_refused(msg.version)
+            return False
+        assert data is not None  # the plan offers only announcements with inline weights
+        POLICY_FETCHES.labels(source="inline", **self._labels).inc()
+        return await self._install(msg.record(), data, "announce")
+
+    async def _install(self, record: VersionRecord, data: bytes, trigger: str) -> bool:
         try:
             self.worker.set_policy(record.version, data)
         except WeightsError as exc:
             self.log.warning("policy_rejected", version=record.version, reason=str(exc))
-            self._rejected_version = record.version  # not retried on every announcement check
+            self.plan.weights_refused(record.version)  # not retried on every announcement check
             return False
         self.adopted_at = time.time()
         VERSION.labels(**self._labels).set(record.version)
@@ -307,14 +374,20 @@ class Sampler:
 
     async def _refresh_policy(self) -> None:
         """Between fragments: adopt when something newer was announced (or found behind the marker by
-        :meth:`_poll_marker`), or a sync command came."""
-        current = self.worker.policy_version
+        :meth:`_poll_marker`), inline or from the store as :class:`AdoptionPlan` says, or a sync command came
+        (from the store at once)."""
         if self._sync_requested:
             self._sync_requested = False
             await self._adopt_latest("control")
-        elif self._wanted_version is not None and (current is None or self._wanted_version > current) \
-                and self._wanted_version != self._rejected_version:
-            await self._adopt_latest(self._wanted_trigger)
+            return
+        step = self.plan.next(self.worker.policy_version, time.monotonic(),
+                              self.settings.sampler.min_adoption_interval_s)
+        if isinstance(step, AdoptInline):
+            if not await self._adopt_inline(step.message):
+                step = self.plan.next(self.worker.policy_version, time.monotonic(),
+                                      self.settings.sampler.min_adoption_interval_s)
+        if isinstance(step, FetchFromStore):
+            await self._adopt_latest(step.trigger)
 
     async def _poll_marker(self) -> None:
         """Read the marker and the operator state (the ``marker`` task: every ``sync_interval_s``, at once
@@ -330,9 +403,7 @@ class Sampler:
             self.health_state.degraded("store", f"marker read failed: {describe(exc)}")
             return
         self.health_state.recovered("store")
-        if marker is not None and (self._wanted_version is None or marker[0].version > self._wanted_version):
-            self._wanted_version = marker[0].version
-            self._wanted_trigger = "poll"
+        if marker is not None and self.plan.found_behind_marker(marker[0].version, time.monotonic()):
             self._wake.set()
 
     # ---- operator state: pause, runtime settings --------------------------------------------
@@ -386,9 +457,21 @@ class Sampler:
         new = runtime_values(settings)
         return {k: {"old": old[k], "new": new[k]} for k in new if k.startswith("sampler.") and old[k] != new[k]}
 
+    def _on_announcement(self, rec: Record) -> None:
+        """One record of ``<run>.policy``: an announcement is noted (adoption itself happens in the loop, between
+        fragments); candidates are paramsync's business. A malformed one is logged and ignored."""
+        if rec.value is None:
+            return
+        try:
+            msg = PolicyMessage.model_validate_json(rec.value)
+        except ValueError as exc:
+            self.log.warning("inbox_message_ignored", topic=rec.topic, reason=str(exc)[:200])
+            return
+        if msg.type == "announce" and self.plan.announced(msg, time.monotonic()):
+            self._wake.set()
+
     def _on_inbox(self, rec: Record) -> None:
-        """One record of the inbox: a command, a credit grant or an announcement (adoption itself happens
-        in the loop, between fragments). A malformed one is logged and ignored."""
+        """One record of the inbox: a command or a credit grant. A malformed one is logged and ignored."""
         topic, value = rec.topic, rec.value
         try:
             if topic == self.topics.control and value is not None:
@@ -411,12 +494,6 @@ class Sampler:
                 self.credits.grant(CreditGrant.model_validate_json(value), time.monotonic())
                 CREDITS_IN_FLIGHT.labels(**self._labels).set(self.credits.in_flight)
                 if self.credits.open():
-                    self._wake.set()
-            elif topic == self.topics.policy and value is not None:
-                msg = PolicyMessage.model_validate_json(value)
-                if msg.type == "announce" and msg.version > (self._wanted_version or -1):
-                    self._wanted_version = msg.version
-                    self._wanted_trigger = "announce"
                     self._wake.set()
         except ValueError as exc:
             self.log.warning("inbox_message_ignored", topic=topic, reason=str(exc)[:200])

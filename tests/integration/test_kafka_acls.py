@@ -9,11 +9,16 @@ other client authenticates as a role, with settings from the environment as in p
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
+import httpx
 import pytest
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -36,6 +41,7 @@ pytestmark = [
 
 T = TypeVar("T")
 KAFKA_PORT, CONTROLLER_PORT, S3_PORT, SASL_PORT = 19592, 19593, 19500, 19594
+REPO = Path(__file__).resolve().parents[2]
 STEP_TIMEOUT_S = 30.0
 """Bound on every broker call: a client that waits for a grant it never gets must fail the test, not hang it."""
 
@@ -167,3 +173,60 @@ async def test_a_role_cannot_grant_itself_more(acl_broker: InfraEndpoints, run_n
     wider = [a for a in role_acls(run_name)["trainer"] if a.op is Op.READ]
     with pytest.raises(AclError, match="refused: ClusterAuthorizationFailedError"):
         await create_acls(sampler, [type(a)("User:sampler", a.resource, a.pattern, a.name, a.op) for a in wider])
+
+
+def test_the_stack_trains_with_acls_enforced(acl_broker: InfraEndpoints, run_name: str, tmp_path: Path) -> None:
+    """trainer, paramsync and two samplers, each as its own role's SCRAM user, on the broker with the authorizer
+    on after the init step: the trainer updates, paramsync publishes, the samplers act on published versions, and
+    no service logs a refusal."""
+    asyncio.run(bounded(provision_run(settings_as(acl_broker, run_name, None))))
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    common = {"FLYWHEEL_CONFIG": str(REPO / "configs" / "cartpole.yaml"), "FLYWHEEL_RUN": run_name,
+              "FLYWHEEL_KAFKA_SAMPLES_PARTITIONS": "1", "FLYWHEEL_STORE_BACKEND": "local",
+              "FLYWHEEL_STORE_LOCAL_ROOT": str(tmp_path / "store"), "FLYWHEEL_HTTP_HOST": "127.0.0.1",
+              "FLYWHEEL_TRACKING_TENSORBOARD": "false", "PYTHONUNBUFFERED": "1"}
+    layout = [("trainer", "trainer", 19570, None), ("paramsync", "paramsync", 19571, None),
+              ("sampler", "sampler", 19572, "sampler-0"), ("sampler", "sampler", 19573, "sampler-1")]
+    procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+    try:
+        for service, role, port, sampler_id in layout:
+            env = {**base, **common, **acl_broker.kafka_sasl_env(role), "FLYWHEEL_HTTP_PORT": str(port)}
+            if sampler_id:
+                env["FLYWHEEL_SAMPLER_ID"] = sampler_id
+            log = tmp_path / f"{sampler_id or service}.log"
+            with log.open("wb") as out:
+                procs.append((sampler_id or service, subprocess.Popen(
+                    [sys.executable, "-m", f"services.{service}"], env=env, stdout=out, stderr=subprocess.STDOUT,
+                    cwd=REPO), log))
+
+        def health(port: int) -> dict[str, object]:
+            try:
+                body: dict[str, object] = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=3).json()
+                return body
+            except (httpx.HTTPError, ValueError):
+                return {}
+
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            dead = [name for name, p, _ in procs if p.poll() is not None]
+            assert not dead, f"{dead} exited under ACLs: " + "".join(
+                log.read_text(errors="replace")[-2000:] for name, _, log in procs if name in dead)
+            trainer, paramsync = health(19570), health(19571)
+            if int(str(trainer.get("updates") or 0)) >= 5 and int(str(paramsync.get("published_version") or 0)) >= 3:
+                break
+            time.sleep(1)
+        else:
+            pytest.fail("no training under ACLs within 240 s: " + "; ".join(
+                f"{name}: {log.read_text(errors='replace')[-800:]}" for name, _, log in procs))
+        for name, _, log in procs:
+            text = log.read_text(errors="replace")
+            refused = "AuthorizationFailed" in text or "TOPIC_AUTHORIZATION_FAILED" in text
+            assert not refused, f"{name}: {text[-2000:]}"
+    finally:
+        for _, p, _ in procs:
+            p.terminate()
+        for _, p, _ in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
