@@ -10,8 +10,8 @@ Store GETs are counted by a wrapper around the sampler's store client (S3 is not
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Callable
+from contextlib import AsyncExitStack
 from typing import Any
 
 import pytest
@@ -27,6 +27,8 @@ from shared.messages import KEY_CANDIDATE, PolicyMessage
 from shared.rl.envs import fragment_spec
 from shared.settings import Settings, load_settings
 from shared.store import S3Store, StoredObject
+from tests.services import running
+from tests.services import until as _until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3]
 
@@ -63,26 +65,8 @@ def make_settings(kafka_bootstrap: str, s3_endpoint: Any, run_name: str, monkeyp
     })
 
 
-@asynccontextmanager
-async def running(svc: Any) -> AsyncIterator[asyncio.Task[None]]:
-    stop = asyncio.Event()
-    await svc.start()
-    task = asyncio.create_task(svc.run(stop))
-    try:
-        yield task
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
-        await svc.stop()
 
 
-async def until(cond: Callable[[], bool], tasks: list[asyncio.Task[None]], timeout_s: float = 30) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not cond():
-            for task in tasks:
-                if task.done():
-                    task.result()  # a service died: raise its error
-            await asyncio.sleep(0.05)
 
 
 def weights(settings: Settings, seed: int) -> bytes:
@@ -182,3 +166,7 @@ async def test_a_policy_topic_too_small_for_the_weights_gets_the_announcement_wi
         assert not ps.done()  # no refused record, no producer out of sequence
     anns = await announcements(kafka_bootstrap, topic)
     assert [(m.version, m.sha256, m.inline) for m in anns] == [(0, rec.sha256, None)]
+
+
+async def until(cond: Callable[[], bool], tasks: Any, timeout_s: float = 30) -> None:
+    await _until(cond, tasks, timeout_s)

@@ -8,12 +8,9 @@ Kafka's own semantics (the compacted topic, a sampler that starts late, a real b
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import functools
 import json
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +31,7 @@ from shared.messages import KEY_ANNOUNCE, KEY_CANDIDATE, InlineMismatch, PolicyM
 from shared.rl.envs import fragment_spec
 from shared.settings import Settings
 from shared.store import ObjectStore, StoredObject
+from tests.services import running, until
 
 RUN = "r"
 T = Topics.for_run(RUN)
@@ -226,25 +224,8 @@ def store_version(sampler: Sampler, data: bytes, version: int) -> VersionRecord:
     return rec
 
 
-async def until(cond: Callable[[], bool], task: asyncio.Task[None], timeout_s: float = 10) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not cond():
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
 
 
-@asynccontextmanager
-async def running(svc: Any) -> AsyncIterator[asyncio.Task[None]]:
-    stop = asyncio.Event()
-    await svc.start()
-    task = asyncio.create_task(svc.run(stop))
-    try:
-        yield task
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
-        await svc.stop()
 
 
 def fetches(sampler_id: str, source: str) -> float:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -34,6 +32,7 @@ from shared.messages import (
 )
 from shared.rl.envs import fragment_spec
 from shared.settings import Settings
+from tests.services import running, until
 
 RUN = "r"
 T = Topics.for_run(RUN)
@@ -63,25 +62,8 @@ def announced(mem: MemoryBus) -> list[int]:
     return [m.version for m in msgs if m.type == "announce"]
 
 
-async def until(cond: Callable[[], bool], task: asyncio.Task[None], timeout_s: float = 10) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not cond():
-            if task.done():
-                task.result()  # paramsync died: raise its error
-            await asyncio.sleep(0.01)
 
 
-@asynccontextmanager
-async def running(svc: Paramsync) -> AsyncIterator[asyncio.Task[None]]:
-    stop = asyncio.Event()
-    await svc.start()
-    task = asyncio.create_task(svc.run(stop))
-    try:
-        yield task
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)  # stops although its inbox reader never returns by itself
-        await svc.stop()
 
 
 async def test_a_candidate_is_verified_published_announced_and_committed(tmp_path: Path) -> None:

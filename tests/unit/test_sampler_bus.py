@@ -9,8 +9,7 @@ what the sampler does with what it reads and what it sends.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,8 @@ from shared.messages import KEY_ANNOUNCE, ControlCommand, CreditGrant, PolicyMes
 from shared.rl.envs import fragment_spec
 from shared.service import http_app
 from shared.settings import Settings
+from tests.services import running
+from tests.services import until as _until
 
 RUN = "r"
 T = Topics.for_run(RUN)
@@ -52,25 +53,8 @@ def publish(sampler: Sampler, version: int) -> VersionRecord:
     return rec
 
 
-async def until(cond: Callable[[], bool], task: asyncio.Task[None], timeout_s: float = 20) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not cond():
-            if task.done():
-                task.result()  # the sampler died: raise its error
-            await asyncio.sleep(0.01)
 
 
-@asynccontextmanager
-async def running(sampler: Sampler) -> AsyncIterator[asyncio.Task[None]]:
-    stop = asyncio.Event()
-    await sampler.start()
-    task = asyncio.create_task(sampler.run(stop))
-    try:
-        yield task
-    finally:
-        stop.set()
-        await task
-        await sampler.stop()
 
 
 def fragments(mem: MemoryBus) -> list[dict[str, str]]:
@@ -200,3 +184,7 @@ async def test_a_credit_wait_longer_than_a_kafka_request_reports_degraded_until_
         mem.append(T.credits, CreditGrant(trainer="t", window=3, consumed={f"s-1/{seq[0]}": 1}).to_bytes(),
                    key=b"credits")
         await until(lambda: sampler.health()["state"] == "ok", task)
+
+
+async def until(cond: Callable[[], bool], tasks: Any, timeout_s: float = 20) -> None:
+    await _until(cond, tasks, timeout_s)
