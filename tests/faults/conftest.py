@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,40 +159,44 @@ class FaultEnv:
                            s3_port=S3_PORT, progress=self.say)
 
 
-@pytest.fixture(scope="session")
-def fault_env(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[FaultEnv]:
+@contextmanager
+def fault_stack(root: Path, request: pytest.FixtureRequest, *, label: str, kafka_port: int, controller_port: int,
+                s3_port: int, s3_proxy_port: int, admin_port: int, brokers: int = 1,
+                timeout_s: float = 180) -> Iterator[FaultEnv]:
+    """Kafka (``brokers`` nodes) and moto S3 of their own under ``root``, S3 behind a proxy, and the four
+    services under the supervisor, training; everything is stopped afterwards. The seed is logged (``FAULT_SEED``
+    replays it)."""
     seed = int(os.environ.get("FAULT_SEED") or random.SystemRandom().randrange(1 << 31))
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
 
     def say(msg: str) -> None:
-        line = f"[faults {time.strftime('%H:%M:%S')}] {msg}"
+        line = f"[{label} {time.strftime('%H:%M:%S')}] {msg}"
         if reporter is not None:
             reporter.write_line(line)
         else:
             print(line)  # noqa: T201
 
     say(f"seed {seed} (replay with FAULT_SEED={seed})")
-    root = tmp_path_factory.mktemp("faults")
     infra_home = root / "infra"
-    ep = devstack.ensure_up(infra_home, kafka_port=KAFKA_PORT, controller_port=CONTROLLER_PORT, s3_port=S3_PORT,
-                            progress=say)
-    proxy = TcpProxy(S3_PROXY_PORT, "127.0.0.1", S3_PORT)
+    ep = devstack.ensure_up(infra_home, kafka_port=kafka_port, controller_port=controller_port, s3_port=s3_port,
+                            brokers=brokers, timeout_s=max(120.0, timeout_s), progress=say)
+    proxy = TcpProxy(s3_proxy_port, "127.0.0.1", s3_port)
     proxy.up()
     endpoints = devstack.InfraEndpoints(kafka_bootstrap=ep.kafka_bootstrap, s3_endpoint=proxy.endpoint,
                                         bucket=ep.bucket, access_key=ep.access_key, secret_key=ep.secret_key,
                                         region=ep.region)
-    run = f"faults-{seed}"
+    run = f"{label.replace(' ', '-')}-{seed}"
     stack = devstack.LocalStack(
-        root / "stack", run=run, infra=endpoints, store_backend="s3", admin_port=ADMIN_PORT,
-        trainer_port=ADMIN_PORT + 1, paramsync_port=ADMIN_PORT + 2, sampler_base_port=ADMIN_PORT + 10,
-        trainer_rank_base_port=ADMIN_PORT + 60, rendezvous_port=ADMIN_PORT + 99,
+        root / "stack", run=run, infra=endpoints, store_backend="s3", admin_port=admin_port,
+        trainer_port=admin_port + 1, paramsync_port=admin_port + 2, sampler_base_port=admin_port + 10,
+        trainer_rank_base_port=admin_port + 60, rendezvous_port=admin_port + 99,
         env={"FLYWHEEL_TRAINER_CHECKPOINT_EVERY": "10", "FLYWHEEL_TRAINER_SEED": str(seed % 1000),
              "FLYWHEEL_SAMPLER_SEED": str(seed % 1000), "FLYWHEEL_LOG_BACKUPS": "1000"},
         log_max_bytes=LOG_CAP, progress=say)
     env = FaultEnv(stack, infra_home, proxy, endpoints, run, seed, random.Random(seed), say)
     try:
-        stack.up(samplers=2, prometheus=False, timeout_s=180)
-        env.wait_version_advances(3, timeout_s=120)  # training runs
+        stack.up(samplers=2, prometheus=False, timeout_s=timeout_s)
+        env.wait_version_advances(3, timeout_s=timeout_s - 60)  # training runs
         yield env
     finally:
         try:
@@ -199,11 +204,21 @@ def fault_env(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
         finally:
             proxy.close()
             devstack.down(infra_home, progress=say)
+
+
+@pytest.fixture(scope="session")
+def fault_env(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[FaultEnv]:
+    with fault_stack(tmp_path_factory.mktemp("faults"), request, label="faults", kafka_port=KAFKA_PORT,
+                     controller_port=CONTROLLER_PORT, s3_port=S3_PORT, s3_proxy_port=S3_PROXY_PORT,
+                     admin_port=ADMIN_PORT) as env:
+        try:
+            yield env
+        finally:
             if os.environ.get("FAULT_REPORT") == "1" and env.rows:
                 from tests.faults.report import write_reliability
 
-                path = write_reliability(env.rows, seed, minutes=(time.monotonic() - env.started) / 60)
-                say(f"wrote {path}")
+                path = write_reliability(env.rows, env.seed, minutes=(time.monotonic() - env.started) / 60)
+                env.say(f"wrote {path}")
 
 
 @pytest.fixture(autouse=True)

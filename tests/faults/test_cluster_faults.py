@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import time
 from collections.abc import Iterator
@@ -31,8 +30,7 @@ from aiokafka.errors import KafkaError
 import devstack
 from devstack import kafka as devkafka
 from shared.kafka import Topics
-from tests.faults.conftest import LOG_CAP, RECOVERY_GOAL_S, FaultEnv
-from tests.faults.proxy import TcpProxy
+from tests.faults.conftest import RECOVERY_GOAL_S, FaultEnv, fault_stack
 
 # Three JVMs, moto and five services start on a small machine within the first test's time: 10 min, not 5.
 pytestmark = [
@@ -110,46 +108,14 @@ def _degraded(body: dict[str, Any]) -> bool:
 
 @pytest.fixture(scope="module")
 def cluster_env(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[FaultEnv]:
-    seed = int(os.environ.get("FAULT_SEED") or random.SystemRandom().randrange(1 << 31))
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-
-    def say(msg: str) -> None:
-        line = f"[cluster faults {time.strftime('%H:%M:%S')}] {msg}"
-        if reporter is not None:
-            reporter.write_line(line)
-        else:
-            print(line)  # noqa: T201
-
-    say(f"seed {seed} (replay with FAULT_SEED={seed})")
-    root = tmp_path_factory.mktemp("cluster-faults")
-    infra_home = root / "infra"
-    ep = devstack.ensure_up(infra_home, kafka_port=KAFKA_PORT, controller_port=CONTROLLER_PORT, s3_port=S3_PORT,
-                            brokers=BROKERS, timeout_s=240, progress=say)
-    proxy = TcpProxy(S3_PROXY_PORT, "127.0.0.1", S3_PORT)
-    proxy.up()
-    endpoints = devstack.InfraEndpoints(kafka_bootstrap=ep.kafka_bootstrap, s3_endpoint=proxy.endpoint,
-                                        bucket=ep.bucket, access_key=ep.access_key, secret_key=ep.secret_key,
-                                        region=ep.region)
-    run = f"cluster-faults-{seed}"
-    stack = devstack.LocalStack(
-        root / "stack", run=run, infra=endpoints, store_backend="s3", admin_port=ADMIN_PORT,
-        trainer_port=ADMIN_PORT + 1, paramsync_port=ADMIN_PORT + 2, sampler_base_port=ADMIN_PORT + 10,
-        env={"FLYWHEEL_TRAINER_CHECKPOINT_EVERY": "10", "FLYWHEEL_TRAINER_SEED": str(seed % 1000),
-             "FLYWHEEL_SAMPLER_SEED": str(seed % 1000), "FLYWHEEL_LOG_BACKUPS": "1000"},
-        log_max_bytes=LOG_CAP, progress=say)
-    env = FaultEnv(stack, infra_home, proxy, endpoints, run, seed, random.Random(seed), say)
-    try:
-        stack.up(samplers=2, prometheus=False, timeout_s=240)
-        env.wait_version_advances(3, timeout_s=180)  # training runs
-        yield env
-    finally:
+    with fault_stack(tmp_path_factory.mktemp("cluster-faults"), request, label="cluster faults",
+                     kafka_port=KAFKA_PORT, controller_port=CONTROLLER_PORT, s3_port=S3_PORT,
+                     s3_proxy_port=S3_PROXY_PORT, admin_port=ADMIN_PORT, brokers=BROKERS, timeout_s=240) as env:
         try:
-            stack.down(infra=False)
+            yield env
         finally:
-            proxy.close()
-            devstack.down(infra_home, progress=say)
             for row in env.rows:
-                say(f"row: {row}")
+                env.say(f"row: {row}")
 
 
 def test_samples_partition_leader_kill9_mid_run(cluster_env: FaultEnv) -> None:
