@@ -209,7 +209,14 @@ class SamplerSettings(_Section):
     compression: Literal["none", "zstd"] = "none"
     """Compress fragment payloads (schema 3; docs/pixels.md has the measured ratio and decode cost)."""
     torch_threads: int = Field(1, ge=1, le=64)
-    """Threads of the samplers' torch inference (CNN models; the MLP runs in numpy)."""
+    """Threads of the samplers' torch or onnxruntime inference (``sampler.inference``; numpy uses one)."""
+    inference: Literal["auto", "numpy", "torch", "onnx"] = "auto"
+    """How samplers run the network: ``numpy`` (the MLP only), ``torch`` (``torch_threads`` threads) or ``onnx``
+    (onnxruntime, ``torch_threads`` intra-op threads; discrete actions); ``auto`` is numpy for the MLP and
+    onnxruntime for the CNNs, which measured fastest for one action batch at the configs' sizes
+    (``bench/figures/sampler_inference.py``, docs/pixels.md "Sampler inference"; the rule:
+    ``shared.rl.policy_onnx.resolve_inference``). ``torch`` and ``onnx`` run an MLP only without observation
+    normalisation or gSDE."""
 
 
 class GuardSettings(_Section):
@@ -315,6 +322,13 @@ class TrainerSettings(_Section):
     picks a CNN for image observations and the MLP otherwise (docs/pixels.md)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` uses CUDA when present."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Forward passes of the update: ``bf16`` under bf16 autocast (matmuls and convolutions in bfloat16; the
+    log-ratios, KL and losses, the weights, gradients and Adam state stay float32), ``fp32`` float32 throughout,
+    ``auto`` bf16 on a CUDA device that supports it and fp32 elsewhere (on the CPU bit-identical to before).
+    Batches go to a CUDA device through pinned memory. Verified: the code path on the CPU (bf16 there is
+    finite and close to fp32, ``tests/unit/test_precision.py``); not verified: speed or learning on a GPU
+    (none was available when this was written; docs/pixels.md, "GPU learner")."""
     seed: int = 1
     group_instance_id: str | None = Field("trainer-0", min_length=1)
     """Kafka static membership (KIP-345) for the trainer's consumer: a restarted trainer with the same

@@ -1,5 +1,6 @@
-"""Figure 3: throughput with 1, 2, 4, 8 latency-bound samplers, relative to 1, and where the
-trainer becomes the limit. One stack, scaled up in place (running samplers are kept)."""
+"""Figure 3: throughput with 1, 2, 4, 8, 16, 32 latency-bound samplers, relative to 1, the knee (where
+adding samplers stops paying), and where the trainer becomes the limit. One stack, scaled up in place
+(running samplers are kept)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from bench.plots import lines
 from bench.report import FigureResult, Row
 
 NAME = "scaling"
-TITLE = (f"Env-steps/s with 1, 2, 4, 8 samplers whose env steps sleep log-normally (median {MEDIAN_MS:g} ms, "
+TITLE = (f"Env-steps/s with 1, 2, 4, 8, 16, 32 samplers whose env steps sleep log-normally (median {MEDIAN_MS:g} ms, "
          f"sigma {SIGMA:g}; latency-bound, so the 2 cores are not the limit), relative to 1 sampler.")
 TARGET = ">= 1.95x / 3.85x / 7.5x at 2 / 4 / 8"
-COUNTS = (1, 2, 4, 8)
+COUNTS = (1, 2, 4, 8, 16, 32)
+KNEE_EFFICIENCY = 0.8
+"""The knee: the first count whose env-steps/s per sampler falls below this fraction of one sampler's."""
 TARGETS = {2: 1.95, 4: 3.85, 8: 7.5}
 
 
@@ -60,6 +63,9 @@ def run(ctx: Context) -> FigureResult:
     cap8 = res[8]["capacity"].median
     limit_at = cap8 / per_sampler if per_sampler > 0 else float("nan")
     headline.append(Row("trainer busy fraction at 8 samplers", res[8]["busy"].fmt(2)))
+    knee = next((n for n in COUNTS if rel[n] / n < KNEE_EFFICIENCY), None)
+    headline.append(Row(f"knee: first count below {KNEE_EFFICIENCY:.0%} per-sampler efficiency",
+                        "none up to 32" if knee is None else f"{knee} samplers ({rel[knee]:.2f}x)"))
     plot = lines(
         ctx.out_dir / "benchmarks-scaling.png", "env-steps/s vs samplers (latency-bound envs)", "samplers",
         "env-steps/s (sampled)",
@@ -83,10 +89,10 @@ def run(ctx: Context) -> FigureResult:
     return FigureResult(
         headline=headline,
         numbers={"relative": rel, "per_count": {str(n): res[n] for n in COUNTS},
-                 "trainer_limit_samplers_est": limit_at, "cpu_cores": cpu_raw},
+                 "trainer_limit_samplers_est": limit_at, "knee": knee, "cpu_cores": cpu_raw},
         settings={**{k.removeprefix("FLYWHEEL_").lower(): v for k, v in OVERRIDES.items()},
                   "warmup_s": warmup, "window_s": window, "windows": repeats},
-        method=(f"One stack in mode async with the settings of `async_vs_sync`, scaled 1 -> 2 -> 4 -> 8 samplers "
+        method=(f"One stack in mode async with the settings of `async_vs_sync`, scaled 1 -> 2 -> ... -> 32 samplers "
                 f"(`LocalStack.up(samplers=n)` keeps the running ones). At each size: wait until every sampler "
                 f"produces, {warmup:.0f} s warm-up, {repeats} windows of {window:.0f} s; env-steps/s = rate of the "
                 "samplers' `flywheel_sampler_env_steps_total`, busy = rate of "

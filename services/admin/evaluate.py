@@ -2,9 +2,14 @@
 
 The policy is the samplers' own (:class:`shared.rl.policy_np.NumpyPolicy`, built from the run's settings as
 ``RolloutWorker.from_settings`` builds it), loaded from the blob the store keeps for the version, so what is
-evaluated is exactly what the samplers act with. Stochastic by default (as the samplers act); with
-``deterministic`` the action is the most likely one (discrete: the argmax of the logits) or the Gaussian's mean
-(continuous), clipped to the action space's bounds as the samplers clip theirs.
+evaluated is exactly what the samplers act with. Image envs (docs/pixels.md) run the CNN of ``trainer.model`` in
+torch (:class:`shared.rl.policy_torch.TorchPolicy`; samplers may run the same graph in onnxruntime, whose
+log-probs agree to 1e-5) on the last ``env.frame_stack`` frames, stacked as the samplers stack them, in the env
+built as the samplers build it (MinAtar and ALE registration, Atari preprocessing).
+
+Stochastic by default (as the samplers act); with ``deterministic`` the action is the most likely one (discrete:
+the argmax of the logits) or the Gaussian's mean (continuous), clipped to the action space's bounds as the
+samplers clip theirs.
 
 Video (``--video DIR``): one file per episode through gymnasium's ``RecordVideo`` when moviepy is installed
 (``pip install -e '.[video]'``), else the frames as PNG files, ``DIR/episode-<i>/frame-<t>.png``, and the report
@@ -20,15 +25,23 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import gymnasium as gym
 import numpy as np
 
 from shared.marker import VersionedStore, VersionRecord
-from shared.rl.envs import fragment_spec
+from shared.rl.envs import as_observation, env_options, fragment_spec, register_image_envs
+from shared.rl.frames import FrameStacker
 from shared.rl.policy_np import NumpyPolicy
+from shared.rl.policy_onnx import runs_cnn
 from shared.settings import Settings
+
+if TYPE_CHECKING:
+    from shared.rl.policy_torch import TorchPolicy
+
+SamplerPolicy: TypeAlias = "NumpyPolicy | TorchPolicy"
+"""The numpy MLP, or a CNN in torch (imported only for image envs)."""
 
 
 class EvalError(RuntimeError):
@@ -55,25 +68,46 @@ def load_version(policies: VersionedStore, version: int | None) -> tuple[Version
     return record, policies.fetch(record)
 
 
-def policy_for(settings: Settings) -> NumpyPolicy:
-    """An empty policy shaped as the run's samplers build theirs (env, width, normalisation, gSDE)."""
+def policy_for(settings: Settings) -> SamplerPolicy:
+    """An empty policy shaped as the run's samplers build theirs (env, width, normalisation, gSDE; for image envs
+    the CNN of ``trainer.model`` over ``env.frame_stack`` frames)."""
     t = settings.trainer
-    return NumpyPolicy.for_spec(fragment_spec(settings.env.id, max_bytes=1 << 30), t.hidden,
-                                normalize_observations=t.normalize_observations, gsde=t.gsde,
+    spec = fragment_spec(settings.env.id, max_bytes=1 << 30, frame_stack=settings.env.frame_stack)
+    if runs_cnn(t.model, spec):
+        from shared.rl.policy_torch import TorchPolicy  # torch only for CNN policies
+
+        return TorchPolicy.for_spec(spec, t.model, t.hidden)
+    return NumpyPolicy.for_spec(spec, t.hidden, normalize_observations=t.normalize_observations, gsde=t.gsde,
                                 sde_sample_freq=t.sde_sample_freq)
 
 
-def loaded_policy(settings: Settings, record: VersionRecord, blob: bytes) -> NumpyPolicy:
+def loaded_policy(settings: Settings, record: VersionRecord, blob: bytes) -> SamplerPolicy:
     """:func:`policy_for` with ``blob`` loaded; :class:`EvalError` when the settings do not describe the blob."""
-    policy = policy_for(settings)
+    try:
+        policy = policy_for(settings)
+    except ValueError as exc:  # a model the env cannot have (e.g. a CNN torso that does not fit its frames)
+        raise EvalError(f"{exc}; pass the run's --config") from None
     try:
         policy.load(blob)
     except ValueError as exc:  # WeightsError: the run's settings do not describe this blob
         t = settings.trainer
-        raise EvalError(f"version {record.version} does not fit the model for {settings.env.id} with trainer.hidden="
-                        f"{t.hidden}, trainer.normalize_observations={t.normalize_observations}, trainer.gsde="
-                        f"{t.gsde} ({exc}); pass the run's --config") from None
+        what = (f"trainer.model={t.model!r}, env.frame_stack={policy.frame_stack}"
+                if not isinstance(policy, NumpyPolicy) else
+                f"trainer.hidden={t.hidden}, trainer.normalize_observations={t.normalize_observations}, "
+                f"trainer.gsde={t.gsde}")
+        raise EvalError(f"version {record.version} does not fit the model for {settings.env.id} with {what} "
+                        f"({exc}); pass the run's --config") from None
     return policy
+
+
+def build_env(env_id: str, **kwargs: Any) -> gym.Env[Any, Any]:
+    """``env_id`` as the samplers build it (image envs registered, ALE games preprocessed), one copy."""
+    register_image_envs()
+    options, wrappers = env_options(env_id)
+    env: gym.Env[Any, Any] = gym.make(env_id, **options, **kwargs)
+    for wrap in wrappers:
+        env = wrap(env)
+    return env
 
 
 def action_bounds(space: gym.Space[Any]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -82,10 +116,16 @@ def action_bounds(space: gym.Space[Any]) -> tuple[np.ndarray, np.ndarray] | None
 
 
 # ---- acting ----------------------------------------------------------------------------------------
-def choose(policy: NumpyPolicy, obs: np.ndarray, bounds: tuple[np.ndarray, np.ndarray] | None,
+def choose(policy: SamplerPolicy, obs: np.ndarray, bounds: tuple[np.ndarray, np.ndarray] | None,
            rng: np.random.Generator | None) -> Any:
-    """The env action for one observation: sampled as the samplers sample (``rng`` given) or the deterministic
-    one (``rng`` None: argmax / mean); continuous actions clipped to ``bounds``."""
+    """The env action for one observation (a CNN's: the frame stack ``[K, *O]``, :func:`run_episodes`): sampled
+    as the samplers sample (``rng`` given) or the deterministic one (``rng`` None: argmax / mean); continuous
+    actions clipped to ``bounds``."""
+    if not isinstance(policy, NumpyPolicy):  # a CNN, discrete actions
+        stack = np.asarray(obs)[None]
+        if rng is None:
+            return int(np.argmax(policy.log_probs(stack)[0]))
+        return int(policy.act(stack, rng)[0][0])
     x = np.asarray(obs, np.float32).reshape(1, -1)
     if rng is None:
         out = policy.logits(x)[0]
@@ -144,10 +184,13 @@ class EvalReport:
                 "lengths": list(self.lengths), "video": self.video}
 
 
-def run_episodes(policy: NumpyPolicy, env: gym.Env[Any, Any], episodes: int, *, deterministic: bool,
+def run_episodes(policy: SamplerPolicy, env: gym.Env[Any, Any], episodes: int, *, deterministic: bool,
                  seed: int | None) -> tuple[list[float], list[int]]:
     """``episodes`` whole episodes in ``env``; episode ``i`` resets with seed ``seed + i`` (None: unseeded).
-    Returns the undiscounted return and the length of each."""
+    Returns the undiscounted return and the length of each. A CNN sees what a sampler's sees: uint8 frames
+    (booleans as 0/255), the last ``frame_stack`` of them, zeros before the episode's first
+    (:class:`~shared.rl.frames.FrameStacker`)."""
+    stack = None if isinstance(policy, NumpyPolicy) else policy.frame_stack
     if episodes < 1:
         raise ValueError(f"episodes must be >= 1, got {episodes}")
     rng = None if deterministic else np.random.default_rng(seed)
@@ -156,9 +199,13 @@ def run_episodes(policy: NumpyPolicy, env: gym.Env[Any, Any], episodes: int, *, 
     lengths: list[int] = []
     for i in range(episodes):
         obs, _ = env.reset(seed=None if seed is None else seed + i)
+        stacker = None if stack is None else FrameStacker(as_observation(obs, "uint8")[None], stack)
         total, steps, done = 0.0, 0, False
         while not done:
-            obs, reward, terminated, truncated, _ = env.step(choose(policy, obs, bounds, rng))
+            seen = obs if stacker is None else stacker.stacks[0]
+            obs, reward, terminated, truncated, _ = env.step(choose(policy, seen, bounds, rng))
+            if stacker is not None:
+                stacker.push(as_observation(obs, "uint8")[None], np.zeros(1, bool))
             total += float(reward)
             steps += 1
             done = bool(terminated or truncated)
@@ -226,8 +273,8 @@ def make_env(env_id: str, video_dir: Path | None, name_prefix: str,
     """The env to evaluate in, wrapped to record every episode when ``video_dir`` is given; and how the
     video is recorded, in words. Raises :class:`EvalError` when the env cannot render ``rgb_array`` frames."""
     if video_dir is None:
-        return gym.make(env_id), None
-    env: gym.Env[Any, Any] = gym.make(env_id, render_mode="rgb_array")
+        return build_env(env_id), None
+    env = build_env(env_id, render_mode="rgb_array")
     if "rgb_array" not in (env.metadata.get("render_modes") or []):
         env.close()
         raise EvalError(f"{env_id} does not render rgb_array frames: no video (run without --video)")

@@ -1,7 +1,9 @@
 """Stepping vectorised envs with batched numpy inference into :class:`Fragment`s. No I/O here.
 
-The MLP policy is :class:`shared.rl.policy_np.NumpyPolicy` (no torch; see its module docstring); CNN
-policies for image envs run in torch (:class:`shared.rl.policy_torch.TorchPolicy`, imported only then).
+The policy runs where ``sampler.inference`` says (``auto``: what measured faster, docs/pixels.md "Sampler
+inference"): the MLP in numpy (:class:`shared.rl.policy_np.NumpyPolicy`, no torch), CNN policies for image envs in
+onnxruntime (:class:`shared.rl.policy_onnx.OnnxPolicy`) or torch (:class:`shared.rl.policy_torch.TorchPolicy`),
+each imported only when used.
 Image observations are uint8 frames; with ``frame_stack`` K the policy sees each env's last K frames
 (:class:`shared.rl.frames.FrameStacker`) while the fragment carries single frames (docs/pixels.md).
 
@@ -22,9 +24,11 @@ from shared.fragment import Fragment
 from shared.rl.envs import LogNormalDelay, as_observation, fragment_spec, make_vector_env
 from shared.rl.frames import FrameStacker
 from shared.rl.policy_np import NumpyPolicy
+from shared.rl.policy_onnx import resolve_inference, runs_cnn
 from shared.settings import Settings
 
 if TYPE_CHECKING:
+    from shared.rl.policy_onnx import OnnxPolicy
     from shared.rl.policy_torch import TorchPolicy
 
 
@@ -51,6 +55,7 @@ class RolloutWorker:
         frame_stack: int | None = None,
         model: str = "auto",
         torch_threads: int = 1,
+        inference: str = "auto",
     ) -> None:
         """``normalize_observations`` and ``gsde`` must be the trainer's (the weights' key set and shapes);
         ``fragment_latency_median_ms`` > 0 (benchmarks) sleeps one log-normal draw per fragment."""
@@ -59,14 +64,23 @@ class RolloutWorker:
         self.steps = fragment_steps
         self.envs = make_vector_env(env_id, num_envs, latency_median_ms, latency_sigma, seed, latency_overlap)
         self.spec = spec = fragment_spec(env_id, max_bytes=1 << 30, frame_stack=frame_stack)
-        self.policy: NumpyPolicy | TorchPolicy
-        if model == "mlp" or (model == "auto" and spec.obs_dtype != "uint8"):
+        self.policy: NumpyPolicy | TorchPolicy | OnnxPolicy
+        cnn = runs_cnn(model, spec)
+        backend = resolve_inference(inference, cnn)
+        if backend == "numpy":
             self.policy = NumpyPolicy.for_spec(spec, hidden, normalize_observations=normalize_observations,
                                                gsde=gsde, sde_sample_freq=sde_sample_freq)
-        else:
-            from shared.rl.policy_torch import TorchPolicy  # torch only for CNN policies
+        elif not cnn and (normalize_observations or gsde):
+            raise ValueError(f"sampler.inference={backend!r} runs an MLP without observation normalisation or gSDE "
+                             "only; use numpy or auto")
+        elif backend == "torch":
+            from shared.rl.policy_torch import TorchPolicy  # imported only when used
 
             self.policy = TorchPolicy.for_spec(spec, model, hidden, torch_threads)
+        else:
+            from shared.rl.policy_onnx import OnnxPolicy  # imported only when used (onnxruntime, torch to export)
+
+            self.policy = OnnxPolicy.for_spec(spec, model, hidden, torch_threads)
         space = self.envs.single_action_space
         self._bounds = (space.low, space.high) if isinstance(space, gym.spaces.Box) else None
         self._fragment_delay = (LogNormalDelay(fragment_latency_median_ms, fragment_latency_sigma, seed)
@@ -92,7 +106,7 @@ class RolloutWorker:
                    fragment_latency_sigma=e.fragment_latency_sigma,
                    gsde=settings.trainer.gsde, sde_sample_freq=settings.trainer.sde_sample_freq,
                    frame_stack=e.frame_stack, model=settings.trainer.model,
-                   torch_threads=settings.sampler.torch_threads)
+                   torch_threads=settings.sampler.torch_threads, inference=settings.sampler.inference)
 
     def set_policy(self, version: int, weights: bytes) -> None:
         """Adopt a policy (between fragments only); raises WeightsError if it does not fit."""

@@ -28,6 +28,19 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def uses_bf16(precision: str, device: torch.device) -> bool:
+    """Whether updates run their forward passes under bf16 autocast (``trainer.precision``): ``bf16`` always,
+    ``fp32`` never, ``auto`` on a CUDA device that supports bf16 (Ampere and later) only, so on the CPU ``auto``
+    is float32, bit for bit what it was before the setting existed."""
+    if precision == "bf16":
+        return True
+    if precision == "fp32":
+        return False
+    if precision != "auto":
+        raise ValueError(f"trainer.precision={precision!r}: want auto, fp32 or bf16")
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
 class ReturnScaler:
     """Rewards divided by the running standard deviation of the discounted return and clipped to +-10,
     as Stable-Baselines3's ``VecNormalize(norm_reward=True)`` (the mean is not subtracted).
@@ -125,6 +138,7 @@ class Learner:
             separate_grad_clip=cfg.separate_grad_clip,
             behaviour_weight_mode=cfg.behaviour_weight_mode,
             objective=cfg.objective,
+            bf16=uses_bf16(cfg.precision, self.device),
         )
         self.counters = LearnerCounters(recent_returns=deque(maxlen=cfg.return_window),
                                         recent_lengths=deque(maxlen=cfg.return_window))

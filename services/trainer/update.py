@@ -12,7 +12,8 @@ compares it with IMPALA's V-trace.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -49,6 +50,10 @@ class UpdateConfig:
     """``ppo``: plain PPO, the ratio clipped around the behaviour policy and no importance weight (what
     standard PPO does with stale data; the forced-staleness benchmark's baseline, and
     configs/cartpole.yaml's objective)."""
+    bf16: bool = False
+    """Forward passes (targets and each minibatch's loss) under bf16 autocast; the actor's and critic's
+    outputs are cast back to float32 before the loss math (log-ratio, exp, KL), and the weights, gradients
+    and optimizer state stay float32 (``trainer.precision``). False: float32 throughout, as before."""
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,37 @@ class GradSync(Protocol):
     def average_grads(self, params: Iterable[nn.Parameter], weight: float) -> None: ...
 
 
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` (a CPU tensor) on ``device``: on CUDA copied through pinned memory without blocking the host (the
+    stream orders the copy before any kernel that reads it); on the CPU ``x`` itself, untouched."""
+    if device.type != "cuda":
+        return x
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 def _t(x: object, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.as_tensor(x, device=device).to(dtype)
+    """A batch array built on the CPU, moved in its own dtype (uint8 frames: a quarter of float32's bytes),
+    then cast on the device."""
+    return to_device(torch.as_tensor(x), device).to(dtype)
+
+
+@contextmanager
+def _forward_precision(model: ActorCritic, device: torch.device, bf16: bool) -> Iterator[None]:
+    """Forward passes under bf16 autocast when ``bf16`` (Micikevicius et al. 2018, "Mixed Precision Training",
+    https://arxiv.org/abs/1710.03740: low-precision matmuls and convolutions, float32 master weights), with the
+    outputs of the policy and value heads cast back to float32, so the log-softmax and everything after it (the
+    log-ratios, their exp, the KL estimate, the value loss) is float32 math. Off: nothing changes."""
+    if not bf16:
+        yield
+        return
+    heads = [m[-1] if isinstance(m, nn.Sequential) else m for m in (model.actor, model.critic)]
+    hooks = [h.register_forward_hook(lambda _m, _i, out: out.float()) for h in heads]
+    try:
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+            yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def gae(rewards: np.ndarray, values: np.ndarray, next_value: np.ndarray, done: np.ndarray,
@@ -123,7 +157,8 @@ def _targets(
     all_obs = _t(np.concatenate([f.obs.reshape(-1, obs_dim) for f in fragments]
                                 + [f.last_obs.reshape(-1, obs_dim) for f in fragments]
                                 + [f.trunc_obs.reshape(-1, obs_dim) for f in fragments]), device)
-    values_all = model.value(all_obs).cpu().numpy()
+    with _forward_precision(model, device, cfg.bf16):
+        values_all = model.value(all_obs).cpu().numpy()
     values = np.split(values_all[: sum(steps)], np.cumsum(steps)[:-1])
     next_values = np.split(values_all[sum(steps) : sum(steps) + sum(n_envs)], np.cumsum(n_envs)[:-1])
     trunc_values = np.split(values_all[sum(steps) + sum(n_envs) :], np.cumsum(n_trunc)[:-1])
@@ -144,7 +179,8 @@ def _targets(
     else:
         actions = _t(np.concatenate([f.actions.reshape(-1) for f in fragments]), device, torch.long)
     # The proximal policy: the weights as they are before this update's first gradient step.
-    prox_logp, _ = model.logp_entropy(obs, actions)
+    with _forward_precision(model, device, cfg.bf16):
+        prox_logp, _ = model.logp_entropy(obs, actions)
     behav_logp = _t(np.concatenate([f.logp.reshape(-1) for f in fragments]), device)
     return obs, actions, behav_logp, prox_logp, _t(np.concatenate(advs), device), _t(np.concatenate(rets), device)
 
@@ -203,7 +239,8 @@ def ppo_update(
             have = step < n_minibatches  # this rank has samples for this step
             if have:
                 idx = order[step * mb_size : (step + 1) * mb_size]
-                logp, entropy = model.logp_entropy(obs[idx], actions[idx])
+                with _forward_precision(model, device, cfg.bf16):  # trainer.precision: bf16 or float32
+                    logp, entropy = model.logp_entropy(obs[idx], actions[idx])
                 with torch.no_grad():
                     prox_log_ratio = logp - prox_logp[idx]  # http://joschu.net/blog/kl-approx.html
                     kl = float(((torch.exp(prox_log_ratio) - 1) - prox_log_ratio).mean())
@@ -236,7 +273,9 @@ def ppo_update(
                 # the behaviour correction: the decoupled objective.
                 surrogate = torch.min(ratio * mb_adv, ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef) * mb_adv)
                 policy_loss = -(behaviour_weight[idx] * surrogate).mean()
-                value_loss = 0.5 * (model.value(obs[idx]) - returns[idx]).pow(2).mean()
+                with _forward_precision(model, device, cfg.bf16):
+                    new_value = model.value(obs[idx])
+                value_loss = 0.5 * (new_value - returns[idx]).pow(2).mean()
                 entropy = entropy.mean()
                 loss = policy_loss + cfg.vf_coef * value_loss
                 if cfg.ent_coef:  # with no bonus the entropy stays out of the graph: no backward pass through it

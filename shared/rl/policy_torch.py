@@ -1,8 +1,9 @@
 """The samplers' policy for CNN models: the trainer's torch module in inference mode.
 
 A CNN forward pass in numpy would be far slower than torch's convolutions, so image policies run in torch
-(threads set by ``sampler.torch_threads``); the MLP stays in numpy (:mod:`shared.rl.policy_np`), which is
-faster at its size. Actions are sampled in numpy with the sampler's generator, by the same inverse-CDF rule
+(threads set by ``sampler.torch_threads``) or, faster at the samplers' batch sizes, in onnxruntime
+(:mod:`shared.rl.policy_onnx`, ``sampler.inference``); the MLP stays in numpy (:mod:`shared.rl.policy_np`),
+which is faster at its size. Actions are sampled in numpy with the sampler's generator, by the same inverse-CDF rule
 as :class:`~shared.rl.policy_np.NumpyPolicy`. Weights are checked by the same loader as the trainer's
 (:func:`shared.rl.model.load_weights`): a blob that does not fit is refused and the old weights kept.
 """
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from shared.fragment import FragmentSpec
+from shared.rl.cnn import ImageActorCritic
 from shared.rl.model import ActorCritic, load_weights
 
 
@@ -26,6 +28,16 @@ class TorchPolicy:
         self.model = model.eval()
         self._loaded = False
         self.gsde = False  # discrete actions only: no exploration state (as NumpyPolicy.gsde)
+        self.image = isinstance(model, ImageActorCritic)
+        """A CNN: observations are frame stacks ``[N, K, *O]`` (uint8 0-255), else rows ``[N, obs_dim]``."""
+        self.frame_stack = model.frame_stack if isinstance(model, ImageActorCritic) else 1
+        self.kind = model.kind if isinstance(model, ImageActorCritic) else "mlp"
+        """``trainer.model`` as built: ``nature_cnn``, ``minatar_cnn`` or ``mlp``."""
+        self.input_shape: tuple[int, ...] = ((model.frame_stack, *model.frame_shape)
+                                             if isinstance(model, ImageActorCritic) else (model.obs_dim,))
+        """One row of :meth:`act`'s observations."""
+        self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        """The weights blob's keys and shapes (what :meth:`load` accepts)."""
 
     @classmethod
     def for_spec(cls, spec: FragmentSpec, model: str, hidden: int, threads: int = 1) -> TorchPolicy:
@@ -49,10 +61,18 @@ class TorchPolicy:
         """One action per row (int64 ``[N]``) and its log-prob (float32 ``[N]``)."""
         if not self._loaded:
             raise RuntimeError("no weights loaded yet")
-        lp = self.log_probs(obs).astype(np.float64)
-        if not np.isfinite(lp).all():
-            raise ValueError("policy logits are not finite")
-        cdf = np.exp(lp).cumsum(axis=1)
-        u = rng.random(lp.shape[0]) * cdf[:, -1]
-        actions = (cdf[:, :-1] <= u[:, None]).sum(axis=1, dtype=np.int64)
-        return actions, lp[np.arange(lp.shape[0]), actions].astype(np.float32)
+        return sample_discrete(self.log_probs(obs), rng)
+
+
+def sample_discrete(log_probs: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """One action per row of ``log_probs`` ``[N, A]`` by the inverse-CDF rule of
+    :class:`~shared.rl.policy_np.NumpyPolicy` (one uniform per row from ``rng``), and its log-prob: int64 ``[N]``
+    and float32 ``[N]``. The rule every torch-model backend samples with (torch, onnxruntime), so the same
+    log-probs and generator give the same actions whichever ran the network."""
+    lp = np.asarray(log_probs, np.float64)
+    if not np.isfinite(lp).all():
+        raise ValueError("policy logits are not finite")
+    cdf = np.exp(lp).cumsum(axis=1)
+    u = rng.random(lp.shape[0]) * cdf[:, -1]
+    actions = (cdf[:, :-1] <= u[:, None]).sum(axis=1, dtype=np.int64)
+    return actions, lp[np.arange(lp.shape[0]), actions].astype(np.float32)

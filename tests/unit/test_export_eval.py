@@ -9,6 +9,7 @@ import json
 import struct
 import time
 from pathlib import Path
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -21,8 +22,10 @@ from safetensors import safe_open
 from services.admin import cli
 from services.admin.evaluate import EvalError, choose, evaluate, load_version, make_env, policy_for, run_episodes
 from services.admin.export import OPSET, export_version
+from shared.fragment import FragmentSpec
 from shared.marker import VersionedStore, VersionRecord
 from shared.rl.model import ActorCritic, weights_to_bytes
+from shared.rl.policy_np import NumpyPolicy
 from shared.settings import Settings
 from shared.store import LocalDirStore
 
@@ -31,11 +34,11 @@ def random_blob(env_id: str, *, normalize: bool = False, gsde: bool = False, see
     """Trainer-format weights with every tensor perturbed (the actor's last layer is initialised near zero,
     which would make every logit alike) and, with ``normalize``, observation statistics far from 0 / 1."""
     env = gym.make(env_id)
-    obs_dim = int(np.prod(env.observation_space.shape))
+    obs_dim = int(np.prod(env.observation_space.shape or ()))
     space = env.action_space
     env.close()
     continuous = isinstance(space, gym.spaces.Box)
-    width = int(np.prod(space.shape)) if continuous else int(space.n)  # type: ignore[attr-defined]
+    width = int(np.prod(space.shape or ())) if continuous else int(space.n)  # type: ignore[attr-defined]
     torch.manual_seed(seed)
     model = ActorCritic(obs_dim, width, 64, continuous=continuous, normalize_observations=normalize, gsde=gsde)
     with torch.no_grad():
@@ -95,6 +98,7 @@ def test_onnx_policy_gives_the_samplers_actions(tmp_path: Path, env_id: str, nor
     assert meta["flywheel.env_id"] == env_id and meta["flywheel.version"] == "3"
 
     sampler_policy = policy_for(settings)  # what the samplers build, with the same blob
+    assert isinstance(sampler_policy, NumpyPolicy)  # an MLP env: the numpy policy
     sampler_policy.load(blob)
     env = gym.make(env_id)
     bounds = (env.action_space.low, env.action_space.high) if isinstance(env.action_space, gym.spaces.Box) else None
@@ -163,8 +167,8 @@ def always_right_blob() -> bytes:
     """CartPole weights whose argmax is always action 1 (push right)."""
     model = ActorCritic(4, 2, 64)
     with torch.no_grad():
-        model.actor[4].weight.zero_()
-        model.actor[4].bias.copy_(torch.tensor([0.0, 5.0]))
+        model.actor[4].weight.zero_()  # type: ignore[operator]
+        model.actor[4].bias.copy_(torch.tensor([0.0, 5.0]))  # type: ignore[operator]
     return weights_to_bytes(model)
 
 
@@ -260,7 +264,7 @@ class _NoRender(gym.Env[np.ndarray, int]):
 
     metadata: dict[str, object] = {"render_modes": []}
     observation_space = gym.spaces.Box(-1, 1, (2,), np.float32)
-    action_space = gym.spaces.Discrete(2)
+    action_space = gym.spaces.Discrete(2)  # type: ignore[assignment]
 
     def __init__(self, render_mode: str | None = None) -> None:
         self.render_mode = render_mode
@@ -268,7 +272,146 @@ class _NoRender(gym.Env[np.ndarray, int]):
 
 def test_video_needs_an_env_that_renders(tmp_path: Path) -> None:
     if "FlywheelNoRender-v0" not in gym.registry:
-        gym.register("FlywheelNoRender-v0", entry_point=_NoRender)
+        gym.register("FlywheelNoRender-v0", entry_point=_NoRender)  # type: ignore[arg-type]
     with pytest.raises(EvalError, match="does not render rgb_array"):
         make_env("FlywheelNoRender-v0", tmp_path / "video", "x")
     assert not (tmp_path / "video").exists()
+
+
+# ---- CNN policies (image envs: MinAtar) ---------------------------------------------------------------------
+MINATAR = "MinAtar/Breakout-v1"
+
+
+def cnn_settings(tmp_path: Path, frame_stack: int, run: str = "cnn") -> Settings:
+    return Settings.model_validate({
+        "run": run, "store": {"backend": "local", "local_root": str(tmp_path / "store")},
+        "env": {"id": MINATAR, "frame_stack": frame_stack}, "trainer": {"model": "minatar_cnn"}})
+
+
+def cnn_blob(frame_stack: int, seed: int = 0, action: int | None = None) -> bytes:
+    """Trainer-format MinAtar CNN weights, perturbed; with ``action`` the argmax is always that action."""
+    from shared.rl.envs import fragment_spec
+
+    torch.manual_seed(seed)
+    model = ActorCritic.for_spec(fragment_spec(MINATAR, 1 << 22, frame_stack=frame_stack), 64, model="minatar_cnn")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+        if action is not None:
+            model.actor.weight.zero_()  # type: ignore[operator]
+            model.actor.bias.copy_(torch.nn.functional.one_hot(torch.tensor(action), 3) * 5.0)  # type: ignore[operator]
+    return weights_to_bytes(model)
+
+
+def frame_stacks(frame_stack: int, n: int, seed: int = 0) -> np.ndarray:
+    """Stacks ``[n, K, 10, 10, 4]`` of MinAtar-like 0/255 frames."""
+    rng = np.random.default_rng(seed)
+    return (rng.random((n, frame_stack, 10, 10, 4)) < 0.15).astype(np.uint8) * np.uint8(255)
+
+
+@pytest.mark.parametrize("frame_stack", [1, 2])
+def test_cnn_onnx_export_acts_as_the_samplers_cnn(tmp_path: Path, frame_stack: int) -> None:
+    pytest.importorskip("minatar", reason="the minatar extra (pip install -e '.[minatar]')")
+    settings = cnn_settings(tmp_path, frame_stack)
+    blob = cnn_blob(frame_stack)
+    policies = publish(settings, blob, 6)
+    path, record = export_version(settings, policies, None, "onnx", tmp_path / "cnn.onnx")
+    assert record.version == 6
+    meta = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    assert meta["flywheel.model"] == "minatar_cnn" and meta["flywheel.obs_dtype"] == "uint8"
+    assert meta["flywheel.obs_shape"] == f"{frame_stack},10,10,4" and meta["flywheel.frame_stack"] == str(frame_stack)
+
+    sampler_policy = policy_for(settings)  # the CNN the samplers build, with the same blob
+    sampler_policy.load(blob)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [(i.name, i.type) for i in session.get_inputs()] == [("obs", "tensor(uint8)")]
+    obs = frame_stacks(frame_stack, 32)
+    for batch in (obs, obs[:1]):
+        action, logits, value = session.run(["action", "logits", "value"], {"obs": batch})
+        want = sampler_policy.log_probs(batch)
+        np.testing.assert_allclose(torch.log_softmax(torch.from_numpy(logits), -1).numpy(), want, atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(action, want.argmax(1))
+        np.testing.assert_array_equal(action, [choose(sampler_policy, row, None, None) for row in batch])
+        assert action.dtype == np.int64 and (len(batch) == 1 or len(set(action.tolist())) > 1)
+        torch_model = ActorCritic.for_spec(_minatar_spec(frame_stack), 64, model="minatar_cnn")
+        torch_model.load_state_dict({k: torch.from_numpy(v) for k, v in _tensors(blob).items()})
+        np.testing.assert_allclose(value, torch_model.value(torch.from_numpy(batch)).detach().numpy(), atol=1e-5,
+                                   rtol=1e-5)
+
+    path, _ = export_version(settings, policies, None, "safetensors", tmp_path / "cnn.safetensors")
+    with safe_open(str(path), framework="numpy") as f:
+        assert f.metadata()["flywheel.model"] == "minatar_cnn"
+    policy_for(settings).load(path.read_bytes())  # the format the samplers load
+
+
+def _minatar_spec(frame_stack: int) -> FragmentSpec:
+    from shared.rl.envs import fragment_spec
+
+    return fragment_spec(MINATAR, 1 << 22, frame_stack=frame_stack)
+
+
+class _Observations(gym.Wrapper[np.ndarray, int, np.ndarray, int]):
+    """Keeps every observation the env returns (reset and steps)."""
+
+    def __init__(self, env: gym.Env[np.ndarray, int]) -> None:
+        super().__init__(env)
+        self.seen: list[np.ndarray] = []
+
+    def reset(self, **kwargs: Any) -> Any:
+        obs, info = self.env.reset(**kwargs)
+        self.seen.append(obs.copy())
+        return obs, info
+
+    def step(self, action: int) -> Any:
+        out = self.env.step(action)
+        self.seen.append(out[0].copy())
+        return out
+
+
+def test_cnn_eval_runs_minatar_episodes_on_the_samplers_frame_stacks(tmp_path: Path) -> None:
+    pytest.importorskip("minatar", reason="the minatar extra (pip install -e '.[minatar]')")
+    from services.admin.evaluate import build_env
+    from shared.rl.policy_torch import TorchPolicy
+
+    settings = cnn_settings(tmp_path, 2)
+    policies = publish(settings, cnn_blob(2, action=2), 3)
+    report = evaluate(settings, policies, None, 2, deterministic=True, seed=5)
+    env = build_env(MINATAR)  # the same episodes by hand in a fresh env (the same random draws): always action 2
+    want = []
+    for i in range(2):
+        env.reset(seed=5 + i)
+        steps, done = 0, False
+        while not done:
+            _, _, term, trunc, _ = env.step(2)
+            steps, done = steps + 1, term or trunc
+        want.append(steps)
+    assert report.version == 3 and list(report.lengths) == want
+
+    class Recording(TorchPolicy):  # what the CNN is shown at each step
+        seen: list[np.ndarray] = []
+
+        def log_probs(self, obs: np.ndarray) -> np.ndarray:
+            self.seen.append(obs.copy())
+            return super().log_probs(obs)
+
+    policy = Recording(policy_for(settings).model)  # type: ignore[union-attr]
+    policy.load(cnn_blob(2, action=2))
+    recorded = _Observations(build_env(MINATAR))
+    _, lengths = run_episodes(policy, recorded, 1, deterministic=True, seed=5)
+    episode = [np.asarray(o, np.uint8) * np.uint8(255) for o in recorded.seen]  # MinAtar's booleans as 0/255
+    assert len(policy.seen) == lengths[0] == len(episode) - 1 and lengths[0] > 1
+    for t, stack in enumerate(policy.seen):  # [1, K=2, 10, 10, 4]: the previous frame (zeros at the start), this one
+        assert stack.shape == (1, 2, 10, 10, 4) and stack.dtype == np.uint8
+        np.testing.assert_array_equal(stack[0, 1], episode[t])
+        np.testing.assert_array_equal(stack[0, 0], episode[t - 1] if t > 0 else np.zeros_like(episode[0]))
+    assert any((stack[0, 0] != stack[0, 1]).any() for stack in policy.seen[1:])  # the frames do change
+
+    stochastic = policy_for(settings)
+    stochastic.load(cnn_blob(2, seed=1))
+    env.close()
+    runs = []
+    for _ in range(2):  # each in a fresh env: MinAtar's own draws (sticky actions) do not restart at reset(seed)
+        env = build_env(MINATAR)
+        runs.append(run_episodes(stochastic, env, 2, deterministic=False, seed=3))
+        env.close()
+    assert runs[0] == runs[1] and all(n > 0 for n in runs[0][1])
