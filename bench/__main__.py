@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import shutil
 import sys
 import time
@@ -61,6 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown figure(s) {unknown}; choose from {', '.join(FIGURES)}")
 
+    # One suite at a time: two share the bench ports and the first to finish stops the shared Kafka + S3.
+    BENCH_HOME.mkdir(parents=True, exist_ok=True)
+    lock = open(BENCH_HOME / "bench.lock", "a")  # noqa: SIM115 - held until this process exits
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"another `python -m bench` is running (lock {BENCH_HOME / 'bench.lock'}); run one at a time",
+              file=sys.stderr)
+        return 2
     out_dir = args.out or (BENCH_HOME / "quick" if args.quick else REPO_ROOT / "docs")
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / "benchmarks.json", out_dir / "benchmarks.md"

@@ -5,21 +5,27 @@ from __future__ import annotations
 from types import ModuleType
 
 from bench.figures import (
+    actor_learner,
     async_sync_return,
     async_vs_sync,
     forced_staleness,
+    learner_scaling,
+    peers,
     pendulum,
     pipeline,
     recovery,
+    sampler_inference,
     scaling,
     service_efficiency,
     solve,
     stability,
     stability_ablation,
+    sync_inline,
     sync_latency,
 )
 
 FIGURES: dict[str, ModuleType] = {
     m.NAME: m for m in (pipeline, async_vs_sync, scaling, sync_latency, solve, stability, stability_ablation,
-                        async_sync_return, forced_staleness, pendulum, recovery, service_efficiency)
+                        async_sync_return, forced_staleness, pendulum, recovery, service_efficiency,
+                        learner_scaling, actor_learner, peers, sync_inline, sampler_inference)
 }

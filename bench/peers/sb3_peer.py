@@ -1,0 +1,186 @@
+"""Stable-Baselines3 PPO on CartPole-v1 as a peer, in a fresh process per seed so start-up (imports, envs,
+model) is measured as it is for the other peers.
+
+Two settings:
+
+- ``rl-zoo``: rl-baselines3-zoo's CartPole-v1 entry, exactly as ``bench.sb3`` runs it.
+- ``flywheel``: ``configs/cartpole.yaml`` translated (``flywheel_kwargs``): 2 samplers x ``env.num_envs`` envs
+  become SB3's envs, an update's ``batch_fragments x fragment_steps x num_envs`` samples its rollout, the same
+  epochs, minibatch size, annealed learning rate and clip range (linear over ``anneal_env_steps``, then held),
+  gamma, GAE lambda, entropy and gradient clip, the same network (two tanh layers of ``hidden``, separate actor
+  and critic). ``NOT_SHARED`` lists what SB3 cannot express.
+
+Run as ``python -m bench.peers.sb3_peer --settings flywheel --seed 1 --threshold 475 --max-s 300``: it prints
+one JSON line ``{"event": "learn_start", "wall": ...}`` when ``learn()`` begins and one ``{"event": "done",
+...}`` at the end (``solved``: [seconds since learn() began, env steps] or null).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.peers.run import PeerRun
+from devstack import REPO_ROOT
+
+SAMPLERS = 2  # as bench.figures.solve runs the stack
+FLYWHEEL_TOTAL_STEPS = 400_000  # SB3 needs a budget for its schedules; Flywheel's anneal ends at 200k and holds
+
+NOT_SHARED = (
+    "asynchrony: Flywheel's samplers act on a policy ~2 versions old (max_staleness 8, credit flow control); "
+    "SB3 collects with the current policy",
+    "the KL stop: Flywheel checks each minibatch against the update's starting policy and stops at target_kl; "
+    "SB3 stops at 1.5 x target_kl, so target_kl / 1.5 is passed (same threshold, same k3 estimator)",
+    "the value loss: Flywheel's is 0.5 x MSE, SB3's is MSE, so vf_coef / 2 is passed (same gradient)",
+    "the schedules: Flywheel anneals over trained env steps and holds; SB3 over progress of a fixed "
+    f"{FLYWHEEL_TOTAL_STEPS:,}-step budget, mapped so both reach the end value at anneal_env_steps and hold",
+    "the rollback guard (trainer.guard): none in SB3",
+    "initialisation: both orthogonal (sqrt 2 hidden, 0.01 policy head, 1 value head); SB3 seeds its own RNGs",
+)
+
+
+def _held_linear(start: float, end: float, over: int, total: int) -> Callable[[float], float]:
+    """SB3 schedule (of progress_remaining 1 -> 0 over ``total`` steps): linear start -> end over the first
+    ``over`` env steps, then end."""
+    def f(progress_remaining: float) -> float:
+        steps = (1.0 - progress_remaining) * total
+        return start + (end - start) * min(1.0, steps / over)
+
+    return f
+
+
+def flywheel_kwargs(config: Path) -> tuple[int, dict[str, Any]]:
+    """(n_envs, PPO kwargs) equivalent to ``config`` run by ``SAMPLERS`` samplers."""
+    from shared.settings import load_settings
+
+    s = load_settings(str(config))
+    tr, env = s.trainer, s.env
+    n_envs = SAMPLERS * env.num_envs
+    batch = tr.batch_fragments * env.fragment_steps * env.num_envs
+    if batch % n_envs:
+        raise ValueError(f"an update's samples must split evenly over SB3's envs: {batch=}, {n_envs=}")
+    if tr.objective != "ppo":
+        raise ValueError(f"SB3 has plain PPO only: {tr.objective=}")
+    lr_end = tr.learning_rate_end if tr.learning_rate_end is not None else tr.learning_rate
+    clip_end = tr.clip_coef_end if tr.clip_coef_end is not None else tr.clip_coef
+    kw: dict[str, Any] = {
+        "n_steps": batch // n_envs, "batch_size": batch // tr.minibatches, "n_epochs": tr.epochs,
+        "learning_rate": _held_linear(tr.learning_rate, lr_end, tr.anneal_env_steps, FLYWHEEL_TOTAL_STEPS),
+        "clip_range": _held_linear(tr.clip_coef, clip_end, tr.anneal_env_steps, FLYWHEEL_TOTAL_STEPS),
+        "gamma": tr.gamma, "gae_lambda": tr.gae_lambda, "ent_coef": tr.ent_coef, "vf_coef": tr.vf_coef / 2,
+        "max_grad_norm": tr.max_grad_norm, "normalize_advantage": tr.normalize_advantages,
+        "target_kl": None if tr.target_kl is None else tr.target_kl / 1.5,
+        "policy_kwargs": {"net_arch": {"pi": [tr.hidden, tr.hidden], "vf": [tr.hidden, tr.hidden]}},
+    }
+    return n_envs, kw
+
+
+def describe_flywheel(config: Path) -> str:
+    n_envs, kw = flywheel_kwargs(config)
+    from shared.settings import load_settings
+
+    tr = load_settings(str(config)).trainer
+    return (f"n_envs {n_envs}, n_steps {kw['n_steps']}, batch_size {kw['batch_size']}, n_epochs {kw['n_epochs']}, "
+            f"learning_rate {tr.learning_rate:g} -> {tr.learning_rate_end} over {tr.anneal_env_steps:,} steps then "
+            f"held, clip_range {tr.clip_coef} -> {tr.clip_coef_end} likewise, gamma {kw['gamma']}, gae_lambda "
+            f"{kw['gae_lambda']}, ent_coef {kw['ent_coef']}, vf_coef {kw['vf_coef']:g} (= {tr.vf_coef} x 0.5 MSE), "
+            f"max_grad_norm {kw['max_grad_norm']}, target_kl {kw['target_kl']:.4f} (= {tr.target_kl} / 1.5), "
+            f"net_arch pi/vf [{tr.hidden}, {tr.hidden}] tanh, {FLYWHEEL_TOTAL_STEPS:,}-step budget")
+
+
+def run_seed(seed: int, settings: str, *, threshold: float, timeout_s: float, config: Path) -> PeerRun:
+    """One SB3 run in a fresh ``sys.executable`` process: start-up from process start to ``learn()``."""
+    from bench.peers.proc import run_lines
+
+    cmd = [sys.executable, "-m", "bench.peers.sb3_peer", "--settings", settings, "--seed", str(seed),
+           "--threshold", str(threshold), "--max-s", str(timeout_s), "--config", str(config)]
+    res = run_lines(cmd, timeout_s=timeout_s + 120.0, cwd=REPO_ROOT)
+    events = {}
+    for _, line in res.lines:
+        if line.startswith("{"):
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            events[ev.get("event")] = ev
+    start, done = events.get("learn_start"), events.get("done")
+    startup = None if start is None else start["wall"] - res.wall_start
+    solved = None if done is None else done["solved"]
+    error = None
+    if done is None:
+        error = f"no result ({'timed out' if res.timed_out else f'exit {res.rc}'}); output tail:\n{res.tail()}"
+    elif solved is None:
+        error = (f"last-100 did not reach {threshold:g} ({done['env_steps']:,} env steps, {done['learn_s']:.0f} s, "
+                 f"last-100 {done['last100']:.1f})")
+    return PeerRun("SB3 PPO", settings, seed, startup, None if solved is None else float(solved[0]),
+                   None if solved is None else int(solved[1]), error,
+                   {} if done is None else {"episodes": done["episodes"]})
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.peers.sb3_peer")
+    p.add_argument("--settings", choices=("rl-zoo", "flywheel"), required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--threshold", type=float, default=475.0)
+    p.add_argument("--max-s", type=float, default=300.0)
+    p.add_argument("--config", type=Path, default=Path("configs/cartpole.yaml"))
+    a = p.parse_args(argv)
+
+    import torch
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from bench.sb3 import _lin, zoo_config
+
+    torch.set_num_threads(1)
+    if a.settings == "rl-zoo":
+        cfg = zoo_config("CartPole-v1")
+        n_envs, total = cfg["n_envs"], cfg["n_timesteps"]
+        kwargs: dict[str, Any] = {k: _lin(v[1]) if isinstance(v, tuple) else v for k, v in cfg["ppo"].items()}
+    else:
+        n_envs, kwargs = flywheel_kwargs(a.config)
+        total = FLYWHEEL_TOTAL_STEPS
+    env = make_vec_env("CartPole-v1", n_envs=n_envs, seed=a.seed)
+    model = PPO("MlpPolicy", env, seed=a.seed, device="cpu", verbose=0, **kwargs)
+    state: dict[str, Any] = {"solved": None, "recent": [], "episodes": 0}
+
+    class Watch(BaseCallback):
+        def _on_training_start(self) -> None:
+            self.t0 = time.monotonic()
+            _emit({"event": "learn_start", "wall": time.time()})
+
+        def _on_step(self) -> bool:
+            t = time.monotonic() - self.t0
+            for info in self.locals["infos"]:
+                ep = info.get("episode")
+                if ep is None:
+                    continue
+                state["episodes"] += 1
+                state["recent"] = (state["recent"] + [float(ep["r"])])[-100:]
+                if (state["solved"] is None and len(state["recent"]) == 100
+                        and sum(state["recent"]) / 100 >= a.threshold):
+                    state["solved"] = (t, int(self.num_timesteps))
+            return state["solved"] is None and t < a.max_s
+
+    t0 = time.monotonic()
+    model.learn(total_timesteps=total, callback=Watch(), progress_bar=False)
+    env.close()
+    _emit({"event": "done", "solved": state["solved"], "episodes": state["episodes"],
+           "env_steps": int(model.num_timesteps), "learn_s": time.monotonic() - t0,
+           "last100": sum(state["recent"]) / max(len(state["recent"]), 1)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The peers figure's pure parts: order-statistic intervals for the median, Sample Factory's console reports,
+and the translation of configs/cartpole.yaml into SB3 PPO arguments."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from bench.peers.run import PeerRun
+from bench.peers.sf_log import READY, SfLog, parse
+from bench.peers.stats import INF, MedianCI, order_statistic_ranks
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Lines as Sample Factory 2.1.1 prints them (colour codes included), read at the given seconds.
+SF_LINES = [
+    (1.0, "\x1b[36m[2026-12-01 21:23:25,711][09291] Experiment dir ... already exists!\x1b[0m"),
+    (22.9, f"\x1b[37m\x1b[1m[2026-12-01 21:23:46,545][09291] {READY}\x1b[0m"),
+    (27.1, "\x1b[36m[2026-12-01 21:23:50,716][09291] Fps is (10 sec: nan, 60 sec: nan, 300 sec: nan). Total num "
+           "frames: 7680. Throughput: 0: nan. Samples: 5500. Policy #0 lag: (min: 0.0, avg: 1.6, max: 3.0)\x1b[0m"),
+    (32.1, "[2026-12-01 21:23:55,716][09291] Fps is (10 sec: 2000.0, 60 sec: 2000.0, 300 sec: 2000.0). Total num "
+           "frames: 20480. Throughput: 0: 1900.0. Samples: 20480. Policy #0 lag: (min: 0.0, avg: 1.0, max: 2.0)"),
+    (32.1, "[2026-12-01 21:23:55,717][09291] Avg episode reward: [(0, '133.870')]"),
+    (37.1, "[...][09291] Fps is (10 sec: 2000.0, ...). Total num frames: 40960. Throughput: 0: 1.0. Samples: 1."),
+    (37.1, "[...][09291] Avg episode reward: [(0, '480.500')]"),
+    (42.1, "[...][09291] Fps is (10 sec: 2000.0, ...). Total num frames: 51200. Throughput: 0: 1.0. Samples: 1."),
+    (42.1, "[...][09291] Avg episode reward: [(0, '500.000')]"),
+]
+
+
+def test_order_statistic_ranks_match_the_binomial_tables() -> None:
+    # n = 5: no symmetric pair reaches 95%; the range covers 1 - 2/32.
+    k5, j5, cover5 = order_statistic_ranks(5)
+    assert (k5, j5) == (1, 5) and cover5 == pytest.approx(1 - 2 / 32)
+    # n = 6: the range covers 1 - 2/64 = 96.9% >= 95%; (2, 5) would cover only 78.1%.
+    assert order_statistic_ranks(6)[:2] == (1, 6)
+    # n = 10: (2, 9) covers 97.9%, (3, 8) 89.1%: the narrowest at >= 95% is (2, 9).
+    k, j, cover = order_statistic_ranks(10)
+    assert (k, j) == (2, 9) and cover == pytest.approx(0.978515625)
+    with pytest.raises(ValueError, match="n=0"):
+        order_statistic_ranks(0)
+
+
+def test_median_interval_counts_failed_runs_as_not_reached() -> None:
+    ci = MedianCI.of([12.0, None, 9.0, 15.0, 11.0])
+    assert ci.median == 12.0 and (ci.lo, ci.hi) == (9.0, INF) and ci.failed == 1 and ci.n == 5
+    assert ci.fmt(1, " s") == "12.0 s [9.0, not reached]"
+    most_failed = MedianCI.of([None, None, 3.0])
+    assert most_failed.median == INF and most_failed.fmt() == "not reached [3.0, not reached]"
+    ten = MedianCI.of(float(v) for v in range(10, 0, -1))
+    assert (ten.median, ten.lo, ten.hi) == (5.5, 2.0, 9.0)
+    assert ten.lo <= ten.median <= ten.hi
+    empty = MedianCI.of([])
+    assert empty.n == 0 and math.isnan(empty.median) and empty.fmt() == "n/a"
+    assert MedianCI.of([4.0]).fmt(1) == "4.0"
+
+
+def test_sf_log_pairs_each_reward_with_the_frames_printed_before_it() -> None:
+    log = parse(SF_LINES)
+    assert log.ready_t == 22.9
+    assert [(r.t, r.env_steps, r.last100) for r in log.reports] == [
+        (27.1, 7680, None), (32.1, 20480, 133.87), (37.1, 40960, 480.5), (42.1, 51200, 500.0)]
+    hit = log.first_reaching(475.0)
+    assert hit is not None and (hit.t, hit.env_steps) == (37.1, 40960)
+    assert log.first_reaching(501.0) is None
+
+
+def test_sf_log_feed_reports_as_lines_arrive() -> None:
+    log = SfLog()
+    done = [log.feed(t, line) for t, line in SF_LINES]
+    completed = [r for r in done if r is not None]
+    assert [r.last100 for r in completed] == [133.87, 480.5, 500.0]
+    assert parse([]).reports == [] and parse([]).ready_t is None
+
+
+def test_peer_run_end_to_end_needs_both_parts() -> None:
+    assert PeerRun("x", "y", 1, 20.0, 10.5, 1000).end_to_end_s == 30.5
+    assert PeerRun("x", "y", 1, 20.0, None, None, "timed out").end_to_end_s is None
+
+
+def test_flywheel_settings_translate_to_sb3() -> None:
+    pytest.importorskip("yaml")
+    from bench.peers.sb3_peer import FLYWHEEL_TOTAL_STEPS, flywheel_kwargs
+
+    n_envs, kw = flywheel_kwargs(REPO / "configs" / "cartpole.yaml")
+    # 2 samplers x 8 envs; one update = 2 fragments x 32 steps x 8 envs = 512 samples, 4 minibatches.
+    assert (n_envs, kw["n_steps"], kw["batch_size"], kw["n_epochs"]) == (16, 32, 128, 8)
+    assert kw["target_kl"] == pytest.approx(0.02 / 1.5) and kw["vf_coef"] == pytest.approx(0.25)
+    lr, clip = kw["learning_rate"], kw["clip_range"]
+    assert lr(1.0) == pytest.approx(1e-3) and clip(1.0) == pytest.approx(0.2)
+    at_200k = 1.0 - 200_000 / FLYWHEEL_TOTAL_STEPS
+    assert lr(at_200k) == pytest.approx(1e-5) and lr(0.0) == pytest.approx(1e-5)  # then held
+    assert clip(at_200k) == pytest.approx(0.05) and clip(0.0) == pytest.approx(0.05)
+    assert lr(1.0 - 100_000 / FLYWHEEL_TOTAL_STEPS) == pytest.approx((1e-3 + 1e-5) / 2)
+
+
+def test_zoo_config_for_flywheel_is_a_valid_config(tmp_path: Path) -> None:
+    from bench.peers.flywheel_peer import zoo_config
+    from shared.settings import load_settings
+
+    s = load_settings(zoo_config(tmp_path / "zoo.yaml", REPO / "configs" / "cartpole.yaml"), environ={})
+    tr = s.trainer
+    # 2 samplers x 4 envs x 32 steps x 2 fragments = rl-zoo's 8 envs x 32 steps per update, one minibatch.
+    assert (s.env.num_envs, s.env.fragment_steps, tr.batch_fragments, tr.minibatches, tr.epochs) == (4, 32, 2, 1, 20)
+    assert tr.target_kl is None and tr.anneal_env_steps == 100_000
+    assert tr.learning_rate_end is not None and tr.learning_rate_end < 1e-7
