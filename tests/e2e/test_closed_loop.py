@@ -89,8 +89,11 @@ def test_closed_loop_learns_and_can_be_operated(make_stack: Any, run_name: str, 
     after = log_events(log1)[before:]
     first_produce = next(i for i, e in enumerate(after) if e["event"] == "fragment_produced")
     adopted = [e for e in after[:first_produce] if e["event"] == "policy_adopted"]
-    assert adopted and adopted[0]["trigger"] == "start", after[:first_produce]
-    assert adopted[0]["policy_version"] >= published_at_restart
+    # At start a sampler adopts from the store's marker ("start") or from the inline weights of the newest
+    # announcements it reads back from the policy topic ("announce", docs/policies.md); either way the
+    # version it produces with is at least the one published when it restarted.
+    assert adopted and {e["trigger"] for e in adopted} <= {"start", "announce"}, after[:first_produce]
+    assert max(e["policy_version"] for e in adopted) >= published_at_restart, (adopted, published_at_restart)
     assert after[first_produce]["policy_version"] >= published_at_restart
 
     # ---- bad records go to the dead-letter topic with reasons; training goes on --------------
