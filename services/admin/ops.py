@@ -30,7 +30,9 @@ ROLLBACK_WAIT_S = 5.0
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON's true is not the revision 1 nor "3" the version 3 (schemathesis found `{"revision": false}`
+    # accepted); an unknown field is an error, not ignored.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class SamplerTarget(_Body):
