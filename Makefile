@@ -15,7 +15,7 @@ CONFIG ?= configs/cartpole.yaml
 PYTEST_ARGS ?=
 ONLY ?=
 
-.PHONY: help install up down status infra-up infra-down test test-faults test-unit bench lint k8s-check clean
+.PHONY: help install up down status infra-up infra-down test test-faults test-unit bench lint k8s-check s3-live-check clean
 
 help:
 	@echo "make up        run the whole stack (docker compose if a Docker engine answers, else local processes)"
@@ -97,3 +97,9 @@ k8s-check: $(K8S_CHECK)
 
 clean:
 	rm -rf .pytest_cache build *.egg-info
+
+# Build versitygw v1.8.0 from its Go module and check the S3 policies per role against it (docs/security.md,
+# "Enforced live"); not part of make test (the first build takes minutes).
+s3-live-check: install
+	tools/s3-live/build.sh
+	$(PY) -m pytest tests/integration/test_s3_policies_live.py $(PYTEST_ARGS)
