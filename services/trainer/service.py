@@ -16,6 +16,7 @@ beside the weights: ``flywheel verify`` proves exactly-once from the checkpoint 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -490,10 +491,7 @@ class Trainer:
         """Every assigned partition is read from where this model's ledger ends (``ConsumerGroup.assigned``).
         A rank waits for the update in progress: its ledger exchange may bring the newest entry of a
         partition another rank just gave up."""
-        if self.ranks is not None:
-            async with self._update_lock:
-                self.group.assigned(assigned)
-        else:
+        async with self._update_lock if self.ranks is not None else contextlib.nullcontext():
             self.group.assigned(assigned)
         for tp in assigned:
             off = self.group.ledger.resume_offset(tp)

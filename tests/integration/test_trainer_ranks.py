@@ -21,6 +21,7 @@ import pytest
 
 from devstack import InfraEndpoints, LocalStack
 from tests.conftest import S3Endpoint
+from tests.e2e.conftest import status
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -48,13 +49,6 @@ def stack(kafka_bootstrap: str, s3_endpoint: S3Endpoint, run_name: str, tmp_path
         st.down(infra=False)
 
 
-def _status(stack: LocalStack) -> dict[str, Any]:
-    r = httpx.get(f"{stack.admin_url}/status", timeout=5)
-    r.raise_for_status()
-    body: dict[str, Any] = r.json()
-    return body
-
-
 def _wait(what: str, check: Any, timeout_s: float, stack: LocalStack) -> Any:
     deadline, last = time.monotonic() + timeout_s, None
     while time.monotonic() < deadline:
@@ -70,7 +64,7 @@ def _wait(what: str, check: Any, timeout_s: float, stack: LocalStack) -> Any:
 
 
 def _equal_digests(stack: LocalStack, after: int) -> list[dict[str, Any]] | None:
-    ranks = _status(stack)["trainer"]["ranks"]
+    ranks = status(stack)["trainer"]["ranks"]
     if len(ranks) != 2 or not all(r["alive"] for r in ranks):
         return None
     a, b = ranks
@@ -100,10 +94,10 @@ def test_two_ranks_train_with_identical_weights_and_verify(stack: LocalStack) ->
     assert "every offset exactly once" in out.stdout
 
     # One rank again: the group stops together, rank 0 checkpoints, and a single trainer resumes from it.
-    version = _status(stack)["policy"]["version"]
+    version = status(stack)["policy"]["version"]
     stack.up(samplers=2, trainers=1, timeout_s=180, prometheus=False)
     assert "trainer-1" not in stack.pids()
-    _wait("training after re-forming", lambda: (_status(stack)["policy"]["version"] or 0) > version + 3, 120, stack)
+    _wait("training after re-forming", lambda: (status(stack)["policy"]["version"] or 0) > version + 3, 120, stack)
     assert "checkpoint_restored" in stack.log_path("trainer").read_text()
     out = _verify(stack)
     assert out.returncode == 0, out.stdout + out.stderr
