@@ -302,7 +302,8 @@ async def test_a_deferred_publish_is_retried_while_the_trainer_waits_for_publica
             rec = VersionRecord(version=0, blob="b", sha256="0" * 64, size=1, trainer_step=0)
             mem.append(T.policy, PolicyMessage.of("announce", rec).to_bytes(), key=KEY_ANNOUNCE)
             put(mem, TP0, 12, version=0)
-        return fed and t.intake.published == 0 and t.learner.counters.policy_version == 2 and t.publication.deferred is not None
+        return (fed and t.intake.published == 0 and t.learner.counters.policy_version == 2
+                and t.publication.deferred is not None)
 
     stop = asyncio.Event()
     await t.start()
@@ -314,7 +315,8 @@ async def test_a_deferred_publish_is_retried_while_the_trainer_waits_for_publica
                 await asyncio.sleep(0.01)
             assert t.publication.candidate is None or t.publication.candidate[0].version < 2  # version 2 was never sent
             store_down = False
-            while t.publication.candidate is None or t.publication.candidate[0].version < 2:  # retried without a new update
+            # retried without a new update
+            while t.publication.candidate is None or t.publication.candidate[0].version < 2:
                 assert not task.done()
                 await asyncio.sleep(0.01)
     finally:
