@@ -102,7 +102,7 @@ def loaded_policy(settings: Settings, record: VersionRecord, blob: bytes) -> Sam
 
 def build_env(env_id: str, **kwargs: Any) -> gym.Env[Any, Any]:
     """``env_id`` as the samplers build it (image envs registered, ALE games preprocessed), one copy."""
-    register_image_envs()
+    register_image_envs(env_id)
     options, wrappers = env_options(env_id)
     env: gym.Env[Any, Any] = gym.make(env_id, **options, **kwargs)
     for wrap in wrappers:

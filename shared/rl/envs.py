@@ -58,25 +58,28 @@ class OverlappedLogNormalLatency(gym.vector.VectorWrapper):
         return self.env.step(actions)
 
 
-def register_image_envs() -> None:
-    """Register the MinAtar and ALE env ids whose packages are installed (idempotent)."""
-    if "MinAtar/Breakout-v1" not in gym.registry:
+MINATAR_PREFIX = "MinAtar/"
+ATARI_PREFIX = "ALE/"
+
+
+def register_image_envs(env_id: str) -> None:
+    """Register the MinAtar or ALE env ids when ``env_id`` is one of them and its package is installed
+    (idempotent). Only the package ``env_id`` needs is imported: MinAtar's imports matplotlib and seaborn,
+    seconds of every service's start-up that a CartPole run must not pay."""
+    if env_id.startswith(MINATAR_PREFIX) and env_id not in gym.registry:
         try:
             import minatar.gym
         except ImportError:
             pass
         else:
             minatar.gym.register_envs()
-    if "ALE/Pong-v5" not in gym.registry:
+    if env_id.startswith(ATARI_PREFIX) and env_id not in gym.registry:
         try:
             import ale_py
         except ImportError:
             pass
         else:
             gym.register_envs(ale_py)
-
-
-ATARI_PREFIX = "ALE/"
 
 
 def env_options(env_id: str) -> tuple[dict[str, Any], list[Any]]:
@@ -115,7 +118,7 @@ def make_vector_env(
 
     With ``latency_median_ms`` > 0 every env step gets a log-normal delay (benchmarks): summed over
     the envs of a vector step, or with ``latency_overlap`` the slowest of them (envs in parallel)."""
-    register_image_envs()
+    register_image_envs(env_id)
     kwargs, wrappers = env_options(env_id)
     if latency_median_ms > 0 and not latency_overlap:
         wrappers.append(lambda e: LogNormalLatency(e, latency_median_ms, latency_sigma))
@@ -144,7 +147,7 @@ def fragment_spec(env_id: str, max_bytes: int, frame_stack: int | None = None) -
     actions."""
     if frame_stack is None:
         frame_stack = default_frame_stack(env_id)
-    register_image_envs()
+    register_image_envs(env_id)
     kwargs, wrappers = env_options(env_id)
     env = gym.make(env_id, **kwargs)
     for wrap in wrappers:

@@ -239,3 +239,21 @@ def test_minatar_worker_fragments_decode_and_train() -> None:
         assert stats.env_steps == 64 and np.isfinite(stats.value_loss)
         worker.set_policy(1, learner.weights())
         worker.close()
+
+
+def test_only_the_env_ids_package_is_imported() -> None:
+    """A CartPole service must not import MinAtar (its module imports matplotlib and seaborn: seconds of every
+    service's start-up); a MinAtar id registers it. In a fresh interpreter, so other tests' imports do not count."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from shared.rl.envs import fragment_spec, make_vector_env; "
+            "fragment_spec('CartPole-v1', 1 << 20); make_vector_env('CartPole-v1', 2).close(); "
+            "print(sorted(m for m in ('minatar', 'matplotlib', 'ale_py') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    pytest.importorskip("minatar")
+    code = ("import sys; from shared.rl.envs import fragment_spec; "
+            "print(fragment_spec('MinAtar/Breakout-v1', 1 << 20).obs_shape, 'minatar' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "(10, 10, 4) True", out.stdout + out.stderr
