@@ -14,7 +14,7 @@ from bench.report import FigureResult, Row
 
 NAME = "scaling"
 TITLE = (f"Env-steps/s with 1, 2, 4, 8, 16, 32 samplers whose env steps sleep log-normally (median {MEDIAN_MS:g} ms, "
-         f"sigma {SIGMA:g}; latency-bound, so the 2 cores are not the limit), relative to 1 sampler.")
+         f"sigma {SIGMA:g}; latency-bound: up to 8 samplers the 2 cores are not the limit), relative to 1 sampler.")
 TARGET = ">= 1.95x / 3.85x / 7.5x at 2 / 4 / 8"
 COUNTS = (1, 2, 4, 8, 16, 32)
 KNEE_EFFICIENCY = 0.8
