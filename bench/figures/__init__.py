@@ -11,6 +11,8 @@ from bench.figures import (
     forced_staleness,
     learner_scaling,
     peers,
+    peers_minatar,
+    peers_mujoco,
     pendulum,
     pipeline,
     recovery,
@@ -27,5 +29,6 @@ from bench.figures import (
 FIGURES: dict[str, ModuleType] = {
     m.NAME: m for m in (pipeline, async_vs_sync, scaling, sync_latency, solve, stability, stability_ablation,
                         async_sync_return, forced_staleness, pendulum, recovery, service_efficiency,
-                        learner_scaling, actor_learner, peers, sync_inline, sampler_inference)
+                        learner_scaling, actor_learner, peers, sync_inline, sampler_inference,
+                        peers_minatar, peers_mujoco)
 }

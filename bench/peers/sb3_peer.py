@@ -23,10 +23,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.peers.run import PeerRun
 from devstack import REPO_ROOT
+
+if TYPE_CHECKING:
+    from shared.settings import TrainerSettings
 
 SAMPLERS = 2  # as bench.figures.solve runs the stack
 FLYWHEEL_TOTAL_STEPS = 400_000  # SB3 needs a budget for its schedules; Flywheel's anneal ends at 200k and holds
@@ -44,7 +47,7 @@ NOT_SHARED = (
 )
 
 
-def _held_linear(start: float, end: float, over: int, total: int) -> Callable[[float], float]:
+def held_linear(start: float, end: float, over: int, total: int) -> Callable[[float], float]:
     """SB3 schedule (of progress_remaining 1 -> 0 over ``total`` steps): linear start -> end over the first
     ``over`` env steps, then end."""
     def f(progress_remaining: float) -> float:
@@ -66,18 +69,27 @@ def flywheel_kwargs(config: Path) -> tuple[int, dict[str, Any]]:
         raise ValueError(f"an update's samples must split evenly over SB3's envs: {batch=}, {n_envs=}")
     if tr.objective != "ppo":
         raise ValueError(f"SB3 has plain PPO only: {tr.objective=}")
+    return n_envs, ppo_kwargs(tr, n_envs, batch, FLYWHEEL_TOTAL_STEPS,
+                              {"net_arch": {"pi": [tr.hidden, tr.hidden], "vf": [tr.hidden, tr.hidden]}})
+
+
+def ppo_kwargs(tr: TrainerSettings, n_envs: int, batch: int, total_steps: int,
+               policy_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """SB3 PPO keyword arguments for Flywheel's trainer settings ``tr`` with ``batch`` samples an update over
+    ``n_envs`` envs: the same epochs, minibatch size, held-linear learning rate and clip schedules (over a
+    ``total_steps`` budget), gamma, lambda, entropy, gradient clip and KL stop (``NOT_SHARED`` says how the
+    value-loss and KL conventions are mapped)."""
     lr_end = tr.learning_rate_end if tr.learning_rate_end is not None else tr.learning_rate
     clip_end = tr.clip_coef_end if tr.clip_coef_end is not None else tr.clip_coef
-    kw: dict[str, Any] = {
+    return {
         "n_steps": batch // n_envs, "batch_size": batch // tr.minibatches, "n_epochs": tr.epochs,
-        "learning_rate": _held_linear(tr.learning_rate, lr_end, tr.anneal_env_steps, FLYWHEEL_TOTAL_STEPS),
-        "clip_range": _held_linear(tr.clip_coef, clip_end, tr.anneal_env_steps, FLYWHEEL_TOTAL_STEPS),
+        "learning_rate": held_linear(tr.learning_rate, lr_end, tr.anneal_env_steps, total_steps),
+        "clip_range": held_linear(tr.clip_coef, clip_end, tr.anneal_env_steps, total_steps),
         "gamma": tr.gamma, "gae_lambda": tr.gae_lambda, "ent_coef": tr.ent_coef, "vf_coef": tr.vf_coef / 2,
         "max_grad_norm": tr.max_grad_norm, "normalize_advantage": tr.normalize_advantages,
         "target_kl": None if tr.target_kl is None else tr.target_kl / 1.5,
-        "policy_kwargs": {"net_arch": {"pi": [tr.hidden, tr.hidden], "vf": [tr.hidden, tr.hidden]}},
+        "policy_kwargs": policy_kwargs,
     }
-    return n_envs, kw
 
 
 def describe_flywheel(config: Path) -> str:
