@@ -42,9 +42,15 @@ class BacklogGate:
 
     async def measure(self) -> None:
         """One measurement of the trainer's backlog into ``_backlog`` (the ``backlog`` task). A failed
-        query is logged and the last value kept; it never stops the sampler."""
+        query is logged and the last value kept; it never stops the sampler. With ``max_backlog`` 0 (off,
+        the default: credits do the flow control) nothing is asked of Kafka: two admin requests per
+        sampler every ``backlog_check_interval_s`` cost the samplers and the brokers CPU for a reading
+        nobody uses, and the reading is forgotten so that turning the gate on acts on a fresh one."""
         interval = self.settings().sampler.backlog_check_interval_s
         limit = self.settings().sampler.max_backlog  # a runtime setting
+        if limit == 0:
+            self._backlog = None
+            return
         started = time.monotonic()
         try:
             lag = await self.lag_probe.lag(trainer_group(self.settings().run), self.topic)

@@ -17,8 +17,8 @@ loop: ``announcements`` reads ``<run>.policy`` from ``POLICY_HISTORY`` records b
 starter finds the newest announcement, with its inline weights, on the compacted topic), ``inbox`` reads
 control commands and credit grants as they arrive (both ``shared.retry.read_forever``); ``marker`` reads
 the marker and the operator state every ``sync_interval_s`` or at once on a ``config`` command,
-``backlog`` measures the trainer's backlog every ``backlog_check_interval_s``, ``heartbeats`` beats every
-``heartbeat_interval_s`` (``shared.retry.every``).
+``backlog`` measures the trainer's backlog every ``backlog_check_interval_s`` (only while ``max_backlog`` is
+on), ``heartbeats`` beats every ``heartbeat_interval_s`` (``shared.retry.every``).
 They set ``_wake``, on which the loop waits while flow control pauses it (or, in ``mode: sync``, while
 it waits for the next version), so a paused sampler adopts a new policy as soon as it is announced.
 Nothing here imports torch for MLP policies (inference is numpy); CNN policies run in torch (rollout.py).

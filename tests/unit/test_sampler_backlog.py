@@ -80,3 +80,39 @@ async def test_a_probe_that_keeps_failing_stops_pausing_the_sampler() -> None:
         raise AssertionError("waited on a stale reading")
 
     await g.respect(asyncio.Event(), never)
+
+
+class CountingLag(Lag):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    async def lag(self, group: str, topic: str) -> dict[int, int]:
+        self.calls += 1
+        return await super().lag(group, topic)
+
+
+async def test_kafka_is_not_asked_while_the_gate_is_off() -> None:
+    """``max_backlog`` 0 (credits do the flow control): no lag query at all; a limit set at runtime starts the
+    measurements, and a reading taken while it was on is forgotten when it goes off again."""
+    lag = CountingLag()
+    settings = Settings.model_validate({"sampler": {"max_backlog": 0, "backlog_check_interval_s": 0.01}})
+    current = {"s": settings}
+    g = BacklogGate(lag, "r.samples", lambda: current["s"], asyncio.Event(), log=get_logger(),
+                    labels={"sampler": "s"})
+    for _ in range(5):
+        await g.measure()
+    assert lag.calls == 0
+    current["s"] = settings.model_copy(update={"sampler": settings.sampler.model_copy(update={"max_backlog": 5})})
+    lag.value = 10
+    await g.measure()
+    assert lag.calls == 1
+    current["s"] = settings
+    await g.measure()
+    assert lag.calls == 1
+    current["s"] = settings.model_copy(update={"sampler": settings.sampler.model_copy(update={"max_backlog": 5})})
+
+    async def never() -> None:
+        raise AssertionError("waited on a reading taken before the gate went off")
+
+    await g.respect(asyncio.Event(), never)
