@@ -1,14 +1,21 @@
-"""PNG plots for the figures where a curve says more than a table (matplotlib, Agg backend)."""
+"""PNG plots for the figures where a curve says more than a table (matplotlib, Agg backend). matplotlib (the
+``bench`` extra) is imported when a plot is drawn, so the figure modules import without it (their pure logic
+is unit-tested in ``make test``, whose environment has only the ``test`` extra)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def lines(path: Path, title: str, xlabel: str, ylabel: str,
@@ -17,6 +24,7 @@ def lines(path: Path, title: str, xlabel: str, ylabel: str,
           bands: Sequence[tuple[Sequence[float], Sequence[float], Sequence[float]]] = ()) -> str:
     """One chart of named (x, y) series; optional horizontal reference lines, an 'ideal' dashed
     line and min-max bands (x, lo, hi) under the series of the same index."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for i, (label, xs, ys) in enumerate(series):
         (line,) = ax.plot(xs, ys, marker="o" if len(xs) <= 12 else None, label=label, lw=1.6)
@@ -44,6 +52,7 @@ def panels(path: Path, title: str, panels: Sequence[tuple[str, str, Sequence[tup
                                                                                      Sequence[float]]]]],
            hline: tuple[float, str] | None = None) -> str:
     """Side-by-side charts: each panel is (xlabel, ylabel, series)."""
+    plt = _pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), dpi=110, squeeze=False)
     for ax, (xlabel, ylabel, series) in zip(axes[0], panels, strict=True):
         for label, xs, ys in series:
