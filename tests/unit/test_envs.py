@@ -1,5 +1,8 @@
 """The benchmark latency wrappers: what a vector step waits, with the sleeps recorded, not timed."""
 
+import threading
+import time
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -10,8 +13,20 @@ from shared.rl.envs import make_vector_env
 
 @pytest.fixture
 def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The env wrappers' sleeps in this thread, recorded instead of slept. ``time.sleep`` is patched
+    process-wide (``envs_mod.time`` is the ``time`` module): a background thread left by an earlier test
+    (the whole suite runs in one process) still sleeps for real, and its calls are not counted."""
     recorded: list[float] = []
-    monkeypatch.setattr(envs_mod.time, "sleep", recorded.append)
+    real_sleep = time.sleep
+    here = threading.current_thread()
+
+    def fake_sleep(seconds: float) -> None:
+        if threading.current_thread() is here:
+            recorded.append(seconds)
+        else:
+            real_sleep(seconds)
+
+    monkeypatch.setattr(envs_mod.time, "sleep", fake_sleep)
     return recorded
 
 
