@@ -147,8 +147,9 @@ def _targets(
 ) -> tuple[torch.Tensor, ...]:
     """Flat (obs, actions, behaviour log-probs, proximal log-probs, advantages, returns) of a batch.
 
-    Advantages use the *current* critic. One critic forward covers every fragment's observations,
-    final observations and truncation observations; the GAE recursion runs on small numpy arrays.
+    Advantages use the *current* critic. One evaluation of the batch gives the proximal log-probs and the
+    values (a shared CNN torso runs once for both), one critic forward the final and truncation observations'
+    values; the GAE recursion runs on small numpy arrays.
     """
     obs_dim = int(np.prod(fragments[0].obs.shape[2:]))
     steps = [f.steps for f in fragments]
@@ -157,8 +158,16 @@ def _targets(
     all_obs = _t(np.concatenate([f.obs.reshape(-1, obs_dim) for f in fragments]
                                 + [f.last_obs.reshape(-1, obs_dim) for f in fragments]
                                 + [f.trunc_obs.reshape(-1, obs_dim) for f in fragments]), device)
+    obs = all_obs[: sum(steps)]
+    if model.continuous:  # [B, A] floats: the unclipped samples the behaviour log-probs belong to
+        actions = _t(np.concatenate([f.actions.reshape(f.steps, -1) for f in fragments]), device)
+    else:
+        actions = _t(np.concatenate([f.actions.reshape(-1) for f in fragments]), device, torch.long)
+    # The proximal policy (the weights as they are before this update's first gradient step) and the critic's
+    # values, in one evaluation of the batch; the bootstrap observations need only the critic.
     with _forward_precision(model, device, cfg.bf16):
-        values_all = model.value(all_obs).cpu().numpy()
+        prox_logp, _, batch_values = model.evaluate(obs, actions)
+        values_all = torch.cat([batch_values, model.value(all_obs[sum(steps):])]).cpu().numpy()
     values = np.split(values_all[: sum(steps)], np.cumsum(steps)[:-1])
     next_values = np.split(values_all[sum(steps) : sum(steps) + sum(n_envs)], np.cumsum(n_envs)[:-1])
     trunc_values = np.split(values_all[sum(steps) + sum(n_envs) :], np.cumsum(n_trunc)[:-1])
@@ -173,14 +182,6 @@ def _targets(
         adv = gae(rewards, v, nv, np.asarray(f.terminated, bool) | truncated, cfg.gamma, cfg.gae_lambda)
         advs.append(adv.reshape(-1))
         rets.append((adv + v).reshape(-1))
-    obs = all_obs[: sum(steps)]
-    if model.continuous:  # [B, A] floats: the unclipped samples the behaviour log-probs belong to
-        actions = _t(np.concatenate([f.actions.reshape(f.steps, -1) for f in fragments]), device)
-    else:
-        actions = _t(np.concatenate([f.actions.reshape(-1) for f in fragments]), device, torch.long)
-    # The proximal policy: the weights as they are before this update's first gradient step.
-    with _forward_precision(model, device, cfg.bf16):
-        prox_logp, _ = model.logp_entropy(obs, actions)
     behav_logp = _t(np.concatenate([f.logp.reshape(-1) for f in fragments]), device)
     return obs, actions, behav_logp, prox_logp, _t(np.concatenate(advs), device), _t(np.concatenate(rets), device)
 
@@ -240,7 +241,7 @@ def ppo_update(
             if have:
                 idx = order[step * mb_size : (step + 1) * mb_size]
                 with _forward_precision(model, device, cfg.bf16):  # trainer.precision: bf16 or float32
-                    logp, entropy = model.logp_entropy(obs[idx], actions[idx])
+                    logp, entropy, new_value = model.evaluate(obs[idx], actions[idx])
                 with torch.no_grad():
                     prox_log_ratio = logp - prox_logp[idx]  # http://joschu.net/blog/kl-approx.html
                     kl = float(((torch.exp(prox_log_ratio) - 1) - prox_log_ratio).mean())
@@ -273,8 +274,6 @@ def ppo_update(
                 # the behaviour correction: the decoupled objective.
                 surrogate = torch.min(ratio * mb_adv, ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef) * mb_adv)
                 policy_loss = -(behaviour_weight[idx] * surrogate).mean()
-                with _forward_precision(model, device, cfg.bf16):
-                    new_value = model.value(obs[idx])
                 value_loss = 0.5 * (new_value - returns[idx]).pow(2).mean()
                 entropy = entropy.mean()
                 loss = policy_loss + cfg.vf_coef * value_loss

@@ -87,6 +87,10 @@ class ImageActorCritic(ActorCritic):
         self.torso, width = make_torso(torso, c * frame_stack, h, w)
         self.actor = _layer(nn.Linear(width, num_actions), std=0.01)  # type: ignore[assignment]
         self.critic = _layer(nn.Linear(width, 1), std=1.0)  # type: ignore[assignment]
+        # The torso's input laid out channels last (NHWC) in memory: the learner turns it on (its minibatches
+        # of hundreds of frames convolve faster so: docs/pixels.md); samplers and exports keep the default.
+        # Only the activations' layout changes, never the parameters' (checkpoints and exports stay contiguous).
+        self.channels_last_input = False
 
     def actor_parameters(self) -> list[nn.Parameter]:
         return [*self.torso.parameters(), *self.actor.parameters()]
@@ -109,5 +113,17 @@ class ImageActorCritic(ActorCritic):
         elif self.channels_last:
             x = x.movedim(-1, 2)  # [B, K, H, W, C] -> [B, K, C, H, W]
         x = x.flatten(1, 2)  # [B, K * C, H, W]
+        if self.channels_last_input:
+            x = x.contiguous(memory_format=torch.channels_last)
         features: torch.Tensor = self.torso(x)
         return features.reshape(*lead, -1)
+
+    def evaluate(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logp, entropy, value)`` from one pass of the torso shared by both heads (``logp_entropy`` and
+        ``value`` would each run it: twice the convolutions forward and backward in every minibatch)."""
+        features = self._features(obs)
+        lp = torch.log_softmax(self.actor(features), dim=-1)
+        logp = lp.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+        entropy = -(lp.exp() * lp).sum(-1)
+        value: torch.Tensor = self.critic(features).squeeze(-1)
+        return logp, entropy, value

@@ -187,6 +187,13 @@ class ActorCritic(nn.Module):
         value: torch.Tensor = self.critic(self._features(obs)).squeeze(-1)
         return value
 
+    def evaluate(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logp, entropy, value)`` at ``obs``: what an update step needs, as :meth:`logp_entropy` and
+        :meth:`value` give them. Separate actor and critic networks here; a shared torso computes its features
+        once for both heads (:class:`~shared.rl.cnn.ImageActorCritic`)."""
+        logp, entropy = self.logp_entropy(obs, actions)
+        return logp, entropy, self.value(obs)
+
 
 def image_model(spec: FragmentSpec, model: str, *, normalize_observations: bool = False) -> ActorCritic:
     """The CNN actor-critic for ``spec``'s image observations (``model``: a torso name, or ``cnn`` for

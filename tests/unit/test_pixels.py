@@ -257,3 +257,52 @@ def test_only_the_env_ids_package_is_imported() -> None:
             "print(fragment_spec('MinAtar/Breakout-v1', 1 << 20).obs_shape, 'minatar' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "(10, 10, 4) True", out.stdout + out.stderr
+
+
+# ---- the learner's CNN evaluation ------------------------------------------------------------------------------
+
+def test_a_cnn_evaluates_both_heads_from_one_pass_of_its_torso() -> None:
+    """An update step needs log-probs, entropy and values: one torso pass gives all three, with the values and
+    gradients of the separate ``logp_entropy`` and ``value`` passes (which ran the convolutions twice)."""
+    from shared.rl.cnn import ImageActorCritic
+
+    torch.manual_seed(0)
+    model = ImageActorCritic(FRAME, 3, "minatar_cnn", frame_stack=2)
+    passes: list[int] = []
+    model.torso.register_forward_hook(lambda *_: passes.append(1))
+    obs = torch.randint(0, 256, (32, 2, *FRAME), dtype=torch.uint8)
+    actions = torch.randint(0, 3, (32,))
+    logp, entropy, value = model.evaluate(obs, actions)
+    assert len(passes) == 1
+    ref_logp, ref_entropy = model.logp_entropy(obs, actions)
+    ref_value = model.value(obs)
+    params = list(model.parameters())
+
+    def loss(lp: torch.Tensor, ent: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return -(lp * torch.linspace(-1, 1, 32)).mean() - 0.01 * ent.mean() + 0.5 * v.pow(2).mean()
+
+    got = torch.autograd.grad(loss(logp, entropy, value), params)
+    want = torch.autograd.grad(loss(ref_logp, ref_entropy, ref_value), params)
+    for a, b in ((logp, ref_logp), (entropy, ref_entropy), (value, ref_value), *zip(got, want, strict=True)):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_the_learner_feeds_the_nature_cnn_channels_last_and_keeps_its_weights_contiguous() -> None:
+    from services.trainer.learner import Learner
+    from shared.settings import TrainerSettings
+
+    torch.manual_seed(0)
+    learner = Learner(image_spec(4, frame=(84, 84)), TrainerSettings(model="nature_cnn"))
+    model = learner.model
+    assert getattr(model, "channels_last_input", False)
+    obs = torch.randint(0, 256, (16, 4, 84, 84), dtype=torch.uint8)
+    actions = torch.randint(0, 3, (16,))
+    with torch.no_grad():
+        nhwc = model.evaluate(obs, actions)
+        model.channels_last_input = False  # type: ignore[assignment]
+        nchw = model.evaluate(obs, actions)
+    for a, b in zip(nhwc, nchw, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    assert all(t.is_contiguous() for t in model.state_dict().values())  # checkpoints and exports as before
+    minatar = Learner(image_spec(1), TrainerSettings(model="minatar_cnn")).model
+    assert not getattr(minatar, "channels_last_input", True)
