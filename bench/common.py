@@ -314,6 +314,13 @@ class BenchStack:
         self.samplers = samplers
         return time.monotonic() - t0
 
+    def up_to_first_fragment(self, samplers: int, timeout_s: float = 120.0) -> float:
+        """Start the stack (``up``) and wait until a sampler has produced its first fragment: the start-up
+        the peer figures report (from starting it to its first env step, within the 0.2 s poll)."""
+        up_s = self.up(samplers)
+        return up_s + self.wait_for("the first fragment", lambda: self.status_samplers_producing() >= 1, timeout_s,
+                                    poll_s=0.2)
+
     def down(self) -> None:
         self.stack.down(infra=False)
 

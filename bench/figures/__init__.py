@@ -13,6 +13,7 @@ from bench.figures import (
     peers,
     peers_minatar,
     peers_mujoco,
+    peers_pong,
     pendulum,
     pipeline,
     recovery,
@@ -30,5 +31,5 @@ FIGURES: dict[str, ModuleType] = {
     m.NAME: m for m in (pipeline, async_vs_sync, scaling, sync_latency, solve, stability, stability_ablation,
                         async_sync_return, forced_staleness, pendulum, recovery, service_efficiency,
                         learner_scaling, actor_learner, peers, sync_inline, sampler_inference,
-                        peers_minatar, peers_mujoco)
+                        peers_minatar, peers_mujoco, peers_pong)
 }

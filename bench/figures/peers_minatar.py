@@ -115,9 +115,7 @@ def run_flywheel(ctx: Context, seed: int, wall_s: float) -> BudgetRun:
     startup: float | None = None
     with stack(ctx, run, {"FLYWHEEL_TRAINER_SEED": seed, "FLYWHEEL_SAMPLER_SEED": seed}, config=CONFIG) as st:
         try:
-            up_s = st.up(SAMPLERS)
-            first = st.wait_for("the first fragment", lambda: st.status_samplers_producing() >= 1, 120, poll_s=0.2)
-            startup = up_s + first
+            startup = st.up_to_first_fragment(SAMPLERS)
             time.sleep(wall_s + STOP_MARGIN_S)
         except TimeoutError as exc:
             error = str(exc)

@@ -189,9 +189,7 @@ def run_flywheel(ctx: Context, seed: int, config: Path, budget: int, timeout_s: 
     trained = 0
     with stack(ctx, run, {"FLYWHEEL_TRAINER_SEED": seed, "FLYWHEEL_SAMPLER_SEED": seed}, config=config) as st:
         try:
-            up_s = st.up(SAMPLERS)
-            first = st.wait_for("the first fragment", lambda: st.status_samplers_producing() >= 1, 120, poll_s=0.2)
-            startup = up_s + first
+            startup = st.up_to_first_fragment(SAMPLERS)
             t0 = time.monotonic()
             while time.monotonic() - t0 < timeout_s and trained < budget:
                 time.sleep(2.0)

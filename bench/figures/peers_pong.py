@@ -1,0 +1,264 @@
+"""Pong throughput, side by side: end-to-end trained frames per second of Flywheel (the local stack,
+``configs/pong.yaml``: 2 samplers x 4 envs), Sample Factory APPO (its Atari example, 8 envs,
+``bench.peers.sf_atari``) and Stable-Baselines3 PPO (8 envs, Flywheel's settings and Nature CNN,
+``bench.peers.sb3_atari``), against EnvPool's raw stepping rate of the same 8 envs with random actions
+(``bench.peers.envpool_raw``) as the ceiling of the machine.
+
+Every side reports a series of (seconds since its first env step, env steps trained so far); the rate is taken
+over the steady part, from ``warmup_s`` to the end of the run (``bench.peers.throughput``), so start-up and the
+first update's latency stay out of it and start-up is reported beside. An env step is one action in one env;
+ALE's frame skip makes it 4 frames, so frames/s = 4 x env steps/s on every side. The learner alone (Flywheel's
+``Learner.update`` on the config's batches, one torch thread, no Kafka: ``bench.peers.learner_rate``) is
+measured too: on a CPU it, not the envs, bounds every side's trained rate, which is what the profile line says.
+
+Per seed each side runs once, one after another on the same machine (never two at once).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from bench.common import Context, Window, bench_seeds, say, stack
+from bench.peers import envpool_raw, sb3_atari, sf_atari
+from bench.peers.proc import run_lines
+from bench.peers.stats import MedianCI
+from bench.peers.throughput import FRAME_SKIP, ThroughputRun
+from bench.report import FigureResult, Row
+from devstack import REPO_ROOT
+
+NAME = "peers_pong"
+TITLE = ("Peers on Pong: end-to-end trained frames/s of Flywheel (local stack, 2 samplers x 4 envs), Sample "
+         "Factory APPO and SB3 PPO (8 envs, Nature CNN), against EnvPool's raw rate of 8 envs, one machine, one run.")
+TARGET = "Flywheel's trained frames/s >= Sample Factory's and >= 0.7 x EnvPool's raw rate"
+CONFIG = REPO_ROOT / "configs" / "pong.yaml"
+SAMPLERS = 2
+FLYWHEEL = "Flywheel"
+CEILING = envpool_raw.PEER
+ENVPOOL_MAX_S = 60.0  # the raw rate is steady within seconds: a minute is plenty
+POLL_S = 2.0
+
+Runner = Callable[[int], ThroughputRun]
+
+
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: want seconds, a number > 0") from None
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r}: want seconds, a number > 0")
+    return value
+
+
+def timing(ctx: Context) -> tuple[float, float]:
+    """(run_s, warmup_s): each side runs ``run_s`` from its first env step; rates start at ``warmup_s``."""
+    run_s = _seconds("FLYWHEEL_BENCH_PEERS_PONG_RUN_S", 60.0 if ctx.quick else 180.0)
+    warmup_s = _seconds("FLYWHEEL_BENCH_PEERS_PONG_WARMUP_S", 20.0 if ctx.quick else 45.0)
+    if warmup_s + 10.0 > run_s:
+        raise ValueError(f"FLYWHEEL_BENCH_PEERS_PONG_WARMUP_S={warmup_s:g} must end at least 10 s before "
+                         f"FLYWHEEL_BENCH_PEERS_PONG_RUN_S={run_s:g}")
+    return run_s, warmup_s
+
+
+def run_flywheel(ctx: Context, seed: int, run_s: float, warmup_s: float) -> ThroughputRun:
+    """The local stack with ``configs/pong.yaml``: the trainer's trained-env-steps counter every ``POLL_S``
+    from the first fragment for ``run_s``; the cores each process group used over the steady window."""
+    run = ctx.run_name(NAME, f"fw-seed{seed}")
+    say(f"{NAME}: Flywheel seed {seed}, {run_s:.0f} s from the first fragment")
+    snaps: list[tuple[float, dict[str, float]]] = []
+    startup: float | None = None
+    error: str | None = None
+    with stack(ctx, run, {"FLYWHEEL_TRAINER_SEED": seed, "FLYWHEEL_SAMPLER_SEED": seed}, config=CONFIG) as st:
+        try:
+            startup = st.up_to_first_fragment(SAMPLERS, 180)
+            t0 = time.monotonic()
+            while True:
+                try:
+                    c = st.counters()
+                    snaps.append((c["t"] - t0, c))
+                except Exception as exc:  # a busy trainer may miss one scrape; the next one counts
+                    say(f"{NAME}: a counters scrape failed ({type(exc).__name__}), next in {POLL_S:.0f} s")
+                if time.monotonic() - t0 >= run_s:
+                    break
+                time.sleep(POLL_S)
+        except TimeoutError as exc:
+            error = str(exc)
+    if startup is None or not snaps:
+        return ThroughputRun(FLYWHEEL, seed, startup, (), error or "no counters were read")
+    steady = [(t, c) for t, c in snaps if t >= warmup_s]
+    cores: dict[str, float] = {}
+    if len(steady) >= 2:
+        w = Window.between(steady[0][1], steady[-1][1], SAMPLERS)
+        cores = {k: round(v, 3) for k, v in w.cpu.items()}
+    last = snaps[-1][1]
+    return ThroughputRun(FLYWHEEL, seed, startup, tuple((t, int(c["trained"])) for t, c in snaps), error,
+                         {"cores": round(sum(v for k, v in cores.items() if k not in ("machine", "bench")), 3),
+                          "cores_by_process": cores, "sampled": int(last["sampled"]), "updates": int(last["updates"])})
+
+
+def learner_ceiling(threads: int = 1, updates: int = 3) -> dict[str, Any]:
+    """Flywheel's learner alone on Pong batches (a child process, so its torch threads are its own)."""
+    import json
+    import sys
+
+    cmd = [sys.executable, "-m", "bench.peers.learner_rate", "--config", str(CONFIG), "--threads", str(threads),
+           "--updates", str(updates)]
+    res = run_lines(cmd, timeout_s=900, cwd=REPO_ROOT)
+    for _, line in reversed(res.lines):
+        if line.startswith("{"):
+            out: dict[str, Any] = json.loads(line)
+            return out
+    return {"error": f"learner_rate exited with {res.rc}: {res.tail(5)}"}
+
+
+def _guarded(peer: str, seed: int, fn: Runner) -> ThroughputRun:
+    """A side that raised is a failed run with the reason, not a lost figure."""
+    try:
+        return fn(seed)
+    except Exception as exc:
+        say(f"{NAME}: {peer} seed {seed} failed: {type(exc).__name__}: {exc}")
+        return ThroughputRun(peer, seed, None, (), f"{type(exc).__name__}: {exc}")
+
+
+def frames_ci(runs: Sequence[ThroughputRun], warmup_s: float, until_s: float) -> MedianCI:
+    """Median trained frames/s over the runs that have a rate (a failed run counts as no value, not as 0)."""
+    return MedianCI.of(r.frames_per_s(warmup_s, until_s) for r in runs if r.frames_per_s(warmup_s, until_s) is not None)
+
+
+def verdict(fw: float, sf: float, ceiling: float) -> bool | None:
+    """The target: Flywheel >= SF and >= 0.7 x EnvPool. False when Flywheel has no rate; None (not decided)
+    when a rival has none, since a missing rival proves nothing either way."""
+    if not fw == fw or fw <= 0:
+        return False
+    if not (sf == sf and ceiling == ceiling):
+        return None
+    return fw >= sf and fw >= 0.7 * ceiling
+
+
+def run(ctx: Context) -> FigureResult:
+    run_s, warmup_s = timing(ctx)
+    seeds = bench_seeds(NAME, 2, 1, ctx)
+    ep_s, ep_warm = min(run_s, ENVPOOL_MAX_S), min(warmup_s, 5.0)
+    threads = os.cpu_count() or 1
+    sf_atari.ensure_atari()
+    envpool_raw.ensure_venv()
+    windows = {CEILING: (ep_warm, ep_s), FLYWHEEL: (warmup_s, run_s), sf_atari.PEER: (warmup_s, run_s),
+               sb3_atari.PEER: (warmup_s, run_s)}
+    sides: list[tuple[str, Runner]] = [
+        (CEILING, lambda seed: envpool_raw.run(seed, ep_s, threads)),
+        (sf_atari.PEER, lambda seed: sf_atari.run_seed(seed, run_s=run_s, stamp=ctx.stamp)),
+        (sb3_atari.PEER, lambda seed: sb3_atari.run_child(seed, run_s)),
+        (FLYWHEEL, lambda seed: run_flywheel(ctx, seed, run_s, warmup_s)),
+    ]
+    runs: dict[str, list[ThroughputRun]] = {p: [] for p, _ in sides}
+    for seed in seeds:  # per seed every side, one after another: drift of the machine hits all alike
+        for peer, fn in sides:
+            r = _guarded(peer, seed, fn)
+            runs[peer].append(r)
+            fps = r.frames_per_s(*windows[peer])
+            say(f"{NAME}:   -> {peer}: " + (f"{fps:,.0f} frames/s, start-up {r.startup_s or 0:.1f} s"
+                                           if fps else f"no rate ({(r.error or 'too few points').splitlines()[0]})"))
+    say(f"{NAME}: Flywheel's learner alone (1 torch thread, Pong batches)")
+    ceiling_learner = learner_ceiling()
+    stats = {p: frames_ci(v, *windows[p]) for p, v in runs.items()}
+    startup = {p: MedianCI.of(r.startup_s for r in v if r.startup_s is not None) for p, v in runs.items()}
+    cores = {p: MedianCI.of(r.extra.get("cores") for r in v if r.extra.get("cores") is not None)
+             for p, v in runs.items()}
+    fw, sf, ep = stats[FLYWHEEL].median, stats[sf_atari.PEER].median, stats[CEILING].median
+    meets = verdict(fw, sf, ep)
+    n = len(seeds)
+    learner_fps = ceiling_learner.get("env_steps_per_s", float("nan")) * FRAME_SKIP
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.2f}x" if a == a and b == b and b > 0 else "n/a"
+
+    headline = [
+        Row(f"Flywheel: trained frames/s (Sample Factory {stats[sf_atari.PEER].fmt(0)}, EnvPool raw "
+            f"{stats[CEILING].fmt(0)})", f"{stats[FLYWHEEL].fmt(0)} ({ratio(fw, sf)} SF, {ratio(fw, ep)} EnvPool)",
+            TARGET, meets)]
+    for peer in runs:
+        ok = sum(1 for r in runs[peer] if r.frames_per_s(*windows[peer]))
+        headline.append(Row(f"{peer}: {'raw' if peer == CEILING else 'trained'} frames/s; start-up; cores "
+                            f"({ok} of {n} ran)",
+                            f"{stats[peer].fmt(0)}; {startup[peer].fmt(1, ' s')}; {cores[peer].fmt(2)}"))
+    headline.append(Row("Flywheel's learner alone (1 torch thread, no Kafka): frames/s it can train",
+                        f"{learner_fps:,.0f}" if learner_fps == learner_fps else "n/a"))
+    table = ["| side | ran | frames/s | env steps/s | start-up s | cores | update shape |",
+             "|---|---|---|---|---|---|---|"]
+    shapes = {CEILING: "none (random actions, nothing trained)",
+              FLYWHEEL: "1,024 samples x 4 epochs (configs/pong.yaml), trainer 1 torch thread",
+              sb3_atari.PEER: sb3_atari.describe(CONFIG), sf_atari.PEER: _sf_shape(runs[sf_atari.PEER])}
+    for peer, st in stats.items():
+        ok = sum(1 for r in runs[peer] if r.frames_per_s(*windows[peer]))
+        steps = MedianCI.of(r.rate(*windows[peer]) for r in runs[peer] if r.rate(*windows[peer]))
+        table.append(f"| {peer} | {ok} of {n} | {st.fmt(0)} | {steps.fmt(0)} | {startup[peer].fmt(1)} | "
+                     f"{cores[peer].fmt(2)} | {shapes[peer]} |")
+    per_seed = ["| seed | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
+    for i, seed in enumerate(seeds):
+        cells = []
+        for peer, v in runs.items():
+            fps = v[i].frames_per_s(*windows[peer])
+            cells.append(f"{fps:,.0f} / {v[i].startup_s or 0:.1f} s" if fps else "**failed**")
+        per_seed.append(f"| {seed} | " + " | ".join(cells) + " |")
+    failures = [f"- {r.peer} seed {r.seed}: {r.error.splitlines()[0]}" for v in runs.values() for r in v if r.error]
+    fw_cores = [r.extra.get("cores_by_process", {}) for r in runs[FLYWHEEL] if r.extra.get("cores_by_process")]
+    details = "\n".join([
+        f"Medians over {n} seeds, [range]. Each side runs {run_s:.0f} s from its first env step (EnvPool "
+        f"{ep_s:.0f} s); rates over [{warmup_s:.0f} s, end] ([{ep_warm:.0f} s, end] for EnvPool). frames/s = "
+        f"{FRAME_SKIP} x env steps/s (ALE frame skip). `FLYWHEEL_BENCH_PEERS_PONG_RUN_S`, "
+        "`FLYWHEEL_BENCH_PEERS_PONG_WARMUP_S`, `FLYWHEEL_BENCH_PEERS_PONG_SEEDS` set them (defaults 180 s, 45 s, "
+        "2; --quick 60 s, 20 s, 1).",
+        "",
+        *table,
+        "",
+        "Per seed (frames/s / start-up):",
+        "",
+        *per_seed,
+        "",
+        "Failures:" if failures else "No run failed.",
+        *failures,
+        "",
+        f"Flywheel's learner alone: {ceiling_learner}.",
+        "Flywheel's cores by process over the steady window (per seed): "
+        + "; ".join(", ".join(f"{k} {v:.2f}" for k, v in sorted(c.items(), key=lambda kv: -kv[1])) for c in fw_cores)
+        + ".",
+        "",
+        "Sample Factory: " + "; ".join(sf_atari.NOT_SHARED) + ".",
+        "",
+        "SB3: " + "; ".join(sb3_atari.NOT_SHARED) + ".",
+        "",
+        "EnvPool: " + ", ".join(f"{k}={v}" for k, v in envpool_raw.SETTINGS.items()) + f"; {threads} threads.",
+    ])
+    return FigureResult(
+        headline=headline,
+        numbers={"seeds": list(seeds), "run_s": run_s, "warmup_s": warmup_s, "learner_alone": ceiling_learner,
+                 "peers": {p: {"frames_per_s": stats[p], "startup_s": startup[p], "cores": cores[p],
+                               "runs": [r.as_dict(*windows[p]) for r in v]} for p, v in runs.items()}},
+        settings={"seeds": list(seeds), "run_s": run_s, "warmup_s": warmup_s, "envs": 8,
+                  "flywheel": f"configs/pong.yaml, {SAMPLERS} samplers, the bench's local stack",
+                  "sample_factory": " ".join(sf_atari.command(0, REPO_ROOT / "<train_dir>", "<experiment>")[1:]),
+                  "sb3": sb3_atari.describe(CONFIG), "envpool": dict(envpool_raw.SETTINGS)},
+        method=(
+            "Each side is started fresh per seed and runs for a fixed time from its first env step; its trained "
+            "env-step count is sampled as it runs (Flywheel: the trainer's env_steps_trained counter every "
+            f"{POLL_S:.0f} s; SB3: a progress line after each update; Sample Factory: its `Total num frames` "
+            "reports, which count samples after the learner's gradient passes, divided by the frame skip; EnvPool: "
+            "env steps stepped). The rate is the count's growth over the steady window divided by its length. "
+            "Start-up is from starting the side to its first env step. Flywheel's learner alone is "
+            "`python -m bench.peers.learner_rate --config configs/pong.yaml --threads 1`."),
+        details_md=details,
+    )
+
+
+def _sf_shape(runs: Sequence[ThroughputRun]) -> str:
+    for r in runs:
+        shape = r.extra.get("update")
+        if shape:
+            return ", ".join(f"{k} {v}" for k, v in dict(shape).items())
+    return "see sf_atari"
