@@ -7,15 +7,24 @@ workers (Sample Factory's rollout and inference processes), and they go with it.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+
+def emit(obj: dict[str, Any]) -> None:
+    """One JSON line on stdout, flushed: how a peer's child process reports to the bench."""
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
 
 
 @dataclass

@@ -32,7 +32,6 @@ learn start, "trained": env steps trained so far, "rollout_s": ..., "train_s": .
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import TYPE_CHECKING, Any
 
+from bench.peers.proc import emit
 from bench.peers.sb3_peer import SAMPLERS, ppo_kwargs
 from devstack import REPO_ROOT
 
@@ -225,10 +225,6 @@ def run_of(seed: int, res: ProcResult, cores: float | None, torch_threads: int) 
         error = f"no result ({'timed out' if res.timed_out else f'exit {res.rc}'}); output tail:\n{res.tail()}"
     return ThroughputRun(PEER, seed, startup, series, error, extra)
 
-
-def emit(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
 
 
 def make_env_fn(env_id: str) -> tuple[dict[str, Any], Callable[[gym.Env[Any, Any]], gym.Env[Any, Any]]]:

@@ -9,7 +9,8 @@ from typing import Any
 
 from stable_baselines3.common.callbacks import BaseCallback
 
-from bench.peers.sb3_atari import UpdateClock, emit
+from bench.peers.proc import emit
+from bench.peers.sb3_atari import UpdateClock
 
 
 class UpdateWatch(BaseCallback):

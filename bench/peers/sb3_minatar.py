@@ -37,6 +37,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from bench.peers.proc import emit
 from bench.peers.sb3_peer import SAMPLERS, ppo_kwargs
 from devstack import REPO_ROOT
 from shared.rl.envs import as_observation
@@ -156,10 +157,6 @@ def run_child(seed: int, *, wall_s: float, config: Path = CONFIG, grace_s: float
     return ChildResult(startup, done, error)
 
 
-def emit(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.peers.sb3_minatar")
@@ -182,15 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     n_envs, kwargs = minatar_kwargs(a.config)
     env = make_vec_env(env_id, n_envs=n_envs, seed=a.seed, wrapper_class=Uint8Frames)
     model = PPO("CnnPolicy", env, seed=a.seed, device="cpu", verbose=0, **kwargs)
-    from bench.peers.sb3_minatar_policy import BudgetWatch
+    from bench.peers.sb3_watch import EpisodeWatch
 
-    watch = BudgetWatch(a.wall_s)
+    watch = EpisodeWatch(max_s=a.wall_s)
     t0 = time.monotonic()
     model.learn(total_timesteps=BUDGET_STEPS, callback=watch, progress_bar=False)
     learn_s = time.monotonic() - t0
     env.close()
     recent = [r for _, _, r in watch.curve[-WINDOW:]]
-    emit({"event": "done", "env_steps": watch.steps_at_budget, "total_env_steps": int(model.num_timesteps),
+    emit({"event": "done", "env_steps": watch.steps_within, "total_env_steps": int(model.num_timesteps),
            "learn_s": learn_s, "episodes": len(watch.curve), "curve": watch.curve,
            "last100": sum(recent) / len(recent) if recent else None})
     return 0

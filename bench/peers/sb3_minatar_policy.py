@@ -4,14 +4,10 @@ callback. Kept apart so that importing ``bench.peers.sb3_minatar`` (and the figu
 
 from __future__ import annotations
 
-import time
-
 import gymnasium as gym
 import torch
-from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 
-from bench.peers.sb3_minatar import emit
 from shared.rl.cnn import Torso, image_layout, make_torso
 
 
@@ -42,30 +38,3 @@ class MinAtarCNN(FlywheelTorso):
 
     def __init__(self, observation_space: gym.spaces.Box) -> None:
         super().__init__(observation_space, "minatar_cnn")
-
-
-class BudgetWatch(BaseCallback):
-    """Stops ``learn()`` at the first env step that ends after ``wall_s`` seconds of learning (that step is not
-    counted); records (seconds since ``learn()`` began, env steps, return) of every episode finished before."""
-
-    def __init__(self, wall_s: float) -> None:
-        super().__init__()
-        self.wall_s = wall_s
-        self.t0 = 0.0
-        self.curve: list[tuple[float, int, float]] = []
-        self.steps_at_budget = 0
-
-    def _on_training_start(self) -> None:
-        self.t0 = time.monotonic()
-        emit({"event": "learn_start", "wall": time.time()})
-
-    def _on_step(self) -> bool:
-        t = time.monotonic() - self.t0
-        if t > self.wall_s:
-            return False
-        self.steps_at_budget = int(self.num_timesteps)
-        for info in self.locals["infos"]:
-            ep = info.get("episode")
-            if ep is not None:
-                self.curve.append((round(t, 3), self.steps_at_budget, float(ep["r"])))
-        return True

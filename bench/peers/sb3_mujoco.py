@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.peers.proc import emit
 from devstack import REPO_ROOT
 
 ENV_ID = "HalfCheetah-v5"
@@ -135,10 +136,6 @@ def run_seed(seed: int, *, steps: int, timeout_s: float) -> Sb3Result:
                      [(float(t), int(s), float(r)) for t, s, r in done["curve"]])
 
 
-def _emit(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.peers.sb3_mujoco")
@@ -151,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     from stable_baselines3 import PPO
-    from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
     from stable_baselines3.common.vec_env import VecNormalize
+
+    from bench.peers.sb3_watch import StepBudgetWatch
 
     torch.set_num_threads(1)
     n_envs, kwargs, vecnorm = zoo_kwargs()
@@ -161,31 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     if vecnorm:
         env = VecNormalize(env, **vecnorm)
     model = PPO("MlpPolicy", env, seed=a.seed, device="cpu", verbose=0, **kwargs)
-    curve: list[tuple[float, int, float]] = []
-    state: dict[str, float | None] = {"budget_s": None}
-
-    class Watch(BaseCallback):
-        def _on_training_start(self) -> None:
-            self.t0 = time.monotonic()
-            _emit({"event": "learn_start", "wall": time.time()})
-
-        def _on_step(self) -> bool:
-            t = time.monotonic() - self.t0
-            for info in self.locals["infos"]:
-                ep = info.get("episode")
-                if ep is not None:
-                    curve.append((t, int(self.num_timesteps), float(ep["r"])))
-            if state["budget_s"] is None and self.num_timesteps >= a.steps:
-                state["budget_s"] = t
-            return state["budget_s"] is None and t < a.max_s
-
+    watch = StepBudgetWatch(a.steps, a.max_s)
     t0 = time.monotonic()
-    model.learn(total_timesteps=a.steps, callback=Watch(), progress_bar=False)
+    model.learn(total_timesteps=a.steps, callback=watch, progress_bar=False)
     env.close()
-    last = [r for _, _, r in curve[-10:]]
-    _emit({"event": "done", "env_steps": int(model.num_timesteps), "learn_s": time.monotonic() - t0,
-           "budget_s": state["budget_s"], "episodes": len(curve),
-           "last10": sum(last) / len(last) if last else None, "curve": curve})
+    last = [r for _, _, r in watch.curve[-10:]]
+    emit({"event": "done", "env_steps": int(model.num_timesteps), "learn_s": time.monotonic() - t0,
+          "budget_s": watch.budget_s, "episodes": len(watch.curve),
+          "last10": sum(last) / len(last) if last else None, "curve": watch.curve})
     return 0
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.peers.proc import emit
 from bench.peers.run import PeerRun
 from devstack import REPO_ROOT
 
@@ -134,10 +135,6 @@ def run_seed(seed: int, settings: str, *, threshold: float, timeout_s: float, co
                    {} if done is None else {"episodes": done["episodes"]})
 
 
-def _emit(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.peers.sb3_peer")
@@ -150,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     from stable_baselines3 import PPO
-    from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
 
+    from bench.peers.sb3_watch import SolvedWatch
     from bench.sb3 import _lin, zoo_config
 
     torch.set_num_threads(1)
@@ -165,32 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         total = FLYWHEEL_TOTAL_STEPS
     env = make_vec_env("CartPole-v1", n_envs=n_envs, seed=a.seed)
     model = PPO("MlpPolicy", env, seed=a.seed, device="cpu", verbose=0, **kwargs)
-    state: dict[str, Any] = {"solved": None, "recent": [], "episodes": 0}
-
-    class Watch(BaseCallback):
-        def _on_training_start(self) -> None:
-            self.t0 = time.monotonic()
-            _emit({"event": "learn_start", "wall": time.time()})
-
-        def _on_step(self) -> bool:
-            t = time.monotonic() - self.t0
-            for info in self.locals["infos"]:
-                ep = info.get("episode")
-                if ep is None:
-                    continue
-                state["episodes"] += 1
-                state["recent"] = (state["recent"] + [float(ep["r"])])[-100:]
-                if (state["solved"] is None and len(state["recent"]) == 100
-                        and sum(state["recent"]) / 100 >= a.threshold):
-                    state["solved"] = (t, int(self.num_timesteps))
-            return state["solved"] is None and t < a.max_s
-
+    watch = SolvedWatch(a.threshold, a.max_s)
     t0 = time.monotonic()
-    model.learn(total_timesteps=total, callback=Watch(), progress_bar=False)
+    model.learn(total_timesteps=total, callback=watch, progress_bar=False)
     env.close()
-    _emit({"event": "done", "solved": state["solved"], "episodes": state["episodes"],
-           "env_steps": int(model.num_timesteps), "learn_s": time.monotonic() - t0,
-           "last100": sum(state["recent"]) / max(len(state["recent"]), 1)})
+    recent = [r for _, _, r in watch.curve[-100:]]
+    emit({"event": "done", "solved": watch.solved, "episodes": len(watch.curve), "env_steps": int(model.num_timesteps),
+          "learn_s": time.monotonic() - t0, "last100": sum(recent) / max(len(recent), 1)})
     return 0
 
 
