@@ -286,7 +286,7 @@ def _why(stats: dict[str, MedianCI], learner: dict[str, Any], fw_cores: Sequence
                      + ": the learner's CPU time bounds it, not the envs or Kafka.")
     if ep == ep:
         parts.append(f"0.7 x EnvPool's raw rate is {0.7 * ep:,.0f} frames/s, {0.7 * ep / alone:.1f}x what the learner "
-                     "alone trains on this CPU with these settings: out of reach for any side that trains every "
-                     "sample 4 times through the Nature CNN on 2 CPU cores (a GPU learner, `trainer.device: cuda`, "
-                     "is the way there; none was lent to measure it).")
+                     "alone trains on this CPU with these settings (every sample through the Nature CNN forward and "
+                     "backward 4 times): the envs could feed it, the CPU cannot train it. A GPU learner "
+                     "(`trainer.device: cuda`) is the way there; none was lent to measure it.")
     return " ".join(parts)
