@@ -239,7 +239,7 @@ def run(ctx: Context) -> FigureResult:
         headline=headline,
         numbers={"seeds": list(seeds), "wall_s": wall_s, "window": WINDOW,
                  "peers": {p: {"summary": stats[p], "runs": [r.as_dict() for r in v]} for p, v in runs.items()}},
-        settings={"seeds": list(seeds), "wall_s": wall_s, "env": ENV_ID,
+        settings={"config": "configs/minatar-breakout.yaml", "seeds": list(seeds), "wall_s": wall_s, "env": ENV_ID,
                   "sb3": sb3_minatar.describe(CONFIG),
                   "flywheel": f"configs/minatar-breakout.yaml, {SAMPLERS} samplers, the bench's local stack"},
         method=(

@@ -333,7 +333,8 @@ def run(ctx: Context) -> FigureResult:
         headline=headline,
         numbers={"seeds": list(seeds), "budget": budget, "last_n": LAST_N, "timeout_s": timeout_s,
                  "peers": {p: {"summary": stats[p], "runs": [r.as_dict() for r in v]} for p, v in runs.items()}},
-        settings={"seeds": list(seeds), "budget_env_steps": budget, "timeout_s": timeout_s,
+        settings={"config": "configs/halfcheetah.yaml", "seeds": list(seeds),
+                  "budget_env_steps": budget, "timeout_s": timeout_s,
                   "sb3 rl-zoo": sb3_mujoco.describe(), "flywheel rl-zoo": describe_flywheel(config),
                   "not shared": list(NOT_SHARED)},
         method=(

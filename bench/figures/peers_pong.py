@@ -244,7 +244,7 @@ def run(ctx: Context) -> FigureResult:
         numbers={"seeds": list(seeds), "run_s": run_s, "warmup_s": warmup_s, "learner_alone": ceiling_learner,
                  "peers": {p: {"frames_per_s": stats[p], "startup_s": startup[p], "cores": cores[p],
                                "runs": [r.as_dict(*windows[p]) for r in v]} for p, v in runs.items()}},
-        settings={"seeds": list(seeds), "run_s": run_s, "warmup_s": warmup_s, "envs": 8,
+        settings={"config": "configs/pong.yaml", "seeds": list(seeds), "run_s": run_s, "warmup_s": warmup_s, "envs": 8,
                   "flywheel": f"configs/pong.yaml, {SAMPLERS} samplers, the bench's local stack",
                   "sample_factory": " ".join(sf_atari.command(0, REPO_ROOT / "<train_dir>", "<experiment>")[1:]),
                   "sb3": sb3_atari.describe(CONFIG), "envpool": dict(envpool_raw.SETTINGS)},
