@@ -111,7 +111,7 @@ class ImageActorCritic(ActorCritic):
         if len(self.frame_shape) == 2:
             x = x.unsqueeze(2)  # [B, K, 1, H, W]
         elif self.channels_last:
-            x = x.movedim(-1, 2)  # [B, K, H, W, C] -> [B, K, C, H, W]
+            x = x.permute(0, 1, 4, 2, 3)  # [B, K, H, W, C] -> [B, K, C, H, W] (non-negative dims: ONNX export)
         x = x.flatten(1, 2)  # [B, K * C, H, W]
         if self.channels_last_input:
             x = x.contiguous(memory_format=torch.channels_last)

@@ -36,8 +36,10 @@ Torch, onnx and onnxruntime are imported by :class:`OnnxPolicy` only: :func:`res
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal
 
@@ -47,7 +49,9 @@ from shared.fragment import FragmentSpec
 from shared.rl.policy_np import validate_weights
 
 if TYPE_CHECKING:
+    import onnx
     import onnxruntime
+    import torch
 
     from shared.rl.model import ActorCritic
 
@@ -89,6 +93,35 @@ def quiet_exporter() -> Iterator[None]:
         logger.setLevel(level)
 
 
+def export_graph(module: torch.nn.Module, example: np.ndarray, legacy: bool = True) -> onnx.ModelProto:
+    """``module`` (obs -> logp) as an ONNX graph with a dynamic batch axis. TorchScript's exporter by default:
+    0.1-0.3 s for the Nature CNN where torch.export + onnxscript (``legacy=False``) took 5.5 s of every
+    sampler's start-up (docs/pixels.md). PyTorch deprecates it, so where it is gone or fails the new exporter
+    serves. No constant folding either way: every weight stays an initializer named by its parameter."""
+    import onnx
+    import torch
+
+    if legacy:
+        buf = io.BytesIO()
+        try:
+            with quiet_exporter(), torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # its deprecation notice, once per sampler
+                torch.onnx.export(module, (torch.from_numpy(example),), buf,  # type: ignore[arg-type]
+                                  dynamo=False, input_names=["obs"], output_names=["logp"], opset_version=OPSET,
+                                  do_constant_folding=False, dynamic_axes={"obs": {0: "batch"}, "logp": {0: "batch"}})
+            return onnx.load_from_string(buf.getvalue())
+        except Exception as exc:  # removed or broken in this torch: the new exporter below
+            logging.getLogger(__name__).warning("TorchScript ONNX export failed (%s); using torch.export", exc)
+    with quiet_exporter(), torch.no_grad():
+        program = torch.onnx.export(
+            module, (torch.from_numpy(example),), dynamo=True, input_names=["obs"], output_names=["logp"],
+            opset_version=OPSET, optimize=False, verbose=False, external_data=False,
+            dynamic_shapes=({0: torch.export.Dim("batch", min=1)},))
+    assert program is not None
+    proto: onnx.ModelProto = program.model_proto
+    return proto
+
+
 def example_batch(spec: FragmentSpec, rows: int = 2) -> np.ndarray:
     """Zeros shaped as a sampler's policy input for ``spec``: frame stacks ``[rows, K, *O]`` uint8 for image
     envs (``FrameStacker.stacks``), else ``[rows, obs_dim]`` float32."""
@@ -104,7 +137,6 @@ class OnnxPolicy:
     Invariant: the session always holds the last blob :meth:`load` accepted (a refused blob changes nothing)."""
 
     def __init__(self, model: ActorCritic, example: np.ndarray, threads: int = 1) -> None:
-        import onnx
         import torch
         from torch import nn
 
@@ -120,21 +152,25 @@ class OnnxPolicy:
         self._dtype = example.dtype
         self._sample = sample_discrete
 
+        # The exporter shares one initializer between equal tensors (two zero-initialised biases of one shape
+        # would become one), and load() must be able to write each weight on its own: export a copy whose every
+        # float tensor holds distinct random values (the real weights arrive with the first version anyway).
+        stand_in = copy.deepcopy(model)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for t in stand_in.state_dict().values():
+                if t.is_floating_point():
+                    t.copy_(torch.randn(t.shape, generator=gen))
+
         class LogProbs(nn.Module):
             def __init__(self) -> None:
                 super().__init__()
-                self.model = model
+                self.model = stand_in
 
             def forward(self, obs: torch.Tensor) -> torch.Tensor:
                 return self.model.log_probs(obs)
 
-        with quiet_exporter(), torch.no_grad():
-            program = torch.onnx.export(
-                LogProbs().eval(), (torch.from_numpy(example),), dynamo=True, input_names=["obs"],
-                output_names=["logp"], opset_version=OPSET, optimize=False, verbose=False, external_data=False,
-                dynamic_shapes=({0: torch.export.Dim("batch", min=1)},))
-        assert program is not None
-        self._proto: onnx.ModelProto = program.model_proto
+        self._proto: onnx.ModelProto = export_graph(LogProbs().eval(), example)
         keys = {_PREFIX + k: k for k in self.shapes}
         self._initializers = {init.name: keys[init.name] for init in self._proto.graph.initializer if init.name in keys}
         # Every weight the actor reads must be an initializer we can overwrite, or a new version would act with

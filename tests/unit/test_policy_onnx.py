@@ -18,6 +18,9 @@ MINATAR = FragmentSpec(obs_shape=(10, 10, 4), num_actions=3, max_bytes=1 << 22, 
 MINATAR_K2 = FragmentSpec(obs_shape=(10, 10, 4), num_actions=6, max_bytes=1 << 22, env_id="MinAtar/Breakout-v1",
                           obs_dtype="uint8", frame_stack=2)
 MLP = FragmentSpec(obs_shape=(4,), num_actions=2, max_bytes=1 << 22, env_id="CartPole-v1")
+# Pong's frames: the Nature CNN has two zero-initialised biases of one shape, which the exporter would merge
+PONG = FragmentSpec(obs_shape=(84, 84), num_actions=6, max_bytes=1 << 22, env_id="ALE/Pong-v5", obs_dtype="uint8",
+                    frame_stack=4)
 
 
 def blob(spec: FragmentSpec, model: str, seed: int) -> bytes:
@@ -39,8 +42,8 @@ def observations(spec: FragmentSpec, rows: int, seed: int = 0) -> np.ndarray:
     return rng.normal(size=shape).astype(np.float32) * 2
 
 
-@pytest.mark.parametrize(("spec", "model"), [(MINATAR, "minatar_cnn"), (MINATAR_K2, "minatar_cnn"), (MLP, "mlp")],
-                         ids=["minatar", "minatar-k2", "mlp"])
+@pytest.mark.parametrize(("spec", "model"), [(MINATAR, "minatar_cnn"), (MINATAR_K2, "minatar_cnn"), (MLP, "mlp"),
+                                             (PONG, "nature_cnn")], ids=["minatar", "minatar-k2", "mlp", "pong"])
 def test_onnx_gives_the_torch_policys_actions(spec: FragmentSpec, model: str) -> None:
     onnx_policy = OnnxPolicy.for_spec(spec, model, 64)
     torch_policy = TorchPolicy.for_spec(spec, model, 64)
@@ -54,12 +57,14 @@ def test_onnx_gives_the_torch_policys_actions(spec: FragmentSpec, model: str) ->
         for rows in (16, 1, 5):  # the batch axis is dynamic
             obs = observations(spec, rows, seed=version * 10 + rows)
             want = torch_policy.log_probs(obs)
-            np.testing.assert_allclose(onnx_policy.log_probs(obs), want, atol=1e-5, rtol=1e-5)
+            # rtol 1e-4: Pong's perturbed Nature CNN reaches log-probs of -50, where the two runtimes' float32
+            # sums differ in the 5th digit
+            np.testing.assert_allclose(onnx_policy.log_probs(obs), want, atol=1e-5, rtol=1e-4)
             np.testing.assert_array_equal(onnx_policy.log_probs(obs).argmax(1), want.argmax(1))
             a_onnx, lp_onnx = onnx_policy.act(obs, np.random.default_rng(version))
             a_torch, lp_torch = torch_policy.act(obs, np.random.default_rng(version))
             np.testing.assert_array_equal(a_onnx, a_torch)
-            np.testing.assert_allclose(lp_onnx, lp_torch, atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(lp_onnx, lp_torch, atol=1e-5, rtol=1e-4)
             assert a_onnx.dtype == np.int64 and lp_onnx.dtype == np.float32
         many = observations(spec, 64, seed=version)
         assert len(set(onnx_policy.act(many, np.random.default_rng(0))[0].tolist())) > 1  # not one action always
@@ -114,3 +119,24 @@ def test_the_sampler_runs_the_backend_sampler_inference_names() -> None:
         w.close()
     with pytest.raises(ValueError, match="MLP only"):
         RolloutWorker("MinAtar/Breakout-v1", 2, 8, "s", 64, seed=0, model="minatar_cnn", inference="numpy")
+
+
+def test_both_exporters_give_the_same_graph_outputs() -> None:
+    """TorchScript's exporter serves by default; torch.export's is the fallback where PyTorch has dropped it."""
+    import onnxruntime as ort
+
+    from shared.rl.policy_onnx import export_graph
+
+    torch.manual_seed(0)
+    model = ActorCritic.for_spec(MINATAR_K2, 64, model="minatar_cnn")
+
+    class LogProbs(torch.nn.Module):
+        def forward(self, obs: torch.Tensor) -> torch.Tensor:
+            return model.log_probs(obs)
+
+    obs = observations(MINATAR_K2, 7)
+    want = model.log_probs(torch.from_numpy(obs)).detach().numpy()
+    for legacy in (True, False):
+        proto = export_graph(LogProbs().eval(), example_batch(MINATAR_K2), legacy=legacy)
+        got = ort.InferenceSession(proto.SerializeToString()).run(["logp"], {"obs": obs})[0]
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
