@@ -101,26 +101,6 @@ def ensure_venv(timeout_s: float = 1800.0) -> Path:
     return venv_python()
 
 
-def json_events(lines: list[tuple[float, str]]) -> list[dict[str, Any]]:
-    """The JSON object lines of a child's output, in order (other lines, a traceback say, are skipped)."""
-    out: list[dict[str, Any]] = []
-    for _, line in lines:
-        if not line.startswith("{"):
-            continue
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(ev, dict):
-            out.append(ev)
-    return out
-
-
-def last_event(events: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
-    found = [ev for ev in events if ev.get("event") == name]
-    return found[-1] if found else None
-
-
 def progress_series(events: list[dict[str, Any]], count: str) -> tuple[tuple[float, int], ...]:
     """(t, ``count``) of every ``progress`` event, as a checked ``ThroughputRun`` series (a falling count raises)."""
     from bench.peers.throughput import series_of
@@ -167,10 +147,12 @@ def run(seed: int, run_s: float, threads: int, *, num_envs: int = NUM_ENVS, grac
 
 def run_of(seed: int, res: ProcResult, cores: float | None, threads: int, num_envs: int) -> ThroughputRun:
     """The ``ThroughputRun`` a finished child's output makes (pure: the tests feed it lines)."""
+    from bench.peers.proc import by_event, json_events
     from bench.peers.throughput import ThroughputRun
 
-    events = json_events(res.lines)
-    first, done = last_event(events, "first_step"), last_event(events, "done")
+    events = json_events(line for _, line in res.lines)
+    last = by_event(events)
+    first, done = last.get("first_step"), last.get("done")
     startup = None if first is None else float(first["wall"]) - res.wall_start
     extra: dict[str, Any] = {"cores": cores, "threads": threads, "num_envs": num_envs, "task": TASK,
                              "settings": dict(SETTINGS)}

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,26 @@ def emit(obj: dict[str, Any]) -> None:
     """One JSON line on stdout, flushed: how a peer's child process reports to the bench."""
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
+
+
+def json_events(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """The JSON object lines of a child's output, in order (other output, a traceback say, is skipped)."""
+    out: list[dict[str, Any]] = []
+    for line in lines:
+        if not line.startswith("{"):
+            continue
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict):
+            out.append(ev)
+    return out
+
+
+def by_event(events: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``json_events`` by event name, the last of each (objects without a string ``event`` ignored)."""
+    return {ev["event"]: ev for ev in events if isinstance(ev.get("event"), str)}
 
 
 @dataclass

@@ -203,11 +203,12 @@ def run_child(seed: int, run_s: float, torch_threads: int | None = None, *, conf
 def run_of(seed: int, res: ProcResult, cores: float | None, torch_threads: int) -> ThroughputRun:
     """The ``ThroughputRun`` a finished child's output makes (pure: the tests feed it lines). The series starts
     at (0, 0), learn start, and has a point per finished update."""
-    from bench.peers.envpool_raw import json_events, last_event
+    from bench.peers.proc import by_event, json_events
     from bench.peers.throughput import ThroughputRun, series_of
 
-    events = json_events(res.lines)
-    start, done = last_event(events, "learn_start"), last_event(events, "done")
+    events = json_events(line for _, line in res.lines)
+    last = by_event(events)
+    start, done = last.get("learn_start"), last.get("done")
     startup = None if start is None else float(start["wall"]) - res.wall_start
     updates = [ev for ev in events if ev.get("event") == "progress"]
     extra: dict[str, Any] = {"cores": cores, "torch_threads": torch_threads, "updates": len(updates),

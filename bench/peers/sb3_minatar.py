@@ -26,7 +26,6 @@ steps, return] per finished episode within the budget).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -135,20 +134,12 @@ class ChildResult:
 def run_child(seed: int, *, wall_s: float, config: Path = CONFIG, grace_s: float = 120.0) -> ChildResult:
     """One SB3 run in a fresh ``sys.executable`` process, stopped by itself at ``wall_s`` of learning (killed
     ``grace_s`` later if it did not stop)."""
-    from bench.peers.proc import run_lines
+    from bench.peers.proc import by_event, json_events, run_lines
 
     cmd = [sys.executable, "-m", "bench.peers.sb3_minatar", "--seed", str(seed), "--wall-s", str(wall_s),
            "--config", str(config)]
     res = run_lines(cmd, timeout_s=wall_s + grace_s, cwd=REPO_ROOT)
-    events: dict[str, dict[str, Any]] = {}
-    for _, line in res.lines:
-        if line.startswith("{"):
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(ev, dict):
-                events[str(ev.get("event"))] = ev
+    events = by_event(json_events(line for _, line in res.lines))
     start, done = events.get("learn_start"), events.get("done")
     startup = None if start is None else float(start["wall"]) - res.wall_start
     error = None

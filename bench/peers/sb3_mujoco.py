@@ -20,7 +20,6 @@ finished training episodes, from the Monitor wrapper: the behaviour policy's, no
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -102,29 +101,14 @@ class Sb3Result:
     error: str | None = None
 
 
-def parse_events(lines: list[str]) -> dict[str, dict[str, Any]]:
-    """The child's JSON event lines by event name (the last of each; other output ignored)."""
-    events: dict[str, dict[str, Any]] = {}
-    for line in lines:
-        if not line.startswith("{"):
-            continue
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(ev, dict) and isinstance(ev.get("event"), str):
-            events[ev["event"]] = ev
-    return events
-
-
 def run_seed(seed: int, *, steps: int, timeout_s: float) -> Sb3Result:
     """One run in a fresh ``sys.executable`` process, killed (its process group) ``timeout_s + 120`` s in."""
-    from bench.peers.proc import run_lines
+    from bench.peers.proc import by_event, json_events, run_lines
 
     cmd = [sys.executable, "-m", "bench.peers.sb3_mujoco", "--seed", str(seed), "--steps", str(steps),
            "--max-s", str(timeout_s)]
     res = run_lines(cmd, timeout_s=timeout_s + 120.0, cwd=REPO_ROOT)
-    events = parse_events([line for _, line in res.lines])
+    events = by_event(json_events(line for _, line in res.lines))
     start, done = events.get("learn_start"), events.get("done")
     startup = None if start is None else float(start["wall"]) - res.wall_start
     if done is None:

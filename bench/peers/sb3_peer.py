@@ -18,7 +18,6 @@ one JSON line ``{"event": "learn_start", "wall": ...}`` when ``learn()`` begins 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -108,19 +107,12 @@ def describe_flywheel(config: Path) -> str:
 
 def run_seed(seed: int, settings: str, *, threshold: float, timeout_s: float, config: Path) -> PeerRun:
     """One SB3 run in a fresh ``sys.executable`` process: start-up from process start to ``learn()``."""
-    from bench.peers.proc import run_lines
+    from bench.peers.proc import by_event, json_events, run_lines
 
     cmd = [sys.executable, "-m", "bench.peers.sb3_peer", "--settings", settings, "--seed", str(seed),
            "--threshold", str(threshold), "--max-s", str(timeout_s), "--config", str(config)]
     res = run_lines(cmd, timeout_s=timeout_s + 120.0, cwd=REPO_ROOT)
-    events = {}
-    for _, line in res.lines:
-        if line.startswith("{"):
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            events[ev.get("event")] = ev
+    events = by_event(json_events(line for _, line in res.lines))
     start, done = events.get("learn_start"), events.get("done")
     startup = None if start is None else start["wall"] - res.wall_start
     solved = None if done is None else done["solved"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.peers import envpool_raw
-from bench.peers.proc import ProcResult
+from bench.peers.proc import ProcResult, json_events
 from shared.rl.envs import default_frame_stack, env_options
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,7 +85,7 @@ def test_child_output_without_done_or_with_a_falling_count_is_an_error() -> None
                                          '{"event": "progress", "t": 2.0, "stepped": 400}', '{"event": "done"}'),
                               None, 2, 8)
     assert fell.error is not None and "fell" in fell.error and fell.series == ()
-    assert envpool_raw.json_events([(0.0, "{not json"), (0.1, "[1, 2]"), (0.2, '{"event": "x"}')]) == [{"event": "x"}]
+    assert json_events(["{not json", "[1, 2]", '{"event": "x"}']) == [{"event": "x"}]
 
 
 def test_child_command_runs_this_file_in_the_envpool_venv() -> None:

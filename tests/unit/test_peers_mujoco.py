@@ -21,7 +21,8 @@ from bench.figures.peers_mujoco import (
     zoo_config,
     zoo_overrides,
 )
-from bench.peers.sb3_mujoco import ZOO_HALFCHEETAH, parse_events, zoo_kwargs
+from bench.peers.proc import by_event, json_events
+from bench.peers.sb3_mujoco import ZOO_HALFCHEETAH, zoo_kwargs
 from shared.settings import load_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,5 +127,5 @@ def test_zoo_overrides_refuse_an_entry_that_does_not_split() -> None:
 def test_child_events_are_read_from_mixed_output() -> None:
     lines = ["Using cpu device", '{"event": "learn_start", "wall": 5.0}', "{not json", '{"no": "event"}',
              '{"event": "done", "env_steps": 512}']
-    assert parse_events(lines) == {"learn_start": {"event": "learn_start", "wall": 5.0},
+    assert by_event(json_events(lines)) == {"learn_start": {"event": "learn_start", "wall": 5.0},
                                    "done": {"event": "done", "env_steps": 512}}
