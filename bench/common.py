@@ -608,6 +608,21 @@ def first_reaching(means: list[tuple[float, int, float]], threshold: float) -> t
     return None
 
 
+def env_seconds(name: str, default: float) -> float:
+    """Seconds from the environment variable ``name`` (``default`` when unset); anything but a number > 0 is
+    a ValueError naming the variable."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: want seconds, a number > 0") from None
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r}: want seconds, a number > 0")
+    return value
+
+
 def bench_seeds(figure: str, full: int, quick: int, ctx: Context) -> tuple[int, ...]:
     """Seeds 1..n: ``FLYWHEEL_BENCH_<FIGURE>_SEEDS`` if set, else ``quick`` under --quick, else ``full``."""
     n = int(os.environ.get(f"FLYWHEEL_BENCH_{figure.upper()}_SEEDS", quick if ctx.quick else full))

@@ -16,13 +16,12 @@ that ran past W (the stack stops a few seconds late, SB3 finishes its update) ga
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.common import Context, FragmentInfo, bench_seeds, episode_curve, read_samples, say, stack
+from bench.common import Context, FragmentInfo, bench_seeds, env_seconds, episode_curve, read_samples, say, stack
 from bench.peers import sb3_minatar, sb3_peer
 from bench.peers.stats import MedianCI
 from bench.report import FigureResult, Row
@@ -168,14 +167,7 @@ def _cell(r: BudgetRun) -> str:
 
 
 def wall_budget(ctx: Context) -> float:
-    raw = os.environ.get("FLYWHEEL_BENCH_PEERS_MINATAR_WALL_S", "60" if ctx.quick else "600")
-    try:
-        wall_s = float(raw)
-    except ValueError:
-        raise ValueError(f"FLYWHEEL_BENCH_PEERS_MINATAR_WALL_S={raw!r}: want seconds, a number > 0") from None
-    if not wall_s > 0:
-        raise ValueError(f"FLYWHEEL_BENCH_PEERS_MINATAR_WALL_S={raw!r}: want seconds, a number > 0")
-    return wall_s
+    return env_seconds("FLYWHEEL_BENCH_PEERS_MINATAR_WALL_S", 60.0 if ctx.quick else 600.0)
 
 
 def run(ctx: Context) -> FigureResult:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.common import Context, Window, bench_seeds, say, stack
+from bench.common import Context, Window, bench_seeds, env_seconds, say, stack
 from bench.peers import envpool_raw, sb3_atari, sf_atari
 from bench.peers.proc import run_lines
 from bench.peers.stats import MedianCI
@@ -43,23 +43,10 @@ POLL_S = 2.0
 Runner = Callable[[int], ThroughputRun]
 
 
-def _seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: want seconds, a number > 0") from None
-    if not value > 0:
-        raise ValueError(f"{name}={raw!r}: want seconds, a number > 0")
-    return value
-
-
 def timing(ctx: Context) -> tuple[float, float]:
     """(run_s, warmup_s): each side runs ``run_s`` from its first env step; rates start at ``warmup_s``."""
-    run_s = _seconds("FLYWHEEL_BENCH_PEERS_PONG_RUN_S", 60.0 if ctx.quick else 180.0)
-    warmup_s = _seconds("FLYWHEEL_BENCH_PEERS_PONG_WARMUP_S", 20.0 if ctx.quick else 45.0)
+    run_s = env_seconds("FLYWHEEL_BENCH_PEERS_PONG_RUN_S", 60.0 if ctx.quick else 180.0)
+    warmup_s = env_seconds("FLYWHEEL_BENCH_PEERS_PONG_WARMUP_S", 20.0 if ctx.quick else 45.0)
     if warmup_s + 10.0 > run_s:
         raise ValueError(f"FLYWHEEL_BENCH_PEERS_PONG_WARMUP_S={warmup_s:g} must end at least 10 s before "
                          f"FLYWHEEL_BENCH_PEERS_PONG_RUN_S={run_s:g}")

@@ -70,35 +70,13 @@ def venv_python() -> Path:
 
 
 def ensure_venv(timeout_s: float = 1800.0) -> Path:
-    """The EnvPool virtualenv's python, creating and installing it first when it is missing or incomplete
-    (the marker is written only once EnvPool makes ``TASK`` there)."""
-    import shutil
-    import subprocess
+    """The EnvPool virtualenv's python, built first when it is missing or incomplete (ready only once EnvPool
+    makes ``TASK`` there)."""
+    from bench.peers.venv import build_venv
 
-    from bench.common import say
-
-    marker = VENV / ".flywheel-ready"
-    want = " ".join(REQUIREMENTS)
-    if marker.exists() and marker.read_text().strip() == want and venv_python().exists():
-        return venv_python()
-    exe = shutil.which(PYTHON)
-    if exe is None:
-        raise RuntimeError(f"{PYTHON} is needed to build EnvPool's virtualenv and is not on PATH")
-    if VENV.exists():
-        shutil.rmtree(VENV)
-    VENV.parent.mkdir(parents=True, exist_ok=True)
-    say(f"peers: creating {VENV} ({want})")
-    subprocess.run([exe, "-m", "venv", str(VENV)], check=True, timeout=300)
-    subprocess.run([str(venv_python()), "-m", "pip", "install", "--quiet", *REQUIREMENTS], check=True,
-                   timeout=timeout_s)
-    check = subprocess.run([str(venv_python()), "-c", f"import envpool, numpy; envpool.make({TASK!r}, "
-                            "env_type='gymnasium', num_envs=1).close(); print(envpool.__version__, numpy.__version__)"],
-                           capture_output=True, text=True, timeout=300)
-    if check.returncode != 0:
-        raise RuntimeError(f"EnvPool does not make {TASK} in {VENV}: {check.stderr[-2000:]}")
-    marker.write_text(want + "\n")
-    say(f"peers: EnvPool venv ready (envpool, numpy: {check.stdout.strip()})")
-    return venv_python()
+    probe = (f"import envpool, numpy; envpool.make({TASK!r}, env_type='gymnasium', num_envs=1).close(); "
+             "print('envpool', envpool.__version__, 'numpy', numpy.__version__)")
+    return build_venv(VENV, REQUIREMENTS, probe=probe, what="EnvPool", python=PYTHON, timeout_s=timeout_s)
 
 
 def progress_series(events: list[dict[str, Any]], count: str) -> tuple[tuple[float, int], ...]:

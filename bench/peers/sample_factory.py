@@ -17,10 +17,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from bench.common import BENCH_HOME, say
+from bench.common import BENCH_HOME
 from bench.peers.proc import run_lines
 from bench.peers.run import PeerRun
 from bench.peers.sf_log import SfLog
+from bench.peers.venv import build_venv
 from devstack import REPO_ROOT
 
 VENV = REPO_ROOT / ".flywheel" / "cache" / "peers" / "sf-venv"
@@ -37,29 +38,11 @@ def venv_python() -> Path:
 
 
 def ensure_venv(timeout_s: float = 3600.0) -> Path:
-    """The SF virtualenv's python, creating and installing it first when it is missing or incomplete."""
-    marker = VENV / ".flywheel-ready"
-    want = " ".join(REQUIREMENTS)
-    if marker.exists() and marker.read_text().strip() == want and venv_python().exists():
-        return venv_python()
-    exe = shutil.which(PYTHON)
-    if exe is None:
-        raise RuntimeError(f"{PYTHON} is needed to build Sample Factory's virtualenv and is not on PATH")
-    if VENV.exists():
-        shutil.rmtree(VENV)
-    VENV.parent.mkdir(parents=True, exist_ok=True)
-    say(f"peers: creating {VENV} ({want}; the first time downloads torch, minutes)")
-    subprocess.run([exe, "-m", "venv", str(VENV)], check=True, timeout=300)
-    pip = [str(venv_python()), "-m", "pip", "install", "--quiet"]
-    subprocess.run([*pip, *REQUIREMENTS], check=True, timeout=timeout_s)
-    check = subprocess.run([str(venv_python()), "-c", "import sample_factory, numpy, gymnasium, torch; "
-                            "print(numpy.__version__, gymnasium.__version__, torch.__version__)"],
-                           capture_output=True, text=True, timeout=300)
-    if check.returncode != 0:
-        raise RuntimeError(f"Sample Factory does not import in {VENV}: {check.stderr[-2000:]}")
-    marker.write_text(want + "\n")
-    say(f"peers: Sample Factory venv ready (numpy, gymnasium, torch: {check.stdout.strip()})")
-    return venv_python()
+    """The SF virtualenv's python, built first when it is missing or incomplete."""
+    probe = ("import sample_factory, numpy, gymnasium, torch; print('numpy', numpy.__version__, 'gymnasium', "
+             "gymnasium.__version__, 'torch', torch.__version__)")
+    return build_venv(VENV, REQUIREMENTS, probe=probe, what="Sample Factory", python=PYTHON, timeout_s=timeout_s,
+                      note="the first time downloads torch, minutes")
 
 
 def versions() -> str:

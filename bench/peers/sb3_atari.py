@@ -40,7 +40,7 @@ from statistics import fmean
 from typing import TYPE_CHECKING, Any
 
 from bench.peers.proc import emit
-from bench.peers.sb3_peer import SAMPLERS, ppo_kwargs
+from bench.peers.sb3_peer import UNEXPRESSIBLE, ppo_kwargs, update_shape
 from devstack import REPO_ROOT
 
 if TYPE_CHECKING:
@@ -81,26 +81,11 @@ def atari_kwargs(config: Path = CONFIG, *, with_policy: bool = True) -> tuple[in
     advantage floor, the rollback guard, another network). ``with_policy=False`` leaves ``policy_kwargs`` empty
     (they need stable-baselines3: :func:`policy_kwargs`)."""
     from shared.rl.envs import default_frame_stack
-    from shared.settings import load_settings
 
-    s = load_settings(str(config))
+    s, n_envs, batch = update_shape(config, UNEXPRESSIBLE)
     tr, env = s.trainer, s.env
-    n_envs = SAMPLERS * env.num_envs
-    batch = tr.batch_fragments * env.fragment_steps * env.num_envs
-    if batch % n_envs:
-        raise ValueError(f"an update's samples must split evenly over SB3's envs: {batch=}, {n_envs=}")
-    if batch % tr.minibatches:
-        raise ValueError(f"an update's samples must split evenly into minibatches: {batch=}, {tr.minibatches=}")
     if tr.model not in (TORSO, "auto"):
         raise ValueError(f"the SB3 Pong peer builds the Nature CNN only: {tr.model=}")
-    unsupported = {"trainer.normalize_observations": tr.normalize_observations,
-                   "trainer.normalize_rewards": tr.normalize_rewards,
-                   "trainer.separate_grad_clip": tr.separate_grad_clip,
-                   "trainer.advantage_std_floor": tr.advantage_std_floor > 0,
-                   "trainer.guard.enabled": tr.guard.enabled}
-    bad = [k for k, v in unsupported.items() if v]
-    if bad:
-        raise ValueError(f"SB3 PPO cannot express {bad} of {config}")
     stack = env.frame_stack if env.frame_stack is not None else default_frame_stack(env.id)
     return n_envs, stack, ppo_kwargs(tr, n_envs, batch, BUDGET_STEPS, policy_kwargs() if with_policy else {})
 

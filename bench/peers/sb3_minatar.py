@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from bench.peers.proc import emit
-from bench.peers.sb3_peer import SAMPLERS, ppo_kwargs
+from bench.peers.sb3_peer import UNEXPRESSIBLE, ppo_kwargs, update_shape
 from devstack import REPO_ROOT
 from shared.rl.envs import as_observation
 
@@ -77,27 +77,10 @@ def minatar_kwargs(config: Path = CONFIG) -> tuple[int, dict[str, Any]]:
     """(n_envs, PPO kwargs) equivalent to ``config`` run by ``SAMPLERS`` samplers; a ValueError names any
     setting SB3 cannot express (frame stacking, observation or reward normalisation, separate gradient clips,
     an advantage floor, the rollback guard, another network)."""
-    from shared.settings import load_settings
-
-    s = load_settings(str(config))
-    tr, env = s.trainer, s.env
-    n_envs = SAMPLERS * env.num_envs
-    batch = tr.batch_fragments * env.fragment_steps * env.num_envs
-    if batch % n_envs:
-        raise ValueError(f"an update's samples must split evenly over SB3's envs: {batch=}, {n_envs=}")
-    if batch % tr.minibatches:
-        raise ValueError(f"an update's samples must split evenly into minibatches: {batch=}, {tr.minibatches=}")
+    s, n_envs, batch = update_shape(config, ("env.frame_stack", *UNEXPRESSIBLE))
+    tr = s.trainer
     if tr.model not in ("minatar_cnn", "auto"):
         raise ValueError(f"the SB3 peer builds MinAtar's CNN only: {tr.model=}")
-    unsupported = {"env.frame_stack": env.frame_stack not in (None, 1),
-                   "trainer.normalize_observations": tr.normalize_observations,
-                   "trainer.normalize_rewards": tr.normalize_rewards,
-                   "trainer.separate_grad_clip": tr.separate_grad_clip,
-                   "trainer.advantage_std_floor": tr.advantage_std_floor > 0,
-                   "trainer.guard.enabled": tr.guard.enabled}
-    bad = [k for k, v in unsupported.items() if v]
-    if bad:
-        raise ValueError(f"SB3 PPO cannot express {bad} of {config}")
     from bench.peers.sb3_minatar_policy import MinAtarCNN  # stable-baselines3: the bench extra, imported here only
 
     return n_envs, ppo_kwargs(tr, n_envs, batch, BUDGET_STEPS,

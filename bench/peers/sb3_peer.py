@@ -29,7 +29,7 @@ from bench.peers.run import PeerRun
 from devstack import REPO_ROOT
 
 if TYPE_CHECKING:
-    from shared.settings import TrainerSettings
+    from shared.settings import Settings, TrainerSettings
 
 SAMPLERS = 2  # as bench.figures.solve runs the stack
 FLYWHEEL_TOTAL_STEPS = 400_000  # SB3 needs a budget for its schedules; Flywheel's anneal ends at 200k and holds
@@ -57,8 +57,16 @@ def held_linear(start: float, end: float, over: int, total: int) -> Callable[[fl
     return f
 
 
-def flywheel_kwargs(config: Path) -> tuple[int, dict[str, Any]]:
-    """(n_envs, PPO kwargs) equivalent to ``config`` run by ``SAMPLERS`` samplers."""
+UNEXPRESSIBLE = ("trainer.normalize_observations", "trainer.normalize_rewards", "trainer.separate_grad_clip",
+                 "trainer.advantage_std_floor", "trainer.guard.enabled")
+"""Flywheel settings SB3 PPO has no counterpart for: the pixel peers refuse a config that sets them."""
+
+
+def update_shape(config: Path, refuse: tuple[str, ...] = ()) -> tuple[Settings, int, int]:
+    """(settings, n_envs, samples an update) of ``config`` run by ``SAMPLERS`` samplers, as SB3 runs it: one
+    env per sampler env, an update's samples split evenly over them and into minibatches. A ValueError says
+    where it cannot, and names each setting of ``refuse`` that ``config`` sets (names from ``UNEXPRESSIBLE``,
+    ``env.frame_stack`` and ``trainer.objective``: another objective than plain PPO)."""
     from shared.settings import load_settings
 
     s = load_settings(str(config))
@@ -67,8 +75,25 @@ def flywheel_kwargs(config: Path) -> tuple[int, dict[str, Any]]:
     batch = tr.batch_fragments * env.fragment_steps * env.num_envs
     if batch % n_envs:
         raise ValueError(f"an update's samples must split evenly over SB3's envs: {batch=}, {n_envs=}")
-    if tr.objective != "ppo":
-        raise ValueError(f"SB3 has plain PPO only: {tr.objective=}")
+    if batch % tr.minibatches:
+        raise ValueError(f"an update's samples must split evenly into minibatches: {batch=}, {tr.minibatches=}")
+    set_ = {"env.frame_stack": env.frame_stack not in (None, 1),
+            "trainer.objective": tr.objective != "ppo",
+            "trainer.normalize_observations": tr.normalize_observations,
+            "trainer.normalize_rewards": tr.normalize_rewards,
+            "trainer.separate_grad_clip": tr.separate_grad_clip,
+            "trainer.advantage_std_floor": tr.advantage_std_floor > 0,
+            "trainer.guard.enabled": tr.guard.enabled}
+    bad = [k for k in refuse if set_[k]]
+    if bad:
+        raise ValueError(f"SB3 PPO cannot express {bad} of {config}")
+    return s, n_envs, batch
+
+
+def flywheel_kwargs(config: Path) -> tuple[int, dict[str, Any]]:
+    """(n_envs, PPO kwargs) equivalent to ``config`` run by ``SAMPLERS`` samplers."""
+    s, n_envs, batch = update_shape(config, ("trainer.objective",))
+    tr = s.trainer
     return n_envs, ppo_kwargs(tr, n_envs, batch, FLYWHEEL_TOTAL_STEPS,
                               {"net_arch": {"pi": [tr.hidden, tr.hidden], "vf": [tr.hidden, tr.hidden]}})
 

@@ -61,6 +61,12 @@ class GuardShell:
         if self.guard.observe_update(now, version, mean, episodes, stats):
             self._to_pin.add(version)
 
+    def followed(self, version: int) -> None:
+        """The trainer adopted a rollback to ``version`` (pins of the versions dropped are released by the
+        next :meth:`check`)."""
+        self.guard.followed(version)
+        self._to_pin &= set(self.guard.restorable_versions())
+
     def note_revision(self, now: float, revision: int, changed_keys: list[str], actor: str | None) -> None:
         self.guard.note_config_revision(now, revision, changed_keys, automatic=actor == GUARD_ACTOR)
 

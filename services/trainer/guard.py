@@ -357,6 +357,16 @@ class RollbackGuard:
         self._last_healthy = decision.to_version
         self._reset(self._episodes)
 
+    def followed(self, version: int) -> None:
+        """The trainer now runs ``version``'s weights after a rollback (the guard's own, carried out, or an
+        operator's). Versions it observed above ``version`` were trained from abandoned weights, and the trainer
+        numbers its next candidates from ``version`` on, so they must never be restored: the best is tracked
+        anew from here (no cooldown starts: that belongs to the guard's own decisions)."""
+        if version < 0:
+            raise ValueError(f"guard: negative version, got {version=}")
+        self._last_healthy = version
+        self._reset(self._episodes)
+
     def restorable_versions(self) -> frozenset[int]:
         """Every version a decision could restore, now or from the state so far: the shell keeps their
         weights (published versions are pruned after ``paramsync.keep_versions``)."""

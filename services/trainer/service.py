@@ -411,6 +411,16 @@ class Trainer:
             extra["checkpoint"] = self.checkpoints.last  # the checkpoint these weights descend from
         return extra
 
+    async def publish_current(self, why: str) -> None:
+        """Send the weights the trainer runs now as a candidate of its current version and lineage."""
+        async with self._update_lock:
+            await self._settle()
+            c = self.learner.counters
+            self.log.warning("candidate_offered_again", policy_version=c.policy_version, reason=why,
+                             published_version=self.intake.published, automatic_action=True)
+            await self.publication.publish(c.policy_version, self.learner.weights(), c.updates, self._lineage_extra())
+        m.RECOVERIES.labels(action="offer_candidate_again").inc()
+
     async def _commit_and_publish(self, candidate: tuple[int, bytes, int] | None) -> None:
         await self.group.commit()
         if candidate is not None:
@@ -514,7 +524,12 @@ class Trainer:
         abandoned = (int(msg.rollback_of or 0) + 1, msg.version - 1)
         self.learner.load_policy_weights(data)
         self.learner.reset_optimizer()
-        c.policy_version = max(c.policy_version, msg.version)
+        # The weights are now exactly the rollback's, so the model's version is the rollback's, even where
+        # this trainer had already sent candidates numbered past it (a rollback published while the trainer
+        # ran ahead of paramsync): those candidates were never published and are abandoned, so their numbers
+        # are free, and keeping the higher number would leave the trainer max_staleness ahead of a published
+        # version that nothing will ever move (it waits for publication; no update, no candidate).
+        c.policy_version = msg.version
         self.intake.model_version = c.policy_version
         self.intake.saw_published(msg.version)
         if msg.rollback_of is not None:
@@ -535,6 +550,8 @@ class Trainer:
                                     "store")
             abandoned = self._adopt_rollback(msg, data)
             m.VERSION.set(self.learner.counters.policy_version)
+            if self.leader:
+                self.guard.followed(msg.version)
             if self.ranks is not None:  # every rank follows at the same step; rank 0 checkpoints for all
                 await self._exchange_ledgers()
             if self.leader:

@@ -46,6 +46,7 @@ class TrainerTasks:
         self._tasks: list[asyncio.Task[None]] = []
         self._sampler_seen: dict[str, float] = {}
         self._publication_wait_since: float | None = None
+        self._unoffered_since: float | None = None  # ahead of the published version with no candidate sent
         self._stalled_logged = False
         self._revision_actor: str | None = None
 
@@ -214,6 +215,17 @@ class TrainerTasks:
         pub = t.publication
         if pub.resend_due(t.intake.published, now, t.cfg.candidate_resend_s):
             await pub.resend("not published in time", t.intake.published)
+        published = t.intake.published if t.intake.published is not None else -1
+        if pub.candidate is not None or pub.deferred is not None or t.learner.counters.policy_version <= published:
+            self._unoffered_since = None
+        elif self._unoffered_since is None:
+            self._unoffered_since = now
+        elif now - self._unoffered_since > t.cfg.candidate_resend_s:
+            # Ahead of what is published with nothing sent for it: a rollback abandoned the candidates, or a
+            # checkpoint outlived its candidate's send. No resend and, once max_staleness ahead, no update
+            # would ever move the marker, so offer the weights the trainer runs now.
+            self._unoffered_since = None
+            await t.publish_current("ahead of the published version with no candidate sent")
         if pub.retry_due(now) and (t._after_update is None or t._after_update.done()):
             await t._settle()  # the last update's commit and publish first (it may have sent a newer one)
             if pub.deferred is not None:

@@ -96,6 +96,27 @@ def test_flywheel_settings_translate_to_sb3() -> None:
     assert lr(1.0 - 100_000 / FLYWHEEL_TOTAL_STEPS) == pytest.approx((1e-3 + 1e-5) / 2)
 
 
+def test_update_shape_refuses_what_sb3_cannot_run(tmp_path: Path) -> None:
+    from bench.peers.sb3_peer import UNEXPRESSIBLE, update_shape
+
+    base = (REPO / "configs" / "cartpole.yaml").read_text()
+    s, n_envs, batch = update_shape(REPO / "configs" / "cartpole.yaml")
+    assert (n_envs, batch) == (2 * s.env.num_envs, s.trainer.batch_fragments * s.env.fragment_steps * s.env.num_envs)
+
+    def shaped(extra: str, refuse: tuple[str, ...] = ()) -> None:
+        path = tmp_path / "c.yaml"
+        path.write_text(base + "\n" + extra)
+        update_shape(path, refuse)
+
+    with pytest.raises(ValueError, match="split evenly into minibatches"):
+        shaped("trainer:\n  minibatches: 3\n")
+    with pytest.raises(ValueError, match=r"cannot express \['trainer.objective'\]"):
+        shaped("trainer:\n  objective: decoupled\n", ("trainer.objective",))
+    shaped("trainer:\n  objective: decoupled\n")  # only refused where asked
+    with pytest.raises(ValueError, match=r"cannot express \['trainer.normalize_rewards'\]"):
+        shaped("trainer:\n  normalize_rewards: true\n  guard:\n    enabled: false\n", UNEXPRESSIBLE)
+
+
 def test_zoo_config_for_flywheel_is_a_valid_config(tmp_path: Path) -> None:
     from bench.peers.flywheel_peer import zoo_config
     from shared.settings import load_settings
@@ -106,3 +127,17 @@ def test_zoo_config_for_flywheel_is_a_valid_config(tmp_path: Path) -> None:
     assert (s.env.num_envs, s.env.fragment_steps, tr.batch_fragments, tr.minibatches, tr.epochs) == (4, 32, 2, 1, 20)
     assert tr.target_kl is None and tr.anneal_env_steps == 100_000
     assert tr.learning_rate_end is not None and tr.learning_rate_end < 1e-7
+
+
+def test_the_wall_budget_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.common import Context
+    from bench.figures.peers_minatar import wall_budget
+
+    assert wall_budget(Context(infra=None, stamp="t")) == 600.0  # type: ignore[arg-type]
+    assert wall_budget(Context(infra=None, stamp="t", quick=True)) == 60.0  # type: ignore[arg-type]
+    monkeypatch.setenv("FLYWHEEL_BENCH_PEERS_MINATAR_WALL_S", "90")
+    assert wall_budget(Context(infra=None, stamp="t")) == 90.0  # type: ignore[arg-type]
+    for bad in ("0", "-5", "ten"):
+        monkeypatch.setenv("FLYWHEEL_BENCH_PEERS_MINATAR_WALL_S", bad)
+        with pytest.raises(ValueError, match=f"WALL_S={bad!r}: want seconds"):
+            wall_budget(Context(infra=None, stamp="t"))  # type: ignore[arg-type]

@@ -319,3 +319,21 @@ def test_the_versions_kept_for_a_rollback_stay_few() -> None:
     solved(run, updates=2000)
     kept = run.guard.restorable_versions()
     assert len(kept) <= CFG.settle_updates + 2 and run.version in kept
+
+
+def test_an_operator_rollback_forgets_the_versions_trained_past_it() -> None:
+    # The trainer numbers its next candidates from the rollback's version on: the versions the guard saw
+    # above it were trained from abandoned weights and will be reused, so none may be restored later.
+    run = Run()
+    kept = solved(run, updates=30)
+    run.hold(500.0, 10)
+    above = set(range(kept + 1, run.version + 1))
+    assert above & run.guard.restorable_versions()
+    run.guard.followed(kept)
+    assert run.guard.restorable_versions() == {kept} and run.guard.best is None
+    assert run.decide() is None  # no cooldown: that belongs to the guard's own rollbacks
+    run.version = kept  # renumbered from the rollback on
+    run.hold(480.0, 20)  # 100 episodes from the rollback on before a best counts
+    assert run.guard.best == 480.0 and run.guard.best_version == run.version
+    with pytest.raises(ValueError):
+        run.guard.followed(-1)

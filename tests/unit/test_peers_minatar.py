@@ -142,3 +142,4 @@ def test_verdict_compares_medians_and_a_failed_flywheel_run_misses() -> None:
     assert verdict(fw, [run("SB3 PPO", 1, None)]) is None
     st = summarise([*fw, run("Flywheel", 3, None)])
     assert st["last100_at_budget"].n == 2 and st["last100_at_budget"].median == pytest.approx(5.0)
+

@@ -327,3 +327,58 @@ async def test_a_deferred_publish_is_retried_while_the_trainer_waits_for_publica
     sent = [PolicyMessage.model_validate_json(r.value or b"").version for r in mem.records(T.policy)
             if r.key == KEY_CANDIDATE]
     assert 2 in sent
+
+
+async def test_a_rollback_numbered_below_the_trainers_own_candidates_is_trained_on(tmp_path: Path) -> None:
+    # The race seen in the fault suite: the trainer had sent candidates numbered past what paramsync then gave
+    # the rollback (paramsync numbers it published + 1, and abandons those candidates). The trainer runs the
+    # rollback's weights, so its model version is the rollback's: keeping its own higher number left it
+    # max_staleness ahead of a published version nothing would ever move, waiting for publication for good.
+    t, mem = make(tmp_path, max_staleness=2, publish_every=1)
+    fed = rolled = False
+
+    def ahead_then_rolled_back() -> bool:
+        nonlocal fed, rolled
+        if not fed and t._started:
+            fed = True
+            key, sha = t.policies.put_blob(t.learner.weights())
+            t.learner.counters.policy_version = t.intake.model_version = 5  # candidates 1..5 sent, none published
+            rec = VersionRecord(version=0, blob=key, sha256=sha, size=1, trainer_step=0)
+            mem.append(T.policy, PolicyMessage.of("announce", rec).to_bytes(), key=KEY_ANNOUNCE)
+            back = VersionRecord(version=1, blob=key, sha256=sha, size=len(t.learner.weights()), trainer_step=0,
+                                 extra={"rollback_of": 0, "lineage": 1})
+            mem.append(T.policy, PolicyMessage.of("announce", back).to_bytes(), key=KEY_ANNOUNCE)
+        if fed and not rolled and t.lineage == 1:
+            rolled = True
+            put(mem, TP0, 2, version=1)  # samplers act on the rollback
+        return rolled and trained(t) == 2
+
+    await run_until(t, ahead_then_rolled_back)
+    assert t.learner.counters.policy_version == 2
+    sent = [PolicyMessage.model_validate_json(r.value or b"") for r in mem.records(T.policy) if r.key == KEY_CANDIDATE]
+    assert [(m.version, m.lineage) for m in sent] == [(0, 0), (2, 1)]  # its first publication, then on the rollback
+
+
+async def test_ahead_of_the_published_version_with_nothing_sent_offers_the_current_weights(tmp_path: Path) -> None:
+    # Ahead of the published version with no candidate sent for it (a rollback abandoned them, or a restart
+    # from a checkpoint whose candidate was never sent): a resend has nothing to send, and max_staleness ahead
+    # no update runs, so after candidate_resend_s the trainer offers the weights it runs now, at its version.
+    t, mem = make(tmp_path, max_staleness=2, candidate_resend_s=0.5)
+    fed = False
+
+    def offered() -> bool:
+        nonlocal fed
+        if not fed and t._started:
+            fed = True
+            t.learner.counters.policy_version = t.intake.model_version = 5
+            rec = VersionRecord(version=1, blob="b", sha256="0" * 64, size=1, trainer_step=1)
+            mem.append(T.policy, PolicyMessage.of("announce", rec).to_bytes(), key=KEY_ANNOUNCE)
+            t.publication.abandon()
+        return any(PolicyMessage.model_validate_json(r.value or b"").version == 5
+                   for r in mem.records(T.policy) if r.key == KEY_CANDIDATE)
+
+    await run_until(t, offered)
+    assert trained(t) == 0  # no update ran: the offer came from the watch
+    (msg,) = [m for m in (PolicyMessage.model_validate_json(r.value or b"") for r in mem.records(T.policy)
+                          if r.key == KEY_CANDIDATE) if m.version == 5]
+    assert t.policies.fetch(msg.record()) == t.learner.weights()
