@@ -143,3 +143,89 @@ def test_verdict_compares_medians_and_a_failed_flywheel_run_misses() -> None:
     st = summarise([*fw, run("Flywheel", 3, None)])
     assert st["last100_at_budget"].n == 2 and st["last100_at_budget"].median == pytest.approx(5.0)
 
+
+
+def test_one_gradient_equals_sb3_ppo_on_the_same_data_and_weights() -> None:
+    """The peer comparison's premise: given the same fragments and weights, Flywheel's update and SB3 PPO's
+    ``train()`` compute the same gradient (full batch, one epoch, clipping off so the raw gradients show): the
+    same GAE and bootstraps, advantage normalisation, clipped surrogate, entropy bonus and value-loss scale."""
+    pytest.importorskip("minatar")
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.logger import configure
+
+    from bench.inproc import _worker
+    from services.trainer.learner import Learner
+    from shared.rl.envs import fragment_spec, register_image_envs
+
+    torch.manual_seed(0)
+    s = load_settings(str(CONFIG), environ={})
+    tr = s.trainer.model_copy(update={"epochs": 1, "minibatches": 1, "device": "cpu", "max_grad_norm": 1e9})
+    learner = Learner(fragment_spec(s.env.id, s.kafka.max_message_bytes), tr)
+    workers = [_worker(s, i, 7 + i) for i in range(2)]
+    try:
+        for w in workers:
+            w.set_policy(0, learner.weights())
+            w.collect()  # a fragment in: episodes end inside the batch, some envs mid-episode at its start
+        frags = [w.collect() for w in workers]
+    finally:
+        for w in workers:
+            w.close()
+    steps = frags[0].rewards.shape[0]
+    assert sum(int(f.terminated.sum()) for f in frags) > 0
+    register_image_envs(s.env.id)
+    n_envs, kw = sb3_minatar.minatar_kwargs(CONFIG)
+    kw.update(n_steps=steps, batch_size=steps * n_envs, n_epochs=1, max_grad_norm=1e9)
+    env = make_vec_env(s.env.id, n_envs=n_envs, seed=0, wrapper_class=sb3_minatar.Uint8Frames)
+    model = PPO("CnnPolicy", env, device="cpu", verbose=0, **kw)
+    env.close()
+    names = {"features_extractor.torso.0.weight": "torso.0.weight", "features_extractor.torso.0.bias": "torso.0.bias",
+             "features_extractor.torso.3.weight": "torso.3.weight", "features_extractor.torso.3.bias": "torso.3.bias",
+             "action_net.weight": "actor.weight", "action_net.bias": "actor.bias",
+             "value_net.weight": "critic.weight", "value_net.bias": "critic.bias"}
+    ours = learner.model.state_dict()
+    theirs = model.policy.state_dict()
+    assert {k for k in theirs if not k.startswith(("pi_features", "vf_features"))} == set(names)
+
+    def our_name(key: str) -> str:  # SB3 also lists the shared extractor as pi_/vf_features_extractor
+        for alias in ("pi_features_extractor.", "vf_features_extractor."):
+            if key.startswith(alias):
+                key = "features_extractor." + key[len(alias):]
+        return names[key]
+
+    model.policy.load_state_dict({k: ours[our_name(k)].clone() for k in theirs})
+    # SB3's buffer from the same steps: both fragments' envs side by side, frames channels first.
+    buf = model.rollout_buffer
+    obs = np.concatenate([f.obs for f in frags], axis=1).transpose(0, 1, 4, 2, 3)
+    actions = np.concatenate([f.actions for f in frags], axis=1)
+    logp = np.concatenate([f.logp for f in frags], axis=1)
+    rewards = np.concatenate([f.rewards for f in frags], axis=1).astype(np.float32)
+    done = np.concatenate([f.terminated | f.truncated for f in frags], axis=1).astype(np.float32)
+    last = np.concatenate([f.last_obs for f in frags]).transpose(0, 3, 1, 2)
+    with torch.no_grad():
+        for t in range(steps):
+            values = model.policy.predict_values(torch.as_tensor(obs[t])).flatten()
+            starts = done[t - 1] if t else np.zeros(n_envs, np.float32)
+            buf.add(obs[t], actions[t][:, None], rewards[t], starts, values, torch.as_tensor(logp[t]))
+        buf.compute_returns_and_advantage(model.policy.predict_values(torch.as_tensor(last)).flatten(), done[-1])
+
+    def capture(optimizer: torch.optim.Optimizer, into: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
+                ) -> None:
+        step = optimizer.step
+
+        def grab() -> None:
+            into.update({n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None})
+            step()
+        optimizer.step = grab  # type: ignore[method-assign,assignment]
+
+    ours_g: dict[str, torch.Tensor] = {}
+    theirs_g: dict[str, torch.Tensor] = {}
+    capture(learner.optimizer, ours_g, dict(learner.model.named_parameters()))
+    capture(model.policy.optimizer, theirs_g, {names[n]: p for n, p in model.policy.named_parameters() if n in names})
+    learner.update(frags)
+    model.set_logger(configure(None, []))
+    model._current_progress_remaining = 1.0
+    model.train()
+    assert set(ours_g) == set(theirs_g) == set(names.values())
+    for n in ours_g:
+        torch.testing.assert_close(ours_g[n], theirs_g[n], rtol=1e-3, atol=1e-6, msg=n)
