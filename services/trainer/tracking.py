@@ -8,13 +8,18 @@ runs); MLflow gets the same scalars when ``tracking.mlflow_uri`` is set.
 
 Invariants: a disabled tracker imports nothing and writes nothing; a failing backend (disk full, the MLflow
 server down) never raises into the trainer: the failure is logged (the first, then every
-``FAILURE_LOG_EVERY``-th) and the next call tries again. Curves are for people; training goes on without them.
+``FAILURE_LOG_EVERY``-th) and the next call tries again. MLflow is written from a thread of its own, so a
+slow or unreachable server never blocks the trainer either: its steps queue (bounded) and are sent once it
+answers. Curves are for people; training goes on without them.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import os
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,6 +29,9 @@ from shared.settings import Settings
 
 FAILURE_LOG_EVERY = 100
 """A backend that keeps failing is logged at its first failure and then once every this many."""
+MLFLOW_QUEUE_STEPS = 10_000
+"""Updates' scalars kept for an MLflow server that cannot be reached (the oldest dropped beyond)."""
+MLFLOW_RETRY_MIN_S, MLFLOW_RETRY_MAX_S = 1.0, 60.0
 
 
 class _Backend(Protocol):
@@ -58,39 +66,114 @@ class _TensorBoard:
 
 
 class _MLflow:
-    """An MLflow run named after the Flywheel run, in the experiment of the same name. The server is first
-    contacted at the first write (and again at the next one while it cannot be reached), so an MLflow
-    outage at start-up does not stop the trainer."""
+    """An MLflow run named after the Flywheel run, in the experiment of the same name, written by a thread of
+    its own: :meth:`write` only queues, so a slow or unreachable server never holds the trainer (MLflow's
+    client retries a request for minutes). The server is first contacted by that thread; while it cannot be
+    reached the steps wait in a bounded queue (the oldest dropped past ``MLFLOW_QUEUE_STEPS``, counted) and
+    are sent, in order, once it answers."""
 
     name = "mlflow"
 
     def __init__(self, uri: str, run: str, config: Mapping[str, Any] | None) -> None:
         try:
-            import mlflow
+            from mlflow.tracking import MlflowClient
         except ImportError:
             raise RuntimeError("tracking.mlflow_uri is set but mlflow is not installed "
                                "(pip install -e '.[mlflow]', or unset tracking.mlflow_uri)") from None
-        self._mlflow: Any = mlflow
+        # A request to a server that is down is retried by MLflow with backoff for ~4 minutes by default; the
+        # writer thread retries on its own schedule, so each attempt may fail fast (an operator's own
+        # settings of these win).
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        self._client: Any = MlflowClient(tracking_uri=uri)
         self._uri, self._run_name, self._config = uri, run, config
-        self._started = False
-
-    def _start(self) -> None:
-        mlflow = self._mlflow
-        mlflow.set_tracking_uri(self._uri)
-        mlflow.set_experiment(self._run_name)
-        mlflow.start_run(run_name=self._run_name)
-        self._started = True
-        if self._config is not None:
-            mlflow.log_params(dict(_flatten(self._config)))
+        self._run_id: str | None = None
+        self._pending: collections.deque[tuple[int, int, int, dict[str, float]]] = collections.deque()  # seq, step, ms
+        self._seq = 0
+        self.dropped = 0
+        self.sent_steps = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self._cond = threading.Condition()
+        self._closing = False
+        self._log = get_logger(component="tracking")
+        self._thread = threading.Thread(target=self._loop, name="mlflow-writer", daemon=True)
+        self._thread.start()
 
     def write(self, step: int, values: Mapping[str, float]) -> None:
-        if not self._started:
-            self._start()
-        self._mlflow.log_metrics(dict(values), step=step)
+        with self._cond:
+            if len(self._pending) >= MLFLOW_QUEUE_STEPS:
+                self._pending.popleft()
+                self.dropped += 1
+            self._seq += 1
+            self._pending.append((self._seq, step, int(time.time() * 1000), dict(values)))
+            self._cond.notify()
 
-    def close(self) -> None:
-        if self._started:
-            self._mlflow.end_run()
+    def _start(self) -> str:
+        c = self._client
+        exp = c.get_experiment_by_name(self._run_name)
+        exp_id = exp.experiment_id if exp is not None else c.create_experiment(self._run_name)
+        run_id: str = c.create_run(exp_id, run_name=self._run_name).info.run_id
+        if self._config is not None:
+            from mlflow.entities import Param
+
+            params = [Param(k, v) for k, v in _flatten(self._config)]
+            for i in range(0, len(params), 100):  # MLflow's limit per batch
+                c.log_batch(run_id, params=params[i:i + 100])
+        return run_id
+
+    def _send(self, batch: list[tuple[int, int, int, dict[str, float]]]) -> None:
+        from mlflow.entities import Metric
+
+        if self._run_id is None:
+            self._run_id = self._start()
+        metrics = [Metric(k, v, ts, step) for _, step, ts, values in batch for k, v in values.items()]
+        for i in range(0, len(metrics), 1000):  # MLflow's limit per batch
+            self._client.log_batch(self._run_id, metrics=metrics[i:i + 1000])
+
+    def _loop(self) -> None:
+        backoff = MLFLOW_RETRY_MIN_S
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                batch = list(self._pending)
+            try:
+                self._send(batch)
+            except Exception as exc:  # the server is down or refused: keep the steps, try again later
+                self.failures += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                if self.failures == 1 or self.failures % FAILURE_LOG_EVERY == 0:
+                    self._log.warning("tracking_write_failed", backend=self.name, failures=self.failures,
+                                      queued=len(batch), dropped=self.dropped, retry_in_s=backoff,
+                                      error=self.last_error)
+                with self._cond:
+                    if self._closing:
+                        return
+                    self._cond.wait(backoff)
+                backoff = min(MLFLOW_RETRY_MAX_S, backoff * 2)
+                continue
+            if self.failures and backoff > MLFLOW_RETRY_MIN_S:
+                self._log.info("tracking_recovered", backend=self.name, sent_steps=len(batch), dropped=self.dropped)
+            backoff = MLFLOW_RETRY_MIN_S
+            with self._cond:
+                while self._pending and self._pending[0][0] <= batch[-1][0]:  # sent (drops may have gone first)
+                    self._pending.popleft()
+                self.sent_steps += len(batch)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Send what is queued (up to ``timeout_s``), then end the run."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive() or self._pending:  # the server did not answer in time: leave the run open
+            self._log.warning("tracking_not_flushed", backend=self.name, queued=len(self._pending),
+                              error=self.last_error)
+        elif self._run_id is not None:
+            self._client.set_terminated(self._run_id)
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
