@@ -66,7 +66,9 @@ SETTINGS: dict[str, Any] = {
 
 # ---- the parent: Flywheel's venv --------------------------------------------------------------------------------
 def venv_python() -> Path:
-    return VENV / "bin" / "python"
+    from bench.peers import venv
+
+    return venv.venv_python(VENV)
 
 
 def ensure_venv(timeout_s: float = 1800.0) -> Path:

@@ -34,7 +34,9 @@ SOURCE = "sf_examples/train_gym_env.py docstring, sample-factory v2.1.1"
 
 
 def venv_python() -> Path:
-    return VENV / "bin" / "python"
+    from bench.peers import venv
+
+    return venv.venv_python(VENV)
 
 
 def ensure_venv(timeout_s: float = 3600.0) -> Path:

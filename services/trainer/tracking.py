@@ -76,6 +76,7 @@ class _MLflow:
 
     def __init__(self, uri: str, run: str, config: Mapping[str, Any] | None) -> None:
         try:
+            from mlflow.entities import Param
             from mlflow.tracking import MlflowClient
         except ImportError:
             raise RuntimeError("tracking.mlflow_uri is set but mlflow is not installed "
@@ -86,12 +87,12 @@ class _MLflow:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         self._client: Any = MlflowClient(tracking_uri=uri)
-        self._uri, self._run_name, self._config = uri, run, config
+        self._run_name = run
         self._run_id: str | None = None
+        self._params = [Param(k, v) for k, v in _flatten(config)] if config is not None else []  # not yet sent
         self._pending: collections.deque[tuple[int, int, int, dict[str, float]]] = collections.deque()  # seq, step, ms
         self._seq = 0
         self.dropped = 0
-        self.sent_steps = 0
         self.failures = 0
         self.last_error: str | None = None
         self._cond = threading.Condition()
@@ -109,24 +110,19 @@ class _MLflow:
             self._pending.append((self._seq, step, int(time.time() * 1000), dict(values)))
             self._cond.notify()
 
-    def _start(self) -> str:
-        c = self._client
-        exp = c.get_experiment_by_name(self._run_name)
-        exp_id = exp.experiment_id if exp is not None else c.create_experiment(self._run_name)
-        run_id: str = c.create_run(exp_id, run_name=self._run_name).info.run_id
-        if self._config is not None:
-            from mlflow.entities import Param
-
-            params = [Param(k, v) for k, v in _flatten(self._config)]
-            for i in range(0, len(params), 100):  # MLflow's limit per batch
-                c.log_batch(run_id, params=params[i:i + 100])
-        return run_id
-
     def _send(self, batch: list[tuple[int, int, int, dict[str, float]]]) -> None:
+        """The run first (once: a failure after it is made retries only what is left), then the settings,
+        then ``batch``'s scalars."""
         from mlflow.entities import Metric
 
+        c = self._client
         if self._run_id is None:
-            self._run_id = self._start()
+            exp = c.get_experiment_by_name(self._run_name)
+            exp_id = exp.experiment_id if exp is not None else c.create_experiment(self._run_name)
+            self._run_id = c.create_run(exp_id, run_name=self._run_name).info.run_id
+        while self._params:
+            c.log_batch(self._run_id, params=self._params[:100])  # MLflow's limit per batch
+            del self._params[:100]
         metrics = [Metric(k, v, ts, step) for _, step, ts, values in batch for k, v in values.items()]
         for i in range(0, len(metrics), 1000):  # MLflow's limit per batch
             self._client.log_batch(self._run_id, metrics=metrics[i:i + 1000])
@@ -161,7 +157,6 @@ class _MLflow:
             with self._cond:
                 while self._pending and self._pending[0][0] <= batch[-1][0]:  # sent (drops may have gone first)
                     self._pending.popleft()
-                self.sent_steps += len(batch)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Send what is queued (up to ``timeout_s``), then end the run."""

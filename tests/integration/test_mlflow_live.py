@@ -3,7 +3,7 @@ every update's scalars and the settings arrive; a server that is down never hold
 was written meanwhile arrives once it is up.
 
 Needs the ``mlflow`` extra (the client) and a full ``mlflow`` installation for the server, which the
-project does not install: set ``FLYWHEEL_MLFLOW_SERVER`` to its ``mlflow`` executable (e.g. from
+project does not install: set ``TEST_MLFLOW_SERVER`` to its ``mlflow`` executable (e.g. from
 ``python3.11 -m venv /tmp/mlflow-srv && /tmp/mlflow-srv/bin/pip install mlflow``), else this is skipped."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from services.trainer.tracking import Tracker  # noqa: E402
 
-SERVER = os.environ.get("FLYWHEEL_MLFLOW_SERVER") or shutil.which("mlflow-server") or ""
+SERVER = os.environ.get("TEST_MLFLOW_SERVER") or shutil.which("mlflow-server") or ""
 
 
 def _port() -> int:
@@ -67,7 +67,7 @@ class Server:
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
     if not SERVER or not Path(SERVER).exists():
-        pytest.skip("no MLflow server executable: set FLYWHEEL_MLFLOW_SERVER (see the module docstring)")
+        pytest.skip("no MLflow server executable: set TEST_MLFLOW_SERVER (see the module docstring)")
     srv = Server(tmp_path, _port())
     yield srv
     srv.stop()
