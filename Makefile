@@ -39,7 +39,7 @@ install: $(STAMP)
 
 up: install
 	@if docker info >/dev/null 2>&1; then \
-		export FLYWHEEL_ADMIN_TOKEN=$${FLYWHEEL_ADMIN_TOKEN:-$$($(PY) -c 'import secrets; print(secrets.token_urlsafe(32))')}; \
+		export FLYWHEEL_ADMIN_TOKEN=$${FLYWHEEL_ADMIN_TOKEN:-$$($(PY) -c 'import secrets; print(secrets.token_hex(32))')}; \
 		echo "Docker engine found: docker compose up (admin token: $$FLYWHEEL_ADMIN_TOKEN)"; \
 		case "$(BROKERS)" in 1) ;; 3) export $(COMPOSE_CLUSTER);; *) echo "compose runs BROKERS=1 or 3" >&2; exit 2;; esac; \
 		export TRAINERS=$(TRAINERS); \

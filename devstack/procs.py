@@ -34,6 +34,7 @@ from devstack.logs import LOG_MAX_BYTES, rotate
 from devstack.state import StackState
 
 BANNER = "===== devstack: starting"
+SPAWN_SETTLE_S = 5.0  # how long spawn waits for the kernel to show the new command line
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,13 @@ class Proc:
             proc = subprocess.Popen(cmd, cwd=cwd, env=None if env is None else dict(env), stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         proc.returncode = 0  # it is meant to outlive us: no "still running" warning at exit
+        # Popen returns once exec has begun, but the kernel fills /proc/<pid>/cmdline a moment later: until
+        # then pid() would call the new process not ours (and a supervisor's tick would start a second one).
+        deadline = time.monotonic() + SPAWN_SETTLE_S
+        while read_cmdline(proc.pid) != list(cmd) and proc_state(proc.pid) not in (None, "Z", "X"):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
         record = LaunchRecord(list(cmd), str(cwd), None if env is None else dict(env), str(stdout))
         fd = os.open(self.record_path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:  # 0600: the environment may hold the admin token
@@ -199,15 +207,20 @@ def read_environ(pid: int) -> dict[str, str] | None:
     return {k: v for k, _, v in pairs}
 
 
+def proc_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` from ``/proc/<pid>/stat`` ("Z" for a zombie), None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[0]
+
+
 def is_running(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie (reaping it first if it is our own child)."""
     with contextlib.suppress(ChildProcessError, OSError):
         os.waitpid(pid, os.WNOHANG)
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    return proc_state(pid) not in (None, "Z", "X")
 
 
 def wait_gone(pid: int, timeout_s: float) -> bool:

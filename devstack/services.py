@@ -113,8 +113,9 @@ def validate_config(config: Path, env: Mapping[str, str]) -> None:
 def resolve_admin_token(home: Path, env: Mapping[str, str]) -> tuple[str, str]:
     """(token, where it comes from): ``env`` / the environment if they set it, else ``<home>/admin-token``.
 
-    The file is created once with a fresh ``secrets.token_urlsafe(32)`` and mode 0600; later calls
-    read it, so restarts keep the token. The ``flywheel`` CLI reads the same file.
+    The file is created once with a fresh ``secrets.token_hex(32)`` and mode 0600; later calls read it, so
+    restarts keep the token. The ``flywheel`` CLI reads the same file. Hex, not ``token_urlsafe``: one of those
+    in 64 begins with "-", and ``flywheel --token -x...`` then reads it as an option.
     """
     for source, mapping in (("the stack's env", env), ("$FLYWHEEL_ADMIN_TOKEN", os.environ)):
         value = mapping.get(TOKEN_ENV)
@@ -131,7 +132,7 @@ def resolve_admin_token(home: Path, env: Mapping[str, str]) -> tuple[str, str]:
         if not token:
             raise StackError(f"{path} is empty; delete it to generate a new admin token") from None
         return token, str(path)
-    token = secrets.token_urlsafe(32)
+    token = secrets.token_hex(32)
     with os.fdopen(fd, "w") as fh:
         fh.write(token + "\n")
     return token, str(path)

@@ -7,7 +7,7 @@ from shared.service import run_main
 from shared.settings import AdminSettings, Settings
 
 MIN_TOKEN_LENGTH = 32
-"""Shortest admin token accepted outside insecure dev mode (``secrets.token_urlsafe(32)`` gives 43)."""
+"""Shortest admin token accepted outside insecure dev mode (``openssl rand -hex 32`` gives 64)."""
 
 
 def admin_token_problem(admin: AdminSettings) -> str | None:
@@ -23,7 +23,7 @@ def admin_token_problem(admin: AdminSettings) -> str | None:
     if length < MIN_TOKEN_LENGTH:
         return (
             f"admin.token is too short ({length} characters, at least {MIN_TOKEN_LENGTH}): generate one with "
-            "`openssl rand -hex 32` or `python -c 'import secrets; print(secrets.token_urlsafe(32))'` "
+            "`openssl rand -hex 32` or `python -c 'import secrets; print(secrets.token_hex(32))'` "
             "(or FLYWHEEL_ADMIN_INSECURE_DEV=true for a development server)"
         )
     return None

@@ -103,7 +103,7 @@ class FaultEnv:
     def cli(self, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
         """``flywheel <args>`` against this stack's admin, as an operator runs it."""
         cmd = [sys.executable, "-m", "services.admin.cli", "--url", self.stack.admin_url,
-               "--token", self.stack.admin_token, *args]
+               f"--token={self.stack.admin_token}", *args]  # "=": a token may begin with "-"
         return subprocess.run(cmd, env=self.stack.service_env("admin"), capture_output=True, text=True,
                               timeout=timeout_s, cwd=REPO)
 

@@ -97,3 +97,16 @@ def test_local_launcher_generates_an_accepted_token(tmp_path: Path, monkeypatch:
         assert source == str(home / "admin-token"), module.__name__
         assert len(token) >= MIN_TOKEN_LENGTH, f"{module.__name__}: the token has {len(token)} characters"
         assert admin_token_problem(_settings(token=token).admin) is None
+
+
+def test_a_generated_token_never_reads_as_an_option_on_the_command_line(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``flywheel --token TOKEN`` with a token beginning "-" failed a CI run ("expected one argument"): one
+    ``token_urlsafe`` in 64 begins so. Generated tokens are hex; 200 draws make a "-" start all but certain."""
+    from services.admin.cli import build_parser
+
+    monkeypatch.delenv("FLYWHEEL_ADMIN_TOKEN", raising=False)
+    for module in _launcher_token_generators():
+        for i in range(200):
+            token, _ = module.resolve_admin_token(tmp_path / module.__name__ / str(i), {})
+            assert build_parser().parse_args(["--token", token, "status"]).token == token

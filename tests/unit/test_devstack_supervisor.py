@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from tenacity import wait_exponential, wait_fixed
 
-from devstack.procs import Proc, is_running, table_lock
+from devstack import procs
+from devstack.procs import Proc, is_running, proc_state, table_lock
 from devstack.state import StackState, SupervisorState
 from devstack.supervisor import RestartPolicy, Supervisor
 
@@ -135,9 +136,27 @@ def _kill(proc: Proc) -> None:
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+    while proc_state(pid) != "Z":
         assert time.monotonic() < deadline, f"pid {pid} did not die"
         time.sleep(0.01)
+
+
+def test_spawn_returns_once_the_kernel_shows_the_new_command_line(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right after exec begins, /proc/<pid>/cmdline is briefly empty (seen under load in CI): a tick in that
+    window would take the new process for a dead one. The window is stood in for by the first reads failing."""
+    real, reads = procs.read_cmdline, []
+
+    def late_cmdline(pid: int) -> list[str] | None:
+        reads.append(pid)
+        return None if len(reads) <= 3 else real(pid)
+
+    monkeypatch.setattr(procs, "read_cmdline", late_cmdline)
+    proc = Proc(home, "sampler-0")
+    pid = proc.spawn([sys.executable, "-c", "import time; time.sleep(120)"], cwd=home)
+    try:
+        assert proc.pid() == pid and len(reads) > 4
+    finally:
+        os.kill(pid, signal.SIGKILL)
 
 
 def test_tick_restarts_a_killed_process_counts_it_and_logs_it(home: Path) -> None:
