@@ -316,8 +316,16 @@ class TrainerSettings(_Section):
     high learning rate."""
     hidden: int = Field(64, ge=4)
     """Width of the two hidden layers of actor and critic."""
+    activation: Literal["tanh", "relu"] = "tanh"
+    """The MLP's hidden activation: ``tanh`` (CleanRL's PPO) or ``relu`` (rl-zoo's MuJoCo settings); the samplers'
+    policy, ``flywheel eval`` and ``flywheel export`` run the same (a weights blob does not record it). The MLP
+    only: an image model (its CNN is ReLU throughout) refuses any value but the default, naming this field."""
+    ortho_init: bool = True
+    """Orthogonal initialisation of the MLP's layers (CleanRL; gains sqrt 2, 0.01 policy head, 1 value head);
+    False leaves PyTorch's default init, as Stable-Baselines3's ``ortho_init=False`` (rl-zoo's MuJoCo settings).
+    The MLP only (the CNNs always use orthogonal init)."""
     model: Literal["auto", "mlp", "nature_cnn", "minatar_cnn"] = "auto"
-    """The network: ``mlp`` (two tanh layers of ``hidden``), or for image observations a CNN torso shared by
+    """The network: ``mlp`` (two layers of ``hidden``, ``activation``), or for image observations a CNN torso shared by
     policy and value (``nature_cnn``: 84x84 Atari frames; ``minatar_cnn``: 10x10 MinAtar frames); ``auto``
     picks a CNN for image observations and the MLP otherwise (docs/pixels.md)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

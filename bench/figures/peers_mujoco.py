@@ -45,8 +45,6 @@ PEERS = ("SB3 PPO (rl-zoo)", "Flywheel (rl-zoo)")
 Curve = list[tuple[float, int, float]]  # (seconds since the first env step, env steps so far, episode return)
 
 NOT_SHARED = (
-    "the network: Flywheel's MLP is tanh with orthogonal init (sqrt 2 hidden, 0.01 policy head, 1 value head); "
-    "rl-zoo's is ReLU without orthogonal init (PyTorch's default init); Flywheel has no option for either",
     "the rollout: Flywheel's 512 env steps an update come from 2 samplers x 1 env x 256 steps (two shorter "
     "trajectories, GAE cut at 256); SB3's from 1 env x 512 steps",
     "asynchrony: Flywheel's samplers act on a policy a few versions old (max_staleness 4, credit flow control) "
@@ -93,13 +91,18 @@ def zoo_overrides(entry: dict[str, Any] = sb3_mujoco.ZOO_HALFCHEETAH,
     """The ``env`` and ``trainer`` settings that give Flywheel rl-zoo's ``entry``: ``n_steps`` per update from
     ``samplers`` samplers x 1 env (``fragment_steps = n_steps / samplers``, ``batch_fragments = samplers``),
     minibatches of ``batch_size``, constant learning rate and clip, the value-loss weight doubled (Flywheel's
-    value loss is 0.5 x MSE, SB3's MSE), log_std_init and the width of the two hidden layers."""
+    value loss is 0.5 x MSE, SB3's MSE), log_std_init, the width of the two hidden layers, their activation and
+    whether they start orthogonal (SB3's default: yes)."""
     n_steps, batch = int(entry["n_steps"]), int(entry["batch_size"])
     if int(entry["n_envs"]) != 1 or n_steps % samplers or n_steps % batch:
         raise ValueError(f"zoo entry must split evenly: n_envs={entry['n_envs']}, {n_steps=}, {batch=}, {samplers=}")
-    arch = entry["policy_kwargs"]["net_arch"]
+    pk = entry["policy_kwargs"]
+    arch = pk["net_arch"]
     if arch["pi"] != arch["vf"] or len(arch["pi"]) != 2 or arch["pi"][0] != arch["pi"][1]:
         raise ValueError(f"Flywheel's MLP has two equal hidden layers for actor and critic: net_arch={arch}")
+    activation = {"ReLU": "relu", "Tanh": "tanh"}.get(str(pk.get("activation_fn", "Tanh")))  # SB3's default: Tanh
+    if activation is None:
+        raise ValueError(f"Flywheel's MLP is tanh or relu: activation_fn={pk['activation_fn']!r}")
     return {
         "env": {"num_envs": 1, "fragment_steps": n_steps // samplers},
         "trainer": {"batch_fragments": samplers, "minibatches": n_steps // batch, "epochs": entry["n_epochs"],
@@ -108,7 +111,8 @@ def zoo_overrides(entry: dict[str, Any] = sb3_mujoco.ZOO_HALFCHEETAH,
                     "ent_coef": entry["ent_coef"], "vf_coef": 2 * entry["vf_coef"],
                     "max_grad_norm": entry["max_grad_norm"], "gamma": entry["gamma"],
                     "gae_lambda": entry["gae_lambda"], "log_std_init": float(entry["policy_kwargs"]["log_std_init"]),
-                    "hidden": arch["pi"][0], "model": "mlp", "normalize_advantages": True,
+                    "hidden": arch["pi"][0], "activation": activation, "ortho_init": bool(pk.get("ortho_init", True)),
+                    "model": "mlp", "normalize_advantages": True,
                     "normalize_observations": bool(entry["normalize"]),
                     "normalize_rewards": bool(entry["normalize"])},
     }

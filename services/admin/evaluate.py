@@ -76,9 +76,9 @@ def policy_for(settings: Settings) -> SamplerPolicy:
     if runs_cnn(t.model, spec):
         from shared.rl.policy_torch import TorchPolicy  # torch only for CNN policies
 
-        return TorchPolicy.for_spec(spec, t.model, t.hidden)
+        return TorchPolicy.for_spec(spec, t.model, t.hidden, activation=t.activation)
     return NumpyPolicy.for_spec(spec, t.hidden, normalize_observations=t.normalize_observations, gsde=t.gsde,
-                                sde_sample_freq=t.sde_sample_freq)
+                                sde_sample_freq=t.sde_sample_freq, activation=t.activation)
 
 
 def loaded_policy(settings: Settings, record: VersionRecord, blob: bytes) -> SamplerPolicy:
@@ -94,7 +94,7 @@ def loaded_policy(settings: Settings, record: VersionRecord, blob: bytes) -> Sam
         what = (f"trainer.model={t.model!r}, env.frame_stack={policy.frame_stack}"
                 if not isinstance(policy, NumpyPolicy) else
                 f"trainer.hidden={t.hidden}, trainer.normalize_observations={t.normalize_observations}, "
-                f"trainer.gsde={t.gsde}")
+                f"trainer.gsde={t.gsde}")  # trainer.activation cannot show in a misfit: the blob does not hold it
         raise EvalError(f"version {record.version} does not fit the model for {settings.env.id} with {what} "
                         f"({exc}); pass the run's --config") from None
     return policy

@@ -50,7 +50,8 @@ def metadata(run: str, env_id: str, record: VersionRecord, policy: SamplerPolicy
     return {**common, "flywheel.model": "mlp",
             "flywheel.obs_dim": str(policy.obs_dim), "flywheel.action_dim": str(policy.num_actions),
             "flywheel.actions": "continuous" if policy.continuous else "discrete",
-            "flywheel.hidden": str(policy.hidden), "flywheel.gsde": str(policy.gsde).lower(),
+            "flywheel.hidden": str(policy.hidden), "flywheel.activation": policy.activation,
+            "flywheel.gsde": str(policy.gsde).lower(),
             "flywheel.normalize_observations": str(any(k.startswith("obs_norm.") for k in policy.shapes)).lower()}
 
 
@@ -92,7 +93,8 @@ def policy_module(blob: bytes, policy: SamplerPolicy, bounds: tuple[np.ndarray, 
         return ImagePolicy().eval()
 
     model = ActorCritic(policy.obs_dim, policy.num_actions, policy.hidden, continuous=policy.continuous,
-                        normalize_observations="obs_norm.mean" in policy.shapes, gsde=policy.gsde)
+                        normalize_observations="obs_norm.mean" in policy.shapes, gsde=policy.gsde,
+                        activation=policy.activation)
     load_weights(model, blob)
     model.eval()
     continuous = policy.continuous

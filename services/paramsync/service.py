@@ -95,7 +95,8 @@ class Paramsync:
         spec = fragment_spec(settings.env.id, settings.kafka.max_message_bytes, settings.env.frame_stack)
         self.model = ActorCritic.for_spec(spec, settings.trainer.hidden,
                                           normalize_observations=settings.trainer.normalize_observations,
-                                          gsde=settings.trainer.gsde, model=settings.trainer.model)
+                                          gsde=settings.trainer.gsde, model=settings.trainer.model,
+                                          activation=settings.trainer.activation)
         self.tracker = SyncTracker(settings.paramsync.sampler_timeout_s)
         self.inline = InlinePayload(settings.paramsync.inline_max_bytes, settings.kafka.max_message_bytes)
         if policy_topic_limit is None and bus is None:

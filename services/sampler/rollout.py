@@ -56,8 +56,10 @@ class RolloutWorker:
         model: str = "auto",
         torch_threads: int = 1,
         inference: str = "auto",
+        activation: str = "tanh",
     ) -> None:
-        """``normalize_observations`` and ``gsde`` must be the trainer's (the weights' key set and shapes);
+        """``normalize_observations``, ``gsde`` and ``activation`` must be the trainer's (the weights' key set and
+        shapes; the forward pass);
         ``fragment_latency_median_ms`` > 0 (benchmarks) sleeps one log-normal draw per fragment."""
         self.env_id = env_id
         self.sampler_id = sampler_id
@@ -69,18 +71,18 @@ class RolloutWorker:
         backend = resolve_inference(inference, cnn)
         if backend == "numpy":
             self.policy = NumpyPolicy.for_spec(spec, hidden, normalize_observations=normalize_observations,
-                                               gsde=gsde, sde_sample_freq=sde_sample_freq)
+                                               gsde=gsde, sde_sample_freq=sde_sample_freq, activation=activation)
         elif not cnn and (normalize_observations or gsde):
             raise ValueError(f"sampler.inference={backend!r} runs an MLP without observation normalisation or gSDE "
                              "only; use numpy or auto")
         elif backend == "torch":
             from shared.rl.policy_torch import TorchPolicy  # imported only when used
 
-            self.policy = TorchPolicy.for_spec(spec, model, hidden, torch_threads)
+            self.policy = TorchPolicy.for_spec(spec, model, hidden, torch_threads, activation=activation)
         else:
             from shared.rl.policy_onnx import OnnxPolicy  # imported only when used (onnxruntime, torch to export)
 
-            self.policy = OnnxPolicy.for_spec(spec, model, hidden, torch_threads)
+            self.policy = OnnxPolicy.for_spec(spec, model, hidden, torch_threads, activation=activation)
         space = self.envs.single_action_space
         self._bounds = (space.low, space.high) if isinstance(space, gym.spaces.Box) else None
         self._fragment_delay = (LogNormalDelay(fragment_latency_median_ms, fragment_latency_sigma, seed)
@@ -106,7 +108,8 @@ class RolloutWorker:
                    fragment_latency_sigma=e.fragment_latency_sigma,
                    gsde=settings.trainer.gsde, sde_sample_freq=settings.trainer.sde_sample_freq,
                    frame_stack=e.frame_stack, model=settings.trainer.model,
-                   torch_threads=settings.sampler.torch_threads, inference=settings.sampler.inference)
+                   torch_threads=settings.sampler.torch_threads, inference=settings.sampler.inference,
+                   activation=settings.trainer.activation)
 
     def set_policy(self, version: int, weights: bytes) -> None:
         """Adopt a policy (between fragments only); raises WeightsError if it does not fit."""

@@ -117,7 +117,8 @@ class Learner:
         self.device = pick_device(cfg.device)
         self.model = ActorCritic.for_spec(spec, cfg.hidden, log_std_init=cfg.log_std_init, gsde=cfg.gsde,
                                           normalize_observations=cfg.normalize_observations,
-                                          model=cfg.model).to(self.device)
+                                          model=cfg.model, activation=cfg.activation,
+                                          ortho_init=cfg.ortho_init).to(self.device)
         # The Nature CNN convolves minibatches of 84x84 frames faster in NHWC (docs/pixels.md); MinAtar's one
         # 3x3 convolution on 10x10 frames gains nothing.
         if isinstance(self.model, ImageActorCritic) and self.model.kind == "nature_cnn":

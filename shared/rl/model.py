@@ -11,16 +11,18 @@ from torch import nn
 from torch.distributions import Categorical, Distribution, Independent, Normal
 
 from shared.fragment import FragmentSpec
-from shared.rl.policy_np import OBS_CLIP, OBS_EPS, SDE_EPS, check_gsde, validate_weights
+from shared.rl.policy_np import OBS_CLIP, OBS_EPS, SDE_EPS, check_activation, check_gsde, validate_weights
 from shared.rl.policy_np import WeightsError as WeightsError  # re-exported: one class for both loaders
 
 _HALF_LOG_2PI = float(0.5 * np.log(2 * np.pi))
 
 
-def _layer(layer: nn.Linear, std: float = float(np.sqrt(2)), bias: float = 0.0) -> nn.Linear:
-    # Orthogonal init as in CleanRL's PPO (https://iclr-blog-track.github.io/2022/03/25/ppo-implementation-details/)
-    nn.init.orthogonal_(layer.weight, std)
-    nn.init.constant_(layer.bias, bias)
+def _layer(layer: nn.Linear, std: float = float(np.sqrt(2)), bias: float = 0.0, *, ortho: bool = True) -> nn.Linear:
+    """Orthogonal init as in CleanRL's PPO (https://iclr-blog-track.github.io/2022/03/25/ppo-implementation-details/),
+    or with ``ortho`` False PyTorch's default init (as Stable-Baselines3's ``ortho_init=False``)."""
+    if ortho:
+        nn.init.orthogonal_(layer.weight, std)
+        nn.init.constant_(layer.bias, bias)
     return layer
 
 
@@ -70,53 +72,66 @@ class ObsNormalizer(nn.Module):
 
 
 class ActorCritic(nn.Module):
-    """Separate two-layer tanh MLPs for the policy and the state value. Discrete actions: the actor
-    gives the logits of a categorical. Continuous actions: it gives the mean of a diagonal Gaussian whose
-    log standard deviation is one state-independent parameter per action dim (``log_std``, as CleanRL's
+    """Separate two-layer MLPs (tanh, or ReLU: ``activation``) for the policy and the state value. Discrete
+    actions: the actor gives the logits of a categorical. Continuous actions: it gives the mean of a diagonal
+    Gaussian whose log standard deviation is one state-independent parameter per action dim (``log_std``, as CleanRL's
     ``ppo_continuous_action.py``), or with ``gsde`` a ``[hidden, action dims]`` matrix of generalized
     state-dependent exploration (Raffin et al., "Smooth Exploration for Robotic Reinforcement Learning",
     2021; Stable-Baselines3's ``use_sde`` with ``full_std``): the noise is ``latent @ E`` for the actor's
     last hidden features ``latent`` and a matrix ``E ~ N(0, exp(log_std)^2)`` the sampler draws per env and
     keeps for ``sde_sample_freq`` steps, so an action's distribution is a Gaussian with variance
     ``latent^2 @ exp(log_std)^2`` (the features detached: only ``log_std`` learns the noise scale). With
-    ``normalize_observations`` both MLPs see normalised observations."""
+    ``normalize_observations`` both MLPs see normalised observations. ``ortho_init`` False leaves PyTorch's
+    default init (rl-zoo's MuJoCo settings); it changes only the starting weights, so samplers need not know it."""
 
     def __init__(self, obs_dim: int, num_actions: int, hidden: int = 64, *, continuous: bool = False,
-                 log_std_init: float = 0.0, normalize_observations: bool = False, gsde: bool = False) -> None:
+                 log_std_init: float = 0.0, normalize_observations: bool = False, gsde: bool = False,
+                 activation: str = "tanh", ortho_init: bool = True) -> None:
         """``num_actions``: the actor's output width, the action count or (continuous) the action dims."""
         super().__init__()
         check_gsde(gsde, continuous)
+        check_activation(activation)
+        act: type[nn.Module] = nn.ReLU if activation == "relu" else nn.Tanh
+        o = ortho_init
         self.obs_dim = obs_dim
         self.num_actions = num_actions
         self.continuous = continuous
         self.gsde = gsde
         self.obs_norm = ObsNormalizer(obs_dim) if normalize_observations else None
+        self.activation = activation
         self.actor = nn.Sequential(
-            _layer(nn.Linear(obs_dim, hidden)), nn.Tanh(),
-            _layer(nn.Linear(hidden, hidden)), nn.Tanh(),
-            _layer(nn.Linear(hidden, num_actions), std=0.01),
+            _layer(nn.Linear(obs_dim, hidden), ortho=o), act(),
+            _layer(nn.Linear(hidden, hidden), ortho=o), act(),
+            _layer(nn.Linear(hidden, num_actions), std=0.01, ortho=o),
         )
         self.critic = nn.Sequential(
-            _layer(nn.Linear(obs_dim, hidden)), nn.Tanh(),
-            _layer(nn.Linear(hidden, hidden)), nn.Tanh(),
-            _layer(nn.Linear(hidden, 1), std=1.0),
+            _layer(nn.Linear(obs_dim, hidden), ortho=o), act(),
+            _layer(nn.Linear(hidden, hidden), ortho=o), act(),
+            _layer(nn.Linear(hidden, 1), std=1.0, ortho=o),
         )
         std_shape = (hidden, num_actions) if gsde else (num_actions,)
         self.log_std = nn.Parameter(torch.full(std_shape, float(log_std_init))) if continuous else None
 
     @classmethod
     def for_spec(cls, spec: FragmentSpec, hidden: int, *, log_std_init: float = 0.0,
-                 normalize_observations: bool = False, gsde: bool = False, model: str = "auto") -> ActorCritic:
+                 normalize_observations: bool = False, gsde: bool = False, model: str = "auto",
+                 activation: str = "tanh", ortho_init: bool = True) -> ActorCritic:
         """A model for the envs ``spec`` describes: ``model`` ``mlp`` (observations and actions flattened),
         or a CNN (:mod:`shared.rl.cnn`: ``nature_cnn``, ``minatar_cnn``); ``auto`` picks a CNN for uint8
-        image observations and the MLP otherwise."""
+        image observations and the MLP otherwise. ``activation`` and ``ortho_init`` shape the MLP; a CNN
+        (ReLU, orthogonal init) refuses other values than the defaults, naming the setting."""
         check_gsde(gsde, spec.continuous, spec.env_id)
         if model == "auto":
             model = "mlp" if spec.obs_dtype != "uint8" else "cnn"
         if model != "mlp":
+            for name, value, default in (("activation", activation, "tanh"), ("ortho_init", ortho_init, True)):
+                if value != default:
+                    raise ValueError(f"trainer.{name}={value!r} shapes the MLP only; trainer.model={model!r} "
+                                     "(image observations) has its own (ReLU, orthogonal init)")
             return image_model(spec, model, normalize_observations=normalize_observations)
         return cls(int(np.prod(spec.obs_shape)), spec.action_dim, hidden, continuous=spec.continuous,
-                   log_std_init=log_std_init, normalize_observations=normalize_observations, gsde=gsde)
+                   log_std_init=log_std_init, normalize_observations=normalize_observations, gsde=gsde,
+                   activation=activation, ortho_init=ortho_init)
 
     def actor_parameters(self) -> list[nn.Parameter]:
         """The policy's parameters (``log_std`` included)."""

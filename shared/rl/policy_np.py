@@ -32,6 +32,15 @@ SDE_EPS = 1e-6
 _HALF_LOG_2PI = float(0.5 * np.log(2 * np.pi))
 
 
+ACTIVATIONS = ("tanh", "relu")
+"""The MLP's hidden activations (``trainer.activation``): tanh as CleanRL's PPO, ReLU as rl-zoo's MuJoCo settings."""
+
+
+def check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"trainer.activation={activation!r}: want one of {ACTIVATIONS}")
+
+
 def check_gsde(gsde: bool, continuous: bool, env_id: str | None = None) -> None:
     """gSDE draws its noise on a Gaussian's features: refuse it for discrete actions, naming the env
     when known (the trainer's model and the samplers' policy both check, at start-up)."""
@@ -82,22 +91,26 @@ def validate_weights(data: bytes, shapes: dict[str, tuple[int, ...]]) -> dict[st
 
 
 class NumpyPolicy:
-    """Two-layer tanh MLP producing action logits (discrete) or the Gaussian mean (continuous, with the
-    state-independent ``log_std``, or gSDE's state-dependent noise), as ``ActorCritic``'s actor; float32
-    throughout.
+    """Two-layer MLP (tanh, or ReLU: ``activation``) producing action logits (discrete) or the Gaussian mean
+    (continuous, with the state-independent ``log_std``, or gSDE's state-dependent noise), as ``ActorCritic``'s
+    actor; float32 throughout. The blob does not say which activation it was trained with: the run's settings do.
 
     gSDE keeps exploration state: one noise matrix ``[hidden, A]`` per row of ``obs`` (per env), drawn
     from ``N(0, exp(log_std)^2)`` and kept for ``sde_sample_freq`` calls of :meth:`act`, then redrawn; a
     newly loaded policy redraws at its first call (as Stable-Baselines3 does at each rollout's start)."""
 
     def __init__(self, obs_dim: int, num_actions: int, hidden: int = 64, *, continuous: bool = False,
-                 normalize_observations: bool = False, gsde: bool = False, sde_sample_freq: int = 4) -> None:
+                 normalize_observations: bool = False, gsde: bool = False, sde_sample_freq: int = 4,
+                 activation: str = "tanh") -> None:
         check_gsde(gsde, continuous)
+        check_activation(activation)
         if sde_sample_freq < 1:
             raise ValueError(f"sde_sample_freq must be >= 1, got {sde_sample_freq}")
         self.obs_dim = obs_dim
         self.num_actions = num_actions
         self.hidden = hidden
+        self.activation = activation
+        self._relu = activation == "relu"
         self.continuous = continuous
         self.gsde = gsde
         self.sde_sample_freq = sde_sample_freq
@@ -112,11 +125,12 @@ class NumpyPolicy:
 
     @classmethod
     def for_spec(cls, spec: FragmentSpec, hidden: int, *, normalize_observations: bool = False,
-                 gsde: bool = False, sde_sample_freq: int = 4) -> NumpyPolicy:
+                 gsde: bool = False, sde_sample_freq: int = 4, activation: str = "tanh") -> NumpyPolicy:
         """A policy for the envs ``spec`` describes (observations and actions flattened)."""
         check_gsde(gsde, spec.continuous, spec.env_id)
         return cls(int(np.prod(spec.obs_shape)), spec.action_dim, hidden, continuous=spec.continuous,
-                   normalize_observations=normalize_observations, gsde=gsde, sde_sample_freq=sde_sample_freq)
+                   normalize_observations=normalize_observations, gsde=gsde, sde_sample_freq=sde_sample_freq,
+                   activation=activation)
 
     @property
     def loaded(self) -> bool:
@@ -153,13 +167,19 @@ class NumpyPolicy:
         # In place where possible: at 8 rows numpy's per-call overhead is most of the cost.
         h = x @ w0
         h += b0
-        np.tanh(h, out=h)
+        self._activate(h)
         h = h @ w1
         h += b1
-        np.tanh(h, out=h)
+        self._activate(h)
         out: np.ndarray = h @ w2
         out += b2
         return h, out
+
+    def _activate(self, h: np.ndarray) -> None:
+        if self._relu:
+            np.maximum(h, 0, out=h)
+        else:
+            np.tanh(h, out=h)
 
     def log_probs(self, obs: np.ndarray) -> np.ndarray:
         """Log-probabilities of every action ``[..., A]`` (log-softmax, max-shifted for stability)."""

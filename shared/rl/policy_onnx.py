@@ -184,11 +184,14 @@ class OnnxPolicy:
         self._session: onnxruntime.InferenceSession | None = None
 
     @classmethod
-    def for_spec(cls, spec: FragmentSpec, model: str, hidden: int, threads: int = 1) -> OnnxPolicy:
-        """The policy a sampler of ``spec``'s env uses (``model``: ``trainer.model``)."""
+    def for_spec(cls, spec: FragmentSpec, model: str, hidden: int, threads: int = 1, *,
+                 activation: str = "tanh") -> OnnxPolicy:
+        """The policy a sampler of ``spec``'s env uses (``model``, ``activation``: ``trainer.model`` and
+        ``trainer.activation``)."""
         from shared.rl.model import ActorCritic
 
-        return cls(ActorCritic.for_spec(spec, hidden, model=model), example_batch(spec), threads)
+        return cls(ActorCritic.for_spec(spec, hidden, model=model, activation=activation), example_batch(spec),
+                   threads)
 
     @property
     def loaded(self) -> bool:

@@ -40,8 +40,9 @@ class TorchPolicy:
         """The weights blob's keys and shapes (what :meth:`load` accepts)."""
 
     @classmethod
-    def for_spec(cls, spec: FragmentSpec, model: str, hidden: int, threads: int = 1) -> TorchPolicy:
-        return cls(ActorCritic.for_spec(spec, hidden, model=model), threads)
+    def for_spec(cls, spec: FragmentSpec, model: str, hidden: int, threads: int = 1, *,
+                 activation: str = "tanh") -> TorchPolicy:
+        return cls(ActorCritic.for_spec(spec, hidden, model=model, activation=activation), threads)
 
     @property
     def loaded(self) -> bool:

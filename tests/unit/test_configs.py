@@ -39,6 +39,17 @@ def test_config_loads_and_its_env_is_supported(path: Path) -> None:
 def test_samplers_act_with_what_the_trainer_publishes(path: Path) -> None:
     """The config's trainer, paramsync and sampler agree on the weights (key set and shapes: observation
     statistics, log_std's shape with gSDE), and a fragment made with them is accepted for training."""
+    agree(load_settings(path, environ={}))
+
+
+def test_a_relu_mlp_without_orthogonal_init_is_run_alike_by_every_service() -> None:
+    """rl-zoo's MuJoCo network (halfcheetah.yaml's), on an env every venv has: the blob does not say ReLU,
+    so the samplers' log-probs match the trainer's only if each builds the MLP from the settings."""
+    agree(Settings.model_validate({"env": {"id": "Pendulum-v1", "fragment_steps": 64}, "trainer": {
+        "activation": "relu", "ortho_init": False, "normalize_observations": True, "log_std_init": -1.0}}))
+
+
+def agree(settings: Settings) -> None:
     import torch
 
     from services.sampler.rollout import RolloutWorker
@@ -47,7 +58,6 @@ def test_samplers_act_with_what_the_trainer_publishes(path: Path) -> None:
     from shared.rl.frames import stack_frames
     from shared.rl.model import ActorCritic, load_weights
 
-    settings = load_settings(path, environ={})
     spec = spec_of(settings)
     if spec.obs_dtype == "uint8":  # image envs: a short fragment keeps the CNN's CPU time small
         settings = settings.model_copy(update={"env": settings.env.model_copy(update={"fragment_steps": 8})})
@@ -55,7 +65,8 @@ def test_samplers_act_with_what_the_trainer_publishes(path: Path) -> None:
     learner = Learner(spec, t.model_copy(update={"device": "cpu"}))
     blob = learner.weights()
     load_weights(ActorCritic.for_spec(spec, t.hidden, normalize_observations=t.normalize_observations,
-                                      gsde=t.gsde, model=t.model), blob)  # what paramsync verifies before publishing
+                                      gsde=t.gsde, model=t.model, activation=t.activation),
+                 blob)  # what paramsync verifies before publishing
     worker = RolloutWorker.from_settings(settings, "config-test", seed=0)
     try:
         worker.set_policy(0, blob)

@@ -30,7 +30,8 @@ from shared.settings import Settings
 from shared.store import LocalDirStore
 
 
-def random_blob(env_id: str, *, normalize: bool = False, gsde: bool = False, seed: int = 0) -> bytes:
+def random_blob(env_id: str, *, normalize: bool = False, gsde: bool = False, seed: int = 0,
+                activation: str = "tanh") -> bytes:
     """Trainer-format weights with every tensor perturbed (the actor's last layer is initialised near zero,
     which would make every logit alike) and, with ``normalize``, observation statistics far from 0 / 1."""
     env = gym.make(env_id)
@@ -40,7 +41,8 @@ def random_blob(env_id: str, *, normalize: bool = False, gsde: bool = False, see
     continuous = isinstance(space, gym.spaces.Box)
     width = int(np.prod(space.shape or ())) if continuous else int(space.n)  # type: ignore[attr-defined]
     torch.manual_seed(seed)
-    model = ActorCritic(obs_dim, width, 64, continuous=continuous, normalize_observations=normalize, gsde=gsde)
+    model = ActorCritic(obs_dim, width, 64, continuous=continuous, normalize_observations=normalize, gsde=gsde,
+                        activation=activation)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
@@ -52,10 +54,10 @@ def random_blob(env_id: str, *, normalize: bool = False, gsde: bool = False, see
 
 
 def settings_for(tmp_path: Path, env_id: str, *, normalize: bool = False, gsde: bool = False,
-                 run: str = "exp") -> Settings:
+                 run: str = "exp", activation: str = "tanh") -> Settings:
     return Settings.model_validate({
         "run": run, "store": {"backend": "local", "local_root": str(tmp_path / "store")}, "env": {"id": env_id},
-        "trainer": {"normalize_observations": normalize, "gsde": gsde}})
+        "trainer": {"normalize_observations": normalize, "gsde": gsde, "activation": activation}})
 
 
 def publish(settings: Settings, blob: bytes, version: int) -> VersionedStore:
@@ -83,11 +85,13 @@ def observations(env_id: str, n: int, seed: int = 0) -> np.ndarray:
 
 
 # ---- ONNX acts as the samplers' policy -------------------------------------------------------------
-@pytest.mark.parametrize(("env_id", "normalize", "gsde"), [("CartPole-v1", False, False),
-                                                           ("Pendulum-v1", True, True)])
-def test_onnx_policy_gives_the_samplers_actions(tmp_path: Path, env_id: str, normalize: bool, gsde: bool) -> None:
-    settings = settings_for(tmp_path, env_id, normalize=normalize, gsde=gsde)
-    blob = random_blob(env_id, normalize=normalize, gsde=gsde)
+@pytest.mark.parametrize(("env_id", "normalize", "gsde", "activation"), [("CartPole-v1", False, False, "tanh"),
+                                                                       ("Pendulum-v1", True, True, "tanh"),
+                                                                       ("Pendulum-v1", True, False, "relu")])
+def test_onnx_policy_gives_the_samplers_actions(tmp_path: Path, env_id: str, normalize: bool, gsde: bool,
+                                                activation: str) -> None:
+    settings = settings_for(tmp_path, env_id, normalize=normalize, gsde=gsde, activation=activation)
+    blob = random_blob(env_id, normalize=normalize, gsde=gsde, activation=activation)
     policies = publish(settings, blob, 3)
     path, record = export_version(settings, policies, None, "onnx", tmp_path / "out" / "policy.onnx")
     assert path.is_file() and record.version == 3
@@ -96,6 +100,7 @@ def test_onnx_policy_gives_the_samplers_actions(tmp_path: Path, env_id: str, nor
     assert {o.version for o in model.opset_import if o.domain in ("", "ai.onnx")} == {OPSET}
     meta = {p.key: p.value for p in model.metadata_props}
     assert meta["flywheel.env_id"] == env_id and meta["flywheel.version"] == "3"
+    assert meta["flywheel.activation"] == activation
 
     sampler_policy = policy_for(settings)  # what the samplers build, with the same blob
     assert isinstance(sampler_policy, NumpyPolicy)  # an MLP env: the numpy policy
@@ -109,7 +114,7 @@ def test_onnx_policy_gives_the_samplers_actions(tmp_path: Path, env_id: str, nor
     for batch in (obs, obs[:1], obs[:7]):  # the batch axis is dynamic
         action, out, value = session.run(["action", "mean" if bounds is not None else "logits", "value"],
                                          {"obs": batch})
-        np.testing.assert_allclose(out, sampler_policy.logits(batch), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(out, sampler_policy.logits(batch), atol=1e-5, rtol=1e-5)  # ReLU outputs reach ~50
         want = np.stack([np.asarray(choose(sampler_policy, row, bounds, None)) for row in batch])
         if bounds is None:
             assert action.dtype == np.int64
@@ -120,9 +125,10 @@ def test_onnx_policy_gives_the_samplers_actions(tmp_path: Path, env_id: str, nor
             if len(batch) == len(obs):  # the bounds clip some actions and not others
                 assert (np.abs(action) == bounds[1][0]).any() and (np.abs(action) < bounds[1][0]).any()
         torch_model = ActorCritic(sampler_policy.obs_dim, sampler_policy.num_actions, 64, continuous=bounds is not None,
-                                  normalize_observations=normalize, gsde=gsde)
+                                  normalize_observations=normalize, gsde=gsde, activation=activation)
         torch_model.load_state_dict({k: torch.from_numpy(v) for k, v in _tensors(blob).items()})
-        np.testing.assert_allclose(value, torch_model.value(torch.from_numpy(batch)).detach().numpy(), atol=1e-5)
+        np.testing.assert_allclose(value, torch_model.value(torch.from_numpy(batch)).detach().numpy(), atol=1e-5,
+                                   rtol=1e-5)
 
 
 def _tensors(blob: bytes) -> dict[str, np.ndarray]:

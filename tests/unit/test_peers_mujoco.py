@@ -105,7 +105,8 @@ def test_zoo_overrides_give_flywheel_the_zoos_numbers(tmp_path: Path) -> None:
     t = cfg.trainer
     assert cfg.env.id == "HalfCheetah-v5" and cfg.env.fragment_steps * 2 == 512 and cfg.env.num_envs == 1
     assert (t.learning_rate, t.clip_coef, t.ent_coef, t.max_grad_norm, t.gamma, t.gae_lambda, t.log_std_init,
-            t.hidden) == (2.0633e-05, 0.1, 0.000401762, 0.8, 0.98, 0.92, -2.0, 256)
+            t.hidden, t.activation, t.ortho_init) == (2.0633e-05, 0.1, 0.000401762, 0.8, 0.98, 0.92, -2.0, 256,
+                                                      "relu", False)
     assert t.learning_rate_end is None and t.clip_coef_end is None and t.target_kl is None
     assert t.normalize_observations and t.normalize_rewards
     # configs/halfcheetah.yaml already carries the zoo's values (its vf_coef on Flywheel's 0.5 x MSE): the
@@ -122,6 +123,12 @@ def test_zoo_overrides_refuse_an_entry_that_does_not_split() -> None:
     with pytest.raises(ValueError, match="two equal hidden layers"):
         zoo_overrides({**ZOO_HALFCHEETAH,
                        "policy_kwargs": {"log_std_init": -2, "net_arch": {"pi": [256, 128], "vf": [256, 128]}}})
+    with pytest.raises(ValueError, match="tanh or relu"):
+        zoo_overrides({**ZOO_HALFCHEETAH,
+                       "policy_kwargs": {**ZOO_HALFCHEETAH["policy_kwargs"], "activation_fn": "ELU"}})
+    plain = zoo_overrides({**ZOO_HALFCHEETAH,
+                           "policy_kwargs": {"log_std_init": 0, "net_arch": {"pi": [64, 64], "vf": [64, 64]}}})
+    assert (plain["trainer"]["activation"], plain["trainer"]["ortho_init"]) == ("tanh", True)  # SB3's defaults
 
 
 def test_child_events_are_read_from_mixed_output() -> None:

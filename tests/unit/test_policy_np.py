@@ -362,3 +362,56 @@ def test_gsde_samples_have_the_state_dependent_mean_and_std() -> None:
     assert std.min() > 0.05 and np.abs(std[0] - std[1]) > 0.01  # a real, per-dim spread
     np.testing.assert_array_less(np.abs(actions.mean(axis=0) - mean), 5 * std / np.sqrt(n))
     np.testing.assert_array_less(np.abs(actions.std(axis=0) - std), 5 * std / np.sqrt(2 * n))
+
+
+# ---- trainer.activation / trainer.ortho_init (rl-zoo's MuJoCo network) ----
+@pytest.mark.parametrize("continuous", [False, True])
+def test_a_relu_mlp_acts_as_the_torch_model_and_differs_from_tanh(continuous: bool) -> None:
+    torch.manual_seed(0)
+    model = ActorCritic(5, 3, 32, continuous=continuous, activation="relu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    assert isinstance(model.actor[1], torch.nn.ReLU) and isinstance(model.critic[3], torch.nn.ReLU)
+    blob = weights_to_bytes(model)
+    relu, tanh = (NumpyPolicy(5, 3, 32, continuous=continuous, activation=a) for a in ("relu", "tanh"))
+    relu.load(blob)
+    tanh.load(blob)
+    obs = np.random.default_rng(0).normal(0, 2, (64, 5)).astype(np.float32)
+    with torch.no_grad():
+        want = model.actor(torch.from_numpy(obs)).numpy()
+    np.testing.assert_allclose(relu.logits(obs), want, atol=1e-5, rtol=0)
+    assert np.abs(tanh.logits(obs) - want).max() > 0.1  # the blob alone cannot tell: the settings must
+    if continuous:  # the log-density the sampler reports is the trainer's
+        actions, logp = relu.act(obs, np.random.default_rng(1))
+        with torch.no_grad():
+            want_logp = model.logp_entropy(torch.from_numpy(obs), torch.from_numpy(actions))[0].numpy()
+        np.testing.assert_allclose(logp, want_logp, atol=1e-4, rtol=0)
+
+
+def test_ortho_init_off_leaves_pytorchs_default_init() -> None:
+    torch.manual_seed(0)
+    ortho = ActorCritic(17, 6, 256, continuous=True)
+    torch.manual_seed(0)
+    plain = ActorCritic(17, 6, 256, continuous=True, ortho_init=False)
+    # Orthogonal init: zero biases and a 0.01-gain policy head; PyTorch's default: uniform(+-1/sqrt(fan_in)).
+    assert float(ortho.actor[0].bias.detach().abs().max()) == 0.0 < float(plain.actor[0].bias.detach().abs().max())
+    assert float(ortho.actor[4].weight.abs().max()) < 0.05 < float(plain.actor[4].weight.abs().max())
+    bound = 1 / np.sqrt(256)
+    assert float(plain.critic[2].weight.abs().max()) <= bound and float(plain.critic[2].weight.std()) > bound / 3
+    w = ortho.actor[2].weight.detach()
+    torch.testing.assert_close(w @ w.T, 2.0 * torch.eye(256), atol=1e-4, rtol=0)  # sqrt(2)-gain orthogonal
+
+
+def test_an_unknown_activation_or_one_asked_of_a_cnn_is_refused_by_name() -> None:
+    from shared.fragment import FragmentSpec
+
+    with pytest.raises(ValueError, match="trainer.activation='gelu'"):
+        NumpyPolicy(4, 2, 16, activation="gelu")
+    with pytest.raises(ValueError, match="trainer.activation='gelu'"):
+        ActorCritic(4, 2, 16, activation="gelu")
+    frames = FragmentSpec(obs_shape=(10, 10, 4), num_actions=3, obs_dtype="uint8")
+    with pytest.raises(ValueError, match="trainer.activation='relu' shapes the MLP only"):
+        ActorCritic.for_spec(frames, 64, activation="relu")
+    with pytest.raises(ValueError, match="trainer.ortho_init=False shapes the MLP only"):
+        ActorCritic.for_spec(frames, 64, model="minatar_cnn", ortho_init=False)
