@@ -32,6 +32,8 @@ FAILURE_LOG_EVERY = 100
 MLFLOW_QUEUE_STEPS = 10_000
 """Updates' scalars kept for an MLflow server that cannot be reached (the oldest dropped beyond)."""
 MLFLOW_RETRY_MIN_S, MLFLOW_RETRY_MAX_S = 1.0, 60.0
+MLFLOW_BATCH_METRICS = 1000
+"""MLflow's limit of metrics per ``log_batch`` request."""
 
 
 class _Backend(Protocol):
@@ -112,7 +114,8 @@ class _MLflow:
 
     def _send(self, batch: list[tuple[int, int, int, dict[str, float]]]) -> None:
         """The run first (once: a failure after it is made retries only what is left), then the settings,
-        then ``batch``'s scalars."""
+        then ``batch``'s scalars in requests of whole steps, each step leaving the queue once its request
+        succeeded: a failure part-way resends only the steps not yet sent (MLflow would keep a point twice)."""
         from mlflow.entities import Metric
 
         c = self._client
@@ -123,9 +126,26 @@ class _MLflow:
         while self._params:
             c.log_batch(self._run_id, params=self._params[:100])  # MLflow's limit per batch
             del self._params[:100]
-        metrics = [Metric(k, v, ts, step) for _, step, ts, values in batch for k, v in values.items()]
-        for i in range(0, len(metrics), 1000):  # MLflow's limit per batch
-            self._client.log_batch(self._run_id, metrics=metrics[i:i + 1000])
+        chunk: list[Any] = []
+        through = 0
+        for seq, step, ts, values in batch:
+            metrics = [Metric(k, v, ts, step) for k, v in values.items()]
+            if chunk and len(chunk) + len(metrics) > MLFLOW_BATCH_METRICS:
+                self._log_metrics(chunk, through)
+                chunk = []
+            chunk.extend(metrics)
+            through = seq
+        if chunk:
+            self._log_metrics(chunk, through)
+
+    def _log_metrics(self, metrics: list[Any], through_seq: int) -> None:
+        """Send ``metrics`` (one step of more than MLflow's limit goes in several requests), then take the
+        steps up to ``through_seq`` off the queue."""
+        for i in range(0, len(metrics), MLFLOW_BATCH_METRICS):
+            self._client.log_batch(self._run_id, metrics=metrics[i:i + MLFLOW_BATCH_METRICS])
+        with self._cond:
+            while self._pending and self._pending[0][0] <= through_seq:  # (drops may have taken some first)
+                self._pending.popleft()
 
     def _loop(self) -> None:
         backoff = MLFLOW_RETRY_MIN_S
@@ -154,9 +174,6 @@ class _MLflow:
             if self.failures and backoff > MLFLOW_RETRY_MIN_S:
                 self._log.info("tracking_recovered", backend=self.name, sent_steps=len(batch), dropped=self.dropped)
             backoff = MLFLOW_RETRY_MIN_S
-            with self._cond:
-                while self._pending and self._pending[0][0] <= batch[-1][0]:  # sent (drops may have gone first)
-                    self._pending.popleft()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Send what is queued (up to ``timeout_s``), then end the run."""

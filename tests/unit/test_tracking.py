@@ -4,8 +4,11 @@ backend never raises into the trainer; the settings section resolves the default
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -109,3 +112,48 @@ def test_update_scalars_names_every_curve() -> None:
                                                  "optim"}
     assert values["value/explained_variance"] is None and values["progress/env_steps"] == 70_000.0
     assert all(v is None or math.isfinite(v) for v in values.values())
+
+
+class _FakeMlflowClient:
+    """An in-memory twin of the few ``MlflowClient`` calls the writer makes; its second metrics request fails once
+    (a server that went away part-way through a batch)."""
+
+    def __init__(self) -> None:
+        self.points: list[tuple[str, int]] = []
+        self.metric_requests = 0
+
+    def get_experiment_by_name(self, name: str) -> None:
+        return None
+
+    def create_experiment(self, name: str) -> str:
+        return "1"
+
+    def create_run(self, experiment_id: str, run_name: str) -> Any:
+        return SimpleNamespace(info=SimpleNamespace(run_id="r1"))
+
+    def log_batch(self, run_id: str, metrics: Any = (), params: Any = ()) -> None:
+        if metrics:
+            self.metric_requests += 1
+            if self.metric_requests == 2:
+                raise ConnectionError("server went away")
+            self.points += [(m.key, m.step) for m in metrics]
+
+    def set_terminated(self, run_id: str) -> None:
+        pass
+
+
+def test_mlflow_resends_only_the_steps_a_failed_request_did_not_deliver() -> None:
+    pytest.importorskip("mlflow")
+    from services.trainer.tracking import MLFLOW_BATCH_METRICS, _MLflow
+
+    writer = _MLflow("http://127.0.0.1:9", "run", None)
+    client = writer._client = _FakeMlflowClient()  # before the first write: the thread has not called it yet
+    wide = {f"m{i}": 1.0 for i in range(MLFLOW_BATCH_METRICS * 6 // 10)}  # two steps do not fit one request
+    for step in range(3):
+        writer.write(step, wide)
+    deadline = time.monotonic() + 30
+    while writer._pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    writer.close()
+    assert writer.failures == 1 and not writer._pending
+    assert sorted(client.points) == sorted((k, step) for step in range(3) for k in wide)  # each point once
