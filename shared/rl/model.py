@@ -98,7 +98,6 @@ class ActorCritic(nn.Module):
         self.continuous = continuous
         self.gsde = gsde
         self.obs_norm = ObsNormalizer(obs_dim) if normalize_observations else None
-        self.activation = activation
         self.actor = nn.Sequential(
             _layer(nn.Linear(obs_dim, hidden), ortho=o), act(),
             _layer(nn.Linear(hidden, hidden), ortho=o), act(),
