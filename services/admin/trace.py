@@ -235,13 +235,14 @@ def trace_json(sample_id: str, lines: Iterable[str]) -> dict[str, Any]:
     return steps_json(sample_id, timeline(events_for(sample_id, lines)))
 
 
-def log_files(directory: Path) -> list[Path]:
-    """Every ``*.log`` in ``directory`` with its rotated copies, each log oldest first
-    (``trainer.log.3``, ``trainer.log.2``, ``trainer.log.1``, ``trainer.log``), logs by name."""
+def log_files(directory: Path, name: str | None = None) -> list[Path]:
+    """Every ``*.log`` in ``directory`` (only ``<name>.log`` when ``name`` is given) with its rotated
+    copies, each log oldest first (``trainer.log.3``, ``trainer.log.2``, ``trainer.log.1``,
+    ``trainer.log``), logs by name."""
     groups: dict[str, list[tuple[int, Path]]] = {}
-    for path in directory.glob("*.log*"):
+    for path in directory.glob(f"{name}.log*" if name is not None else "*.log*"):
         m = _LOG_NAME.fullmatch(path.name)
-        if m and path.is_file():
+        if m and path.is_file() and (name is None or m[1] == name):
             groups.setdefault(m[1], []).append((int(m[2] or 0), path))
     return [p for base in sorted(groups) for _, p in sorted(groups[base], key=lambda x: -x[0])]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ import httpx
 import pytest
 
 from devstack import InfraEndpoints, LocalStack
+from tests.faults.accounting import read_events
 
 
 @pytest.fixture
@@ -42,16 +42,5 @@ def status(stack: LocalStack) -> dict[str, Any]:
 
 
 def log_events(path: Path, event: str | None = None) -> list[dict[str, Any]]:
-    out = []
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
-        if event is None or d.get("event") == event:
-            out.append(d)
-    return out
+    """The JSON records of a service's log (rotated copies included), optionally one event's."""
+    return [e for e in read_events(path) if event is None or e.get("event") == event]

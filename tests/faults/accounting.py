@@ -14,7 +14,6 @@ offset and sample id. A trainer *run* is one process lifetime (its log starts wi
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,28 +23,19 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from services.admin.trace import log_files, parse_line
+
 OUTCOMES = {"fragment_trained": "trained", "fragment_dropped_stale": "dropped_stale",
             "fragment_dead_lettered": "dead_lettered"}
 Key = tuple[int, int]  # (partition, offset)
 
 
-def log_files(path: Path) -> list[Path]:
-    """A log and its rotated copies, oldest first (``x.log.3``, ``x.log.2``, ``x.log.1``, ``x.log``)."""
-    rotated = sorted(path.parent.glob(path.name + ".*"), key=lambda p: -int(p.suffix[1:]) if p.suffix[1:].isdigit()
-                     else 0)
-    return [p for p in rotated if p.suffix[1:].isdigit()] + ([path] if path.exists() else [])
-
-
 def read_events(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for f in log_files(path):
-        for line in f.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
-    return out
+    """The JSON records of a service's log ``path`` and its rotated copies, oldest first (lines that do
+    not start with a JSON object, a traceback's say, are skipped)."""
+    parsed = (parse_line(line) for f in log_files(path.parent, path.name.removesuffix(".log"))
+              for line in f.read_text(errors="replace").splitlines() if line.startswith("{"))
+    return [one[1] for one in parsed if one is not None]
 
 
 def split_runs(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

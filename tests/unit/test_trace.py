@@ -203,6 +203,9 @@ def test_log_files_oldest_first_and_restarts_across_rotation(tmp_path: Path) -> 
     _write(tmp_path / "trainer.log.bak", [trainer("fragment_trained", T0 + 98, update=9, staleness=0)])
     assert [p.name for p in log_files(tmp_path)] == ["kafka.log", "sampler-0.log", "sampler-1.log",
                                                      "trainer.log.2", "trainer.log.1", "trainer.log"]
+    assert [p.name for p in log_files(tmp_path, "trainer")] == ["trainer.log.2", "trainer.log.1", "trainer.log"]
+    assert [p.name for p in log_files(tmp_path, "sampler-0")] == ["sampler-0.log"]
+    assert log_files(tmp_path, "sampler") == []  # a name, not a prefix
     assert next(log_lines(tmp_path)).startswith("kafka | ")
     steps = timeline(events_for(SID, log_lines(tmp_path)))
     assert [(s.kind, s.who, s.run) for s in steps] == [
