@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import os
+import shlex
 import shutil
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 
 from bench import report
@@ -39,8 +42,11 @@ from devstack import REPO_ROOT
 from devstack import down as infra_down
 
 
-def _command(argv: list[str]) -> str:
-    return " ".join([".venv/bin/python -m bench", *argv]).strip()
+def _command(argv: list[str], environ: Mapping[str, str] = os.environ) -> str:
+    """The command as run, with the ``FLYWHEEL_BENCH_*`` variables that change what it measures (seeds,
+    budgets) in front, so that the figure's *Ran* line repeats the run."""
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(environ.items()) if k.startswith("FLYWHEEL_BENCH_")]
+    return " ".join([*env, ".venv/bin/python -m bench", *argv]).strip()
 
 
 def main(argv: list[str] | None = None) -> int:
