@@ -240,7 +240,7 @@ def log_files(directory: Path, name: str | None = None) -> list[Path]:
     copies, each log oldest first (``trainer.log.3``, ``trainer.log.2``, ``trainer.log.1``,
     ``trainer.log``), logs by name."""
     groups: dict[str, list[tuple[int, Path]]] = {}
-    for path in directory.glob(f"{name}.log*" if name is not None else "*.log*"):
+    for path in directory.glob("*.log*"):
         m = _LOG_NAME.fullmatch(path.name)
         if m and path.is_file() and (name is None or m[1] == name):
             groups.setdefault(m[1], []).append((int(m[2] or 0), path))
