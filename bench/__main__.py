@@ -6,6 +6,9 @@
     python -m bench --quick              # a smoke run with short windows, written to .flywheel/bench/quick/
     FLYWHEEL_BENCH_STABILITY_SEEDS=2 FLYWHEEL_BENCH_STABILITY_MINUTES=3 python -m bench --only stability
         # fewer seeds / minutes (FLYWHEEL_BENCH_<FIGURE>_SEEDS works for every figure with seeds)
+    FLYWHEEL_BENCH_PEERS_MINATAR_SEEDS=4,5 python -m bench --only peers_minatar --extend
+        # seeds 4 and 5, pooled with the seeds of the figure's earlier entry that this run does not repeat
+        # (figures with per-seed peer records: peers_minatar, peers_mujoco; the others refuse --extend)
     python -m bench --profile --only service_efficiency --out /tmp/prof
         # + py-spy profiles of the services in .flywheel/bench/profiles/ (python -m bench.profile FILE)
 """
@@ -57,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="short windows; writes to .flywheel/bench/quick/, not docs/")
     p.add_argument("--profile", action="store_true", help="py-spy the services where a figure supports it")
     p.add_argument("--out", type=Path, help="write benchmarks.{md,json} and plots here instead of docs/")
+    p.add_argument("--extend", action="store_true",
+                   help="pool with the earlier entry's seeds that this run does not repeat (peers_minatar, "
+                        "peers_mujoco; set the new seeds with FLYWHEEL_BENCH_<FIGURE>_SEEDS=4,5)")
     p.add_argument("--keep-infra", action="store_true", help="leave the bench Kafka + S3 running afterwards")
     args = p.parse_args(argv)
     if args.list:
@@ -67,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in FIGURES]
     if unknown:
         p.error(f"unknown figure(s) {unknown}; choose from {', '.join(FIGURES)}")
+    if args.extend and (not args.only or any(not getattr(FIGURES[n], "EXTENDS", False) for n in names)):
+        p.error("--extend pools per-seed records: name only figures that have them with --only "
+                f"({', '.join(n for n, m in FIGURES.items() if getattr(m, 'EXTENDS', False))})")
 
     # One suite at a time: two share the bench ports and the first to finish stops the shared Kafka + S3.
     BENCH_HOME.mkdir(parents=True, exist_ok=True)
@@ -88,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             if old.is_dir() and stamp not in old.name and time.time() - old.stat().st_mtime > 3600:
                 shutil.rmtree(old, ignore_errors=True)
     say(f"bench infra: Kafka :29092, S3 :29000 in {BENCH_HOME}")
-    ctx = Context(infra=bench_infra(), stamp=stamp, quick=args.quick, profile=args.profile, out_dir=out_dir)
+    ctx = Context(infra=bench_infra(), stamp=stamp, quick=args.quick, profile=args.profile, out_dir=out_dir,
+                  extend=args.extend)
     mach = machine()
     say(f"machine: {mach['cores']} cores, {mach['cpu_model']}; figures: {', '.join(names)}")
     failed = []
@@ -96,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             mod = FIGURES[name]
             data = report.load(json_path)
+            ctx.earlier = data["figures"].get(name)
             before, t0 = loadavg(), time.monotonic()
             busy0, ours0 = machine_busy_seconds(), suite_cpu_seconds()
             res, err = None, None
@@ -113,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             other = max(0.0, (machine_busy_seconds() - busy0) - (suite_cpu_seconds() - ours0)) / max(dur, 1e-9)
             data["figures"][name] = report.entry(
                 name, mod.TITLE, mod.TARGET, res,
-                command=_command((["--quick"] if args.quick else []) + ["--only", name] if args.only else argv),
+                command=_command((["--quick"] if args.quick else []) + ["--only", name]
+                                 + (["--extend"] if args.extend else []) if args.only else argv),
                 machine=mach, date=now_iso(), duration_s=dur, load_before=before, load_after=loadavg(), error=err,
                 other_cores=other)
             data["suite"] = {"last_command": _command(argv), "last_run": now_iso(),

@@ -16,7 +16,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -217,6 +217,8 @@ class Context:
     quick: bool = False
     profile: bool = False
     out_dir: Path = field(default_factory=lambda: REPO_ROOT / "docs")
+    extend: bool = False  # --extend: keep the earlier entry's seeds that this run does not repeat
+    earlier: Mapping[str, Any] | None = None  # the figure's entry before this run (set per figure by the driver)
 
     def run_name(self, figure: str, suffix: str = "") -> str:
         return f"bench-{figure}-{self.stamp}{('-' + suffix) if suffix else ''}".replace("_", "-")
@@ -623,10 +625,83 @@ def env_seconds(name: str, default: float) -> float:
     return value
 
 
+def parse_seeds(raw: str, name: str = "seeds") -> tuple[int, ...]:
+    """``"N"``: seeds 1..N; ``"4,5"`` or ``"4-5"`` (or a mix, ``"1,4-5"``): exactly those, each once and in order.
+    Anything else is a ValueError naming ``name``."""
+    seeds: list[int] = []
+    try:
+        if raw.strip().isdigit():
+            seeds = list(range(1, int(raw) + 1))
+        else:
+            for part in raw.split(","):
+                lo, _, hi = part.strip().partition("-")
+                seeds.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 1 or len(set(seeds)) != len(seeds):
+        raise ValueError(f"{name}={raw!r}: want a count N (seeds 1..N) or distinct seeds >= 1 like '4,5' or '4-5'")
+    return tuple(seeds)
+
+
 def bench_seeds(figure: str, full: int, quick: int, ctx: Context) -> tuple[int, ...]:
-    """Seeds 1..n: ``FLYWHEEL_BENCH_<FIGURE>_SEEDS`` if set, else ``quick`` under --quick, else ``full``."""
-    n = int(os.environ.get(f"FLYWHEEL_BENCH_{figure.upper()}_SEEDS", quick if ctx.quick else full))
-    return tuple(range(1, n + 1))
+    """``FLYWHEEL_BENCH_<FIGURE>_SEEDS`` if set (``parse_seeds``: a count or a list), else seeds 1..``quick``
+    under --quick, else 1..``full``."""
+    name = f"FLYWHEEL_BENCH_{figure.upper()}_SEEDS"
+    return parse_seeds(os.environ.get(name, str(quick if ctx.quick else full)), name)
+
+
+def ran_by(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """Where a figure's entry was measured: command, commit, date and CPU (what a per-seed record carries once it
+    is kept by a later run that extends the figure)."""
+    m = entry.get("machine", {})
+    return {"command": entry.get("command"), "commit": m.get("commit"), "date": entry.get("date"),
+            "cpu_model": m.get("cpu_model"), "cores": m.get("cores")}
+
+
+def earlier_runs(ctx: Context, figure: str, seeds: Sequence[int],
+                 same: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Under ``--extend``: the per-seed records of the figure's earlier entry (``numbers.peers.<peer>.runs``) whose
+    seeds this run does not repeat, each tagged with where it ran (``ran``, kept from an earlier merge). The
+    earlier entry must have been measured with the ``same`` numbers (a wall budget, an env-step budget), or
+    the seeds would not be comparable: a ValueError says which differs. Without ``--extend``: nothing."""
+    if not ctx.extend:
+        return {}
+    earlier = ctx.earlier or {}
+    numbers = earlier.get("numbers") or {}
+    if not numbers.get("peers"):
+        raise ValueError(f"--extend: {figure} has no earlier result in {ctx.out_dir / 'benchmarks.json'} to extend")
+    for key, want in same.items():
+        if numbers.get(key) != want:
+            raise ValueError(f"--extend: {figure}'s earlier result has {key}={numbers.get(key)!r}, this run "
+                             f"{want!r}; seeds measured differently cannot be pooled")
+    origin = ran_by(earlier)
+    kept: dict[str, list[dict[str, Any]]] = {}
+    for peer, body in numbers["peers"].items():
+        kept[peer] = [{**r, "ran": r.get("ran") or origin} for r in body.get("runs", [])
+                      if r.get("seed") not in seeds]
+    return kept
+
+
+def provenance_md(records: Iterable[Mapping[str, Any]], this_run: str = "this run") -> str:
+    """One line naming which seeds came from which run, for a figure pooled from several (empty when every
+    record is from this run)."""
+    groups: dict[tuple[Any, ...], set[int]] = {}
+    for r in records:
+        ran = r.get("ran")
+        key = (ran["command"], ran["commit"], ran["date"], ran["cpu_model"]) if ran else ()
+        groups.setdefault(key, set()).add(int(r["seed"]))
+    if set(groups) <= {()}:
+        return ""
+    parts = []
+    for key, seeds in sorted(groups.items(), key=lambda kv: min(kv[1])):
+        which = ", ".join(str(s) for s in sorted(seeds))
+        if key:
+            command, commit, date, cpu = key
+            parts.append(f"seeds {which} from `{command}` at commit `{commit}` on {date} ({cpu})")
+        else:
+            parts.append(f"seeds {which} from {this_run} (its *Ran* line below)")
+    return ("Pooled from more than one run (each seed's sides ran one after the other in the same run): "
+            + "; ".join(parts) + ".")
 
 
 # Two-sided 95% quantiles of Student's t by degrees of freedom (no scipy in the bench's dependencies).

@@ -21,7 +21,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.common import Context, FragmentInfo, bench_seeds, env_seconds, episode_curve, read_samples, say, stack
+from bench.common import (
+    Context,
+    FragmentInfo,
+    bench_seeds,
+    earlier_runs,
+    env_seconds,
+    episode_curve,
+    provenance_md,
+    read_samples,
+    say,
+    stack,
+)
 from bench.peers import sb3_minatar, sb3_peer
 from bench.peers.stats import MedianCI
 from bench.report import FigureResult, Row
@@ -29,8 +40,9 @@ from bench.report import FigureResult, Row
 NAME = "peers_minatar"
 TITLE = ("Peers on MinAtar Breakout at a fixed wall budget: Flywheel (local stack, 2 samplers) against "
          "Stable-Baselines3 PPO with Flywheel's settings and CNN, last-100 return, env steps and start-up, one "
-         "machine, one run.")
+         "machine, each seed's sides one after the other.")
 TARGET = "Flywheel's last-100 at the budget >= SB3's"
+EXTENDS = True  # `--extend` pools new seeds with the earlier entry's (``earlier_runs``)
 CONFIG = sb3_minatar.CONFIG
 ENV_ID = "MinAtar/Breakout-v1"
 SAMPLERS = sb3_peer.SAMPLERS
@@ -61,7 +73,8 @@ def fragments_within(frags: Sequence[FragmentInfo], wall_s: float) -> tuple[list
 @dataclass(frozen=True)
 class BudgetRun:
     """One side's run of one seed: start-up (start to first env step), env steps and finished episodes within
-    the budget. ``error`` says why a run has no result (then ``env_steps`` is None)."""
+    the budget. ``error`` says why a run has no result (then ``env_steps`` is None). A run kept from an earlier
+    entry (``from_record``) has no curve, only the last-100 at W and W/2 it was measured with (``recorded``)."""
 
     peer: str  # "SB3 PPO", "Flywheel"
     seed: int
@@ -71,22 +84,43 @@ class BudgetRun:
     curve: tuple[tuple[float, int, float], ...] = ()
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    recorded: dict[float, float] = field(default_factory=dict)  # t -> last-100 at t, for a kept run
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.env_steps is not None
 
     def last_at(self, t: float) -> float:
-        return last_n_at(self.curve, t) if self.ok else math.nan
+        if not self.ok:
+            return math.nan
+        if self.recorded:
+            if t not in self.recorded:
+                raise KeyError(f"{self.peer} seed {self.seed} was kept from an earlier run: only the last-100 at "
+                               f"{sorted(self.recorded)} s is known, not at {t} s")
+            return self.recorded[t]
+        return last_n_at(self.curve, t)
+
+    @classmethod
+    def from_record(cls, d: dict[str, Any]) -> BudgetRun:
+        """A run from its ``as_dict`` record (an earlier entry's, kept by ``--extend``)."""
+        known = {"peer", "seed", "wall_s", "startup_s", "env_steps", "error", "last100_at_half", "last100_at_budget"}
+        wall = float(d["wall_s"])
+        return cls(d["peer"], int(d["seed"]), wall, d["startup_s"], d["env_steps"], (), d["error"],
+                   {k: v for k, v in d.items() if k not in known},
+                   {wall: _num(d["last100_at_budget"]), wall / 2: _num(d["last100_at_half"])})
 
     def as_dict(self) -> dict[str, Any]:
         """Everything but the full curve (thousands of episodes): the last-100 at ``CURVE_POINTS`` times."""
         points = [(round(self.wall_s * i / CURVE_POINTS, 1), self.last_at(self.wall_s * i / CURVE_POINTS))
-                  for i in range(1, CURVE_POINTS + 1)]
+                  for i in range(1, CURVE_POINTS + 1)] if not self.recorded else []
         return {"peer": self.peer, "seed": self.seed, "wall_s": self.wall_s, "startup_s": self.startup_s,
                 "env_steps": self.env_steps, "episodes": len(self.curve), "last100_at_half": self.last_at(
                     self.wall_s / 2), "last100_at_budget": self.last_at(self.wall_s), "last100_curve": points,
                 "error": self.error, **self.extra}
+
+
+def _num(v: Any) -> float:
+    return math.nan if v is None else float(v)  # benchmarks.json writes NaN as null
 
 
 Runner = Callable[[int, float], BudgetRun]
@@ -172,15 +206,21 @@ def wall_budget(ctx: Context) -> float:
 
 def run(ctx: Context) -> FigureResult:
     wall_s = wall_budget(ctx)
-    seeds = bench_seeds(NAME, 2, 1, ctx)
+    new_seeds = bench_seeds(NAME, 2, 1, ctx)
     peers: list[tuple[str, Runner]] = [("SB3 PPO", run_sb3),
                                        ("Flywheel", lambda seed, w: run_flywheel(ctx, seed, w))]
-    runs: dict[str, list[BudgetRun]] = {p: [] for p, _ in peers}
-    for seed in seeds:  # per seed both sides, one after another: drift of the machine hits both alike
+    kept = earlier_runs(ctx, NAME, new_seeds, {"wall_s": wall_s})  # --extend: the earlier entry's other seeds
+    runs: dict[str, list[BudgetRun]] = {p: [BudgetRun.from_record(d) for d in kept.get(p, [])] for p, _ in peers}
+    for seed in new_seeds:  # per seed both sides, one after another: drift of the machine hits both alike
         for peer, fn in peers:
             r = _guarded(peer, seed, wall_s, fn)
             runs[peer].append(r)
             say(f"{NAME}:   -> {peer}: {_cell(r)}" + (f" ({r.error.splitlines()[0]})" if r.error else ""))
+    for v in runs.values():
+        v.sort(key=lambda r: r.seed)
+    seeds = [r.seed for r in runs["Flywheel"]]
+    if seeds != [r.seed for r in runs["SB3 PPO"]]:
+        raise ValueError(f"{NAME}: the sides' seeds differ ({seeds} vs {[r.seed for r in runs['SB3 PPO']]})")
     stats = {p: summarise(v) for p, v in runs.items()}
     n = len(seeds)
     meets = verdict(runs["Flywheel"], runs["SB3 PPO"])
@@ -207,10 +247,14 @@ def run(ctx: Context) -> FigureResult:
     for i, seed in enumerate(seeds):
         per_seed.append(f"| {seed} | " + " | ".join(_cell(v[i]) for v in runs.values()) + " |")
     failures = [f"- {r.peer} seed {r.seed}: {r.error.splitlines()[0]}" for v in runs.values() for r in v if r.error]
+    records = [r.as_dict() for v in runs.values() for r in v]
+    pooled = provenance_md(records)
     details = "\n".join([
         f"Medians over {n} seeds, [range] (with 2 seeds the order-statistic interval is the range). The wall "
         f"budget W = {wall_s:.0f} s and the seeds come from `FLYWHEEL_BENCH_PEERS_MINATAR_WALL_S` / "
-        "`FLYWHEEL_BENCH_PEERS_MINATAR_SEEDS` (defaults 600 s and 2; --quick: 60 s and 1).",
+        "`FLYWHEEL_BENCH_PEERS_MINATAR_SEEDS` (defaults 600 s and 2; --quick: 60 s and 1; a list such as `4,5` "
+        "with `--extend` adds seeds to the earlier entry's).",
+        *(["", pooled] if pooled else []),
         "",
         *table,
         "",

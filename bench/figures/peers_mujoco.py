@@ -17,14 +17,25 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from bench.common import BENCH_HOME, Context, FragmentInfo, bench_seeds, episode_curve, read_samples, say, stack
+from bench.common import (
+    BENCH_HOME,
+    Context,
+    FragmentInfo,
+    bench_seeds,
+    earlier_runs,
+    episode_curve,
+    provenance_md,
+    read_samples,
+    say,
+    stack,
+)
 from bench.peers import sb3_mujoco
 from bench.peers.stats import MedianCI
 from bench.report import FigureResult, Row
@@ -33,8 +44,9 @@ from devstack import REPO_ROOT
 NAME = "peers_mujoco"
 TITLE = ("HalfCheetah-v5 (MuJoCo) at 300k env steps: return of the last 10 training episodes and wall time, "
          "Flywheel (local stack, 2 samplers) against Stable-Baselines3 PPO with rl-zoo's settings; start-up shown, "
-         "one machine, one run.")
+         "one machine, each seed's sides one after the other.")
 TARGET = "Flywheel's return at 300k >= SB3-zoo's, in less wall time"
+EXTENDS = True  # `--extend` pools new seeds with the earlier entry's (``earlier_runs``)
 BUDGET = 300_000
 QUICK_BUDGET = 20_000
 LAST_N = 10
@@ -168,6 +180,14 @@ class BudgetRun:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"steps_per_s": self.steps_per_s, "end_to_end_s": self.end_to_end_s}
 
+    @classmethod
+    def from_record(cls, d: dict[str, Any]) -> BudgetRun:
+        """A run from its ``as_dict`` record (an earlier entry's, kept by ``--extend``; its ``ran`` goes to
+        ``extra``)."""
+        names = {f.name for f in fields(cls)}
+        run = cls(**{k: v for k, v in d.items() if k in names})
+        return run if "ran" not in d else BudgetRun(**{**asdict(run), "extra": {**run.extra, "ran": d["ran"]}})
+
 
 def from_curve(peer: str, seed: int, budget: int, startup_s: float | None, wall_s: float | None, curve: Curve,
                env_steps: int, error: str | None = None, extra: dict[str, Any] | None = None) -> BudgetRun:
@@ -276,12 +296,13 @@ def _cell(r: BudgetRun) -> str:
 
 
 def run(ctx: Context) -> FigureResult:
-    seeds = bench_seeds(NAME, 2, 1, ctx)
+    new_seeds = bench_seeds(NAME, 2, 1, ctx)
     budget = QUICK_BUDGET if ctx.quick else BUDGET
     timeout_s = float(os.environ.get("FLYWHEEL_BENCH_PEERS_MUJOCO_TIMEOUT_S", 300.0 if ctx.quick else 1500.0))
     config = zoo_config(BENCH_HOME / "runs" / f"peers-mujoco-{ctx.stamp}" / "halfcheetah-rl-zoo.yaml")
-    runs: dict[str, list[BudgetRun]] = {p: [] for p in PEERS}
-    for seed in seeds:  # per seed both peers, one after another: drift of the machine hits both alike
+    kept = earlier_runs(ctx, NAME, new_seeds, {"budget": budget})  # --extend: the earlier entry's other seeds
+    runs: dict[str, list[BudgetRun]] = {p: [BudgetRun.from_record(d) for d in kept.get(p, [])] for p in PEERS}
+    for seed in new_seeds:  # per seed both peers, one after another: drift of the machine hits both alike
         for peer in PEERS:
             say(f"peers_mujoco: {peer}, seed {seed}, {budget:,} env steps, at most {timeout_s:.0f} s")
             fn = (partial(run_sb3, seed, budget, timeout_s) if peer == PEERS[0]
@@ -289,6 +310,11 @@ def run(ctx: Context) -> FigureResult:
             r = _guarded(peer, seed, budget, fn)
             runs[peer].append(r)
             say(f"peers_mujoco:   -> {_cell(r)}")
+    for v in runs.values():
+        v.sort(key=lambda r: r.seed)
+    seeds = [r.seed for r in runs[PEERS[1]]]
+    if seeds != [r.seed for r in runs[PEERS[0]]]:
+        raise ValueError(f"{NAME}: the peers' seeds differ ({seeds} vs {[r.seed for r in runs[PEERS[0]]]})")
     stats = {p: PeerSummary.of(v) for p, v in runs.items()}
     sb3, fw = stats[PEERS[0]], stats[PEERS[1]]
     better, faster = verdict(fw, sb3)
@@ -316,10 +342,13 @@ def run(ctx: Context) -> FigureResult:
     for i, seed in enumerate(seeds):
         per_seed.append(f"| {seed} | " + " | ".join(_cell(runs[p][i]) for p in PEERS) + " |")
     failures = [f"- {r.peer} seed {r.seed}: {r.error.splitlines()[0]}" for v in runs.values() for r in v if r.error]
+    pooled = provenance_md({**r.extra, "seed": r.seed} for v in runs.values() for r in v)
     details = "\n".join([
+        *([pooled, ""] if pooled else []),
         f"{n} seed(s); the return is the median [range] over the runs that reached {k} env steps, wall s, start-up "
         "and env steps/s medians [range] (a run that did not reach the budget counts as not reached). Seeds, "
-        "timeout: `FLYWHEEL_BENCH_PEERS_MUJOCO_SEEDS` (default 2), `FLYWHEEL_BENCH_PEERS_MUJOCO_TIMEOUT_S` "
+        "timeout: `FLYWHEEL_BENCH_PEERS_MUJOCO_SEEDS` (default 2; a list such as `4,5` with `--extend` adds "
+        "seeds to the earlier entry's), `FLYWHEEL_BENCH_PEERS_MUJOCO_TIMEOUT_S` "
         f"(default 1500 s; this run {timeout_s:.0f} s).",
         "",
         *table,
