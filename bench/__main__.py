@@ -118,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
                 failed.append(name)
             reap_children()
+            if res is None and args.extend:  # keep the entry it was to extend: its seeds are hours of runs
+                say(f"=== {name}: FAILED {err}; the earlier entry in {json_path} is left as it was")
+                delete_topics(ctx, f"bench-{name.replace('_', '-')}-{stamp}")
+                continue
             dur = time.monotonic() - t0
             # Cores other work took while this figure ran (machine CPU minus the suite's own): > ~0.2 means
             # the figure shared the machine and its numbers are suspect.

@@ -647,6 +647,8 @@ def bench_seeds(figure: str, full: int, quick: int, ctx: Context) -> tuple[int, 
     """``FLYWHEEL_BENCH_<FIGURE>_SEEDS`` if set (``parse_seeds``: a count or a list), else seeds 1..``quick``
     under --quick, else 1..``full``."""
     name = f"FLYWHEEL_BENCH_{figure.upper()}_SEEDS"
+    if ctx.extend and name not in os.environ:  # the default 1..n would rerun and replace the earlier seeds
+        raise ValueError(f"--extend: name the seeds to add with {name} (e.g. {name}=4,5)")
     return parse_seeds(os.environ.get(name, str(quick if ctx.quick else full)), name)
 
 
@@ -663,7 +665,8 @@ def earlier_runs(ctx: Context, figure: str, seeds: Sequence[int],
     """Under ``--extend``: the per-seed records of the figure's earlier entry (``numbers.peers.<peer>.runs``) whose
     seeds this run does not repeat, each tagged with where it ran (``ran``, kept from an earlier merge). The
     earlier entry must have been measured with the ``same`` numbers (a wall budget, an env-step budget), or
-    the seeds would not be comparable: a ValueError says which differs. Without ``--extend``: nothing."""
+    the seeds would not be comparable: a ValueError says which differs, as it does when the peers' kept seeds
+    differ. Both are checked before any new seed runs. Without ``--extend``: nothing."""
     if not ctx.extend:
         return {}
     earlier = ctx.earlier or {}
@@ -677,8 +680,13 @@ def earlier_runs(ctx: Context, figure: str, seeds: Sequence[int],
     origin = ran_by(earlier)
     kept: dict[str, list[dict[str, Any]]] = {}
     for peer, body in numbers["peers"].items():
-        kept[peer] = [{**r, "ran": r.get("ran") or origin} for r in body.get("runs", [])
-                      if r.get("seed") not in seeds]
+        # a record kept by an earlier merge keeps its origin (top level, or in ``extra`` where a figure puts it)
+        kept[peer] = [{**r, "ran": r.get("ran") or (r.get("extra") or {}).get("ran") or origin}
+                      for r in body.get("runs", []) if r.get("seed") not in seeds]
+    seed_sets = {peer: sorted(r["seed"] for r in v) for peer, v in kept.items()}
+    if len({tuple(v) for v in seed_sets.values()}) > 1:
+        raise ValueError(f"--extend: {figure}'s earlier result has different seeds per peer ({seed_sets}); "
+                         "they cannot be paired")
     return kept
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from bench.__main__ import main
-from bench.common import Context, earlier_runs, parse_seeds, provenance_md
+from bench.common import Context, bench_seeds, earlier_runs, parse_seeds, provenance_md
 from bench.figures import peers_minatar, peers_mujoco
 
 
@@ -97,6 +97,34 @@ def test_extend_is_refused_for_figures_without_seed_records(capsys: pytest.Captu
     assert "--extend pools per-seed records" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--extend", "--out", str(tmp_path)])  # every figure: most have no per-seed records
+    assert "--extend pools per-seed records" in capsys.readouterr().err
+
+
+def test_extend_needs_the_seeds_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLYWHEEL_BENCH_PEERS_MINATAR_SEEDS", raising=False)
+    with pytest.raises(ValueError, match="FLYWHEEL_BENCH_PEERS_MINATAR_SEEDS=4,5"):
+        bench_seeds("peers_minatar", 2, 1, _ctx({}))
+    assert bench_seeds("peers_minatar", 2, 1, _ctx({}, extend=False)) == (1, 2)
+
+
+def test_earlier_runs_refuse_peers_with_different_seeds() -> None:
+    earlier = _entry({"A": [{"seed": 1}, {"seed": 2}], "B": [{"seed": 1}]}, wall_s=600.0)
+    with pytest.raises(ValueError, match="different seeds per peer"):
+        earlier_runs(_ctx(earlier), "x", (4,), {"wall_s": 600.0})
+    assert [r["seed"] for r in earlier_runs(_ctx(earlier), "x", (2,), {"wall_s": 600.0})["A"]] == [1]
+
+
+def test_mujoco_records_keep_their_origin_through_two_extensions() -> None:
+    """MuJoCo's records carry ``ran`` in ``extra``: a second --extend must keep the first run's origin."""
+    live = peers_mujoco.BudgetRun("Flywheel (rl-zoo)", 1, 300_000, 25.0, 500.0, 3000.0, 300, 300_512)
+    first = {"command": "first", "commit": "a", "date": "d1", "cpu_model": "EPYC"}
+    once = earlier_runs(_ctx(_entry({"F": [live.as_dict()]}, budget=300_000)), "x", (4,), {"budget": 300_000})
+    assert once["F"][0]["ran"]["command"] == _entry({})["command"]
+    written = peers_mujoco.BudgetRun.from_record({**live.as_dict(), "ran": first}).as_dict()  # after extension 1
+    second = {**_entry({"F": [written]}, budget=300_000), "command": "second"}
+    twice = earlier_runs(_ctx(second), "x", (5,), {"budget": 300_000})
+    assert twice["F"][0]["ran"] == first
+    assert peers_mujoco.BudgetRun.from_record(twice["F"][0]).extra["ran"] == first
 
 
 def test_minatar_figure_pools_new_seeds_with_the_earlier_entry(monkeypatch: pytest.MonkeyPatch) -> None:
