@@ -138,6 +138,8 @@ def test_minatar_figure_pools_new_seeds_with_the_earlier_entry(monkeypatch: pyte
 
     monkeypatch.setattr(peers_minatar, "run_sb3", fake("SB3 PPO", 0.0))
     monkeypatch.setattr(peers_minatar, "run_flywheel", lambda ctx, seed, w: fake("Flywheel", 1.0)(seed, w))
+    # describing SB3's settings imports stable-baselines3 (the bench extra, absent from `make test`)
+    monkeypatch.setattr(peers_minatar.sb3_minatar, "describe", lambda config: "SB3 settings")
     monkeypatch.setenv("FLYWHEEL_BENCH_PEERS_MINATAR_SEEDS", "3,4")
     monkeypatch.delenv("FLYWHEEL_BENCH_PEERS_MINATAR_WALL_S", raising=False)
 
