@@ -25,16 +25,16 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import gymnasium as gym
 import numpy as np
 
 from shared.marker import VersionedStore, VersionRecord
+from shared.rl.arch import PolicyArch, sampler_policy
 from shared.rl.envs import as_observation, env_options, fragment_spec, register_image_envs
 from shared.rl.frames import FrameStacker
 from shared.rl.policy_np import NumpyPolicy
-from shared.rl.policy_onnx import runs_cnn
 from shared.settings import Settings
 
 if TYPE_CHECKING:
@@ -71,14 +71,10 @@ def load_version(policies: VersionedStore, version: int | None) -> tuple[Version
 def policy_for(settings: Settings) -> SamplerPolicy:
     """An empty policy shaped as the run's samplers build theirs (env, width, normalisation, gSDE; for image envs
     the CNN of ``trainer.model`` over ``env.frame_stack`` frames)."""
-    t = settings.trainer
     spec = fragment_spec(settings.env.id, max_bytes=1 << 30, frame_stack=settings.env.frame_stack)
-    if runs_cnn(t.model, spec):
-        from shared.rl.policy_torch import TorchPolicy  # torch only for CNN policies
-
-        return TorchPolicy.for_spec(spec, t.model, t.hidden, activation=t.activation)
-    return NumpyPolicy.for_spec(spec, t.hidden, normalize_observations=t.normalize_observations, gsde=t.gsde,
-                                sde_sample_freq=t.sde_sample_freq, activation=t.activation)
+    arch = PolicyArch.of(settings.trainer)
+    # the samplers' own builder; torch rather than onnxruntime for a CNN, so export can trace its module
+    return cast(SamplerPolicy, sampler_policy(spec, arch, "torch" if arch.is_cnn(spec) else "numpy"))
 
 
 def loaded_policy(settings: Settings, record: VersionRecord, blob: bytes) -> SamplerPolicy:

@@ -41,6 +41,7 @@ from shared.logging import get_logger
 from shared.marker import BadPayload, MarkerConflict, StaleVersion, VersionedStore, VersionRecord
 from shared.messages import KEY_ANNOUNCE, ControlCommand, ParamsyncBeat, PolicyMessage, SamplerBeat, parse_heartbeat
 from shared.retry import Health, Retrier, describe, every, is_transient, poll_or_pause, read_forever, stop_clients
+from shared.rl.arch import PolicyArch
 from shared.rl.envs import fragment_spec
 from shared.rl.model import ActorCritic, WeightsError, load_weights
 from shared.runtime import AuditLog
@@ -93,10 +94,7 @@ class Paramsync:
         self.rollbacks = RollbackQueue(store, settings.run)
         self._rollback_wanted = asyncio.Event()
         spec = fragment_spec(settings.env.id, settings.kafka.max_message_bytes, settings.env.frame_stack)
-        self.model = ActorCritic.for_spec(spec, settings.trainer.hidden,
-                                          normalize_observations=settings.trainer.normalize_observations,
-                                          gsde=settings.trainer.gsde, model=settings.trainer.model,
-                                          activation=settings.trainer.activation)
+        self.model = ActorCritic.for_arch(spec, PolicyArch.of(settings.trainer))
         self.tracker = SyncTracker(settings.paramsync.sampler_timeout_s)
         self.inline = InlinePayload(settings.paramsync.inline_max_bytes, settings.kafka.max_message_bytes)
         if policy_topic_limit is None and bus is None:

@@ -21,15 +21,13 @@ import gymnasium as gym
 import numpy as np
 
 from shared.fragment import Fragment
+from shared.rl.arch import PolicyArch, sampler_policy
 from shared.rl.envs import LogNormalDelay, as_observation, fragment_spec, make_vector_env
 from shared.rl.frames import FrameStacker
-from shared.rl.policy_np import NumpyPolicy
-from shared.rl.policy_onnx import resolve_inference, runs_cnn
 from shared.settings import Settings
 
 if TYPE_CHECKING:
-    from shared.rl.policy_onnx import OnnxPolicy
-    from shared.rl.policy_torch import TorchPolicy
+    from shared.rl.arch import SamplerPolicy
 
 
 class RolloutWorker:
@@ -41,48 +39,28 @@ class RolloutWorker:
         num_envs: int,
         fragment_steps: int,
         sampler_id: str,
-        hidden: int,
+        arch: PolicyArch,
         seed: int | None = None,
         latency_median_ms: float = 0.0,
         latency_sigma: float = 1.0,
         latency_overlap: bool = False,
         *,
-        normalize_observations: bool = False,
         fragment_latency_median_ms: float = 0.0,
         fragment_latency_sigma: float = 1.5,
-        gsde: bool = False,
-        sde_sample_freq: int = 4,
         frame_stack: int | None = None,
-        model: str = "auto",
         torch_threads: int = 1,
         inference: str = "auto",
-        activation: str = "tanh",
     ) -> None:
-        """``normalize_observations``, ``gsde`` and ``activation`` must be the trainer's (the weights' key set and
-        shapes; the forward pass);
-        ``fragment_latency_median_ms`` > 0 (benchmarks) sleeps one log-normal draw per fragment."""
+        """``arch`` must be the trainer's (``PolicyArch.of(settings.trainer)``: the weights' key set and shapes,
+        the forward pass); ``inference`` and ``torch_threads`` are ``sampler.inference`` and
+        ``sampler.torch_threads``; ``fragment_latency_median_ms`` > 0 (benchmarks) sleeps one log-normal draw per
+        fragment."""
         self.env_id = env_id
         self.sampler_id = sampler_id
         self.steps = fragment_steps
         self.envs = make_vector_env(env_id, num_envs, latency_median_ms, latency_sigma, seed, latency_overlap)
         self.spec = spec = fragment_spec(env_id, max_bytes=1 << 30, frame_stack=frame_stack)
-        self.policy: NumpyPolicy | TorchPolicy | OnnxPolicy
-        cnn = runs_cnn(model, spec)
-        backend = resolve_inference(inference, cnn)
-        if backend == "numpy":
-            self.policy = NumpyPolicy.for_spec(spec, hidden, normalize_observations=normalize_observations,
-                                               gsde=gsde, sde_sample_freq=sde_sample_freq, activation=activation)
-        elif not cnn and (normalize_observations or gsde):
-            raise ValueError(f"sampler.inference={backend!r} runs an MLP without observation normalisation or gSDE "
-                             "only; use numpy or auto")
-        elif backend == "torch":
-            from shared.rl.policy_torch import TorchPolicy  # imported only when used
-
-            self.policy = TorchPolicy.for_spec(spec, model, hidden, torch_threads, activation=activation)
-        else:
-            from shared.rl.policy_onnx import OnnxPolicy  # imported only when used (onnxruntime, torch to export)
-
-            self.policy = OnnxPolicy.for_spec(spec, model, hidden, torch_threads, activation=activation)
+        self.policy: SamplerPolicy = sampler_policy(spec, arch, inference, torch_threads)
         space = self.envs.single_action_space
         self._bounds = (space.low, space.high) if isinstance(space, gym.spaces.Box) else None
         self._fragment_delay = (LogNormalDelay(fragment_latency_median_ms, fragment_latency_sigma, seed)
@@ -101,15 +79,11 @@ class RolloutWorker:
         """The worker a sampler of this run uses: env, fragment shape, policy width, normalisation and the
         benchmarks' latency settings all from ``settings``."""
         e = settings.env
-        return cls(e.id, e.num_envs, e.fragment_steps, sampler_id, settings.trainer.hidden, seed,
+        return cls(e.id, e.num_envs, e.fragment_steps, sampler_id, PolicyArch.of(settings.trainer), seed,
                    e.latency_median_ms, e.latency_sigma, e.latency_overlap,
-                   normalize_observations=settings.trainer.normalize_observations,
                    fragment_latency_median_ms=e.fragment_latency_median_ms,
-                   fragment_latency_sigma=e.fragment_latency_sigma,
-                   gsde=settings.trainer.gsde, sde_sample_freq=settings.trainer.sde_sample_freq,
-                   frame_stack=e.frame_stack, model=settings.trainer.model,
-                   torch_threads=settings.sampler.torch_threads, inference=settings.sampler.inference,
-                   activation=settings.trainer.activation)
+                   fragment_latency_sigma=e.fragment_latency_sigma, frame_stack=e.frame_stack,
+                   torch_threads=settings.sampler.torch_threads, inference=settings.sampler.inference)
 
     def set_policy(self, version: int, weights: bytes) -> None:
         """Adopt a policy (between fragments only); raises WeightsError if it does not fit."""

@@ -15,6 +15,7 @@ import torch
 from services.trainer.ranks import Ranks
 from services.trainer.update import UpdateConfig, UpdateStats, ppo_update
 from shared.fragment import Fragment, FragmentSpec
+from shared.rl.arch import PolicyArch
 from shared.rl.cnn import ImageActorCritic
 from shared.rl.frames import stack_frames
 from shared.rl.model import ActorCritic, load_weights, update_moments, weights_to_bytes
@@ -115,9 +116,7 @@ class Learner:
     def __init__(self, spec: FragmentSpec, cfg: TrainerSettings) -> None:
         torch.manual_seed(cfg.seed)
         self.device = pick_device(cfg.device)
-        self.model = ActorCritic.for_spec(spec, cfg.hidden, log_std_init=cfg.log_std_init, gsde=cfg.gsde,
-                                          normalize_observations=cfg.normalize_observations,
-                                          model=cfg.model, activation=cfg.activation,
+        self.model = ActorCritic.for_arch(spec, PolicyArch.of(cfg), log_std_init=cfg.log_std_init,
                                           ortho_init=cfg.ortho_init).to(self.device)
         # The Nature CNN convolves minibatches of 84x84 frames faster in NHWC (docs/pixels.md); MinAtar's one
         # 3x3 convolution on 10x10 frames gains nothing.

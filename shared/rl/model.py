@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from itertools import islice
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -13,6 +14,9 @@ from torch.distributions import Categorical, Distribution, Independent, Normal
 from shared.fragment import FragmentSpec
 from shared.rl.policy_np import OBS_CLIP, OBS_EPS, SDE_EPS, check_activation, check_gsde, validate_weights
 from shared.rl.policy_np import WeightsError as WeightsError  # re-exported: one class for both loaders
+
+if TYPE_CHECKING:
+    from shared.rl.arch import PolicyArch
 
 _HALF_LOG_2PI = float(0.5 * np.log(2 * np.pi))
 
@@ -131,6 +135,16 @@ class ActorCritic(nn.Module):
         return cls(int(np.prod(spec.obs_shape)), spec.action_dim, hidden, continuous=spec.continuous,
                    log_std_init=log_std_init, normalize_observations=normalize_observations, gsde=gsde,
                    activation=activation, ortho_init=ortho_init)
+
+    @classmethod
+    def for_arch(cls, spec: FragmentSpec, arch: PolicyArch, *, log_std_init: float = 0.0,
+                 ortho_init: bool = True) -> ActorCritic:
+        """:meth:`for_spec` with the architecture from ``arch`` (:meth:`PolicyArch.of` the trainer's settings),
+        so the trainer, paramsync and the samplers build the same network; ``log_std_init`` and ``ortho_init``
+        only initialise it (the trainer's; loaded weights replace them)."""
+        return cls.for_spec(spec, arch.hidden, log_std_init=log_std_init,
+                            normalize_observations=arch.normalize_observations, gsde=arch.gsde, model=arch.model,
+                            activation=arch.activation, ortho_init=ortho_init)
 
     def actor_parameters(self) -> list[nn.Parameter]:
         """The policy's parameters (``log_std`` included)."""

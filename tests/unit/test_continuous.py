@@ -11,6 +11,7 @@ import services.sampler.rollout as rollout_mod
 from services.sampler.rollout import RolloutWorker
 from services.trainer.learner import Learner, ReturnScaler
 from shared.fragment import Fragment, decode_fragment, encode_fragment
+from shared.rl.arch import PolicyArch
 from shared.rl.envs import fragment_spec
 from shared.rl.model import ActorCritic, load_weights
 from shared.rl.policy_np import expected_shapes
@@ -22,9 +23,9 @@ NORMED = TrainerSettings(normalize_observations=True, normalize_rewards=True, ga
                          log_std_init=1.0)
 
 
-def _worker(learner: Learner, seed: int = 0, steps: int = 50, **kw: object) -> RolloutWorker:
-    w = RolloutWorker("Pendulum-v1", num_envs=3, fragment_steps=steps, sampler_id="s", hidden=64, seed=seed,
-                      normalize_observations=learner.cfg.normalize_observations, **kw)  # type: ignore[arg-type]
+def _worker(learner: Learner, seed: int = 0, steps: int = 50, **arch: object) -> RolloutWorker:
+    shape = PolicyArch(hidden=64, normalize_observations=learner.cfg.normalize_observations, **arch)  # type: ignore[arg-type]
+    w = RolloutWorker("Pendulum-v1", num_envs=3, fragment_steps=steps, sampler_id="s", arch=shape, seed=seed)
     w.set_policy(0, learner.weights())
     return w
 
@@ -173,14 +174,15 @@ def test_per_fragment_latency_sleeps_one_draw_per_fragment(monkeypatch: pytest.M
     sleeps: list[float] = []
     monkeypatch.setattr(rollout_mod.time, "sleep", sleeps.append)
     learner = Learner(CARTPOLE, TrainerSettings())
-    w = RolloutWorker("CartPole-v1", num_envs=2, fragment_steps=8, sampler_id="s", hidden=64, seed=0,
+    w = RolloutWorker("CartPole-v1", num_envs=2, fragment_steps=8, sampler_id="s", arch=PolicyArch(hidden=64), seed=0,
                       fragment_latency_median_ms=30.0, fragment_latency_sigma=0.0)
     w.set_policy(0, learner.weights())
     for _ in range(3):
         w.collect()
     w.close()
     assert sleeps == pytest.approx([0.03] * 3)
-    plain = RolloutWorker("CartPole-v1", num_envs=2, fragment_steps=8, sampler_id="s", hidden=64, seed=0)
+    plain = RolloutWorker("CartPole-v1", num_envs=2, fragment_steps=8, sampler_id="s", arch=PolicyArch(hidden=64),
+                          seed=0)
     plain.set_policy(0, learner.weights())
     plain.collect()
     plain.close()

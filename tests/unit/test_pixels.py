@@ -19,6 +19,7 @@ from shared.fragment import (
     encode_fitting,
     encode_fragment,
 )
+from shared.rl.arch import PolicyArch
 from shared.rl.frames import FrameStacker, stack_frames
 from shared.rl.model import ActorCritic, weights_to_bytes
 
@@ -230,7 +231,7 @@ def test_minatar_worker_fragments_decode_and_train() -> None:
         assert (spec.obs_shape, spec.obs_dtype, spec.num_actions) == ((10, 10, 4), "uint8", 3)
         cfg = TrainerSettings(model="minatar_cnn", minibatches=2, epochs=1)
         learner = Learner(spec, cfg)
-        worker = RolloutWorker("MinAtar/Breakout-v1", 4, 16, "s1", 64, seed=0, frame_stack=k, model="minatar_cnn")
+        worker = RolloutWorker("MinAtar/Breakout-v1", 4, 16, "s1", PolicyArch("minatar_cnn", 64), seed=0, frame_stack=k)
         worker.set_policy(0, learner.weights())
         frag = worker.collect()
         assert frag.obs.dtype == np.uint8 and set(np.unique(frag.obs)) <= {0, 255}

@@ -12,6 +12,7 @@ from safetensors.numpy import load as np_load
 from safetensors.numpy import save as np_save
 
 from services.sampler.rollout import RolloutWorker
+from shared.rl.arch import PolicyArch
 from shared.rl.model import ActorCritic, load_weights, weights_to_bytes
 from shared.rl.policy_np import NumpyPolicy, WeightsError, expected_shapes
 
@@ -112,7 +113,8 @@ def test_rollout_is_reproducible_from_its_seed() -> None:
     blob = weights_to_bytes(_model(6))
 
     def fragment(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        w = RolloutWorker("CartPole-v1", num_envs=3, fragment_steps=40, sampler_id="s", hidden=64, seed=seed)
+        w = RolloutWorker("CartPole-v1", num_envs=3, fragment_steps=40, sampler_id="s", arch=PolicyArch(hidden=64),
+                          seed=seed)
         w.set_policy(0, blob)
         frag = w.collect()
         w.close()
@@ -175,10 +177,11 @@ import numpy as np
 from safetensors.numpy import save
 import services.sampler.__main__, services.sampler.service
 from services.sampler.rollout import RolloutWorker
+from shared.rl.arch import PolicyArch
 from shared.rl.policy_np import expected_shapes
 rng = np.random.default_rng(0)
 blob = save({k: rng.normal(0, 0.3, s).astype(np.float32) for k, s in expected_shapes(4, 2, 64).items()})
-w = RolloutWorker("CartPole-v1", num_envs=2, fragment_steps=8, sampler_id="s", hidden=64, seed=0)
+w = RolloutWorker("CartPole-v1", num_envs=2, fragment_steps=8, sampler_id="s", arch=PolicyArch(hidden=64), seed=0)
 w.set_policy(0, blob)
 assert w.collect().actions.shape == (8, 2)
 torch = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))

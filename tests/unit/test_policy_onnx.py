@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shared.fragment import FragmentSpec
+from shared.rl.arch import PolicyArch
 from shared.rl.model import ActorCritic, WeightsError, weights_to_bytes
 from shared.rl.policy_onnx import OnnxPolicy, example_batch, resolve_inference
 from shared.rl.policy_torch import TorchPolicy
@@ -104,21 +105,22 @@ def test_the_sampler_runs_the_backend_sampler_inference_names() -> None:
     from services.sampler.rollout import RolloutWorker
     from shared.rl.policy_np import NumpyPolicy
 
-    cartpole = RolloutWorker("CartPole-v1", 2, 4, "s", 64, seed=0)
+    cartpole = RolloutWorker("CartPole-v1", 2, 4, "s", PolicyArch(hidden=64), seed=0)
     assert isinstance(cartpole.policy, NumpyPolicy)
     cartpole.close()
     with pytest.raises(ValueError, match="without observation normalisation"):
-        RolloutWorker("CartPole-v1", 2, 4, "s", 64, seed=0, inference="onnx", normalize_observations=True)
+        RolloutWorker("CartPole-v1", 2, 4, "s", PolicyArch(hidden=64, normalize_observations=True), seed=0,
+                      inference="onnx")
     pytest.importorskip("minatar", reason="the minatar extra is not installed")
     for inference, kind in (("auto", OnnxPolicy), ("torch", TorchPolicy)):
-        w = RolloutWorker("MinAtar/Breakout-v1", 2, 8, "s", 64, seed=0, model="minatar_cnn", inference=inference)
+        w = RolloutWorker("MinAtar/Breakout-v1", 2, 8, "s", PolicyArch("minatar_cnn", 64), seed=0, inference=inference)
         assert isinstance(w.policy, kind), (inference, type(w.policy))
         w.set_policy(0, blob(w.spec, "minatar_cnn", seed=3))
         frag = w.collect()
         assert frag.obs.shape[:2] == (8, 2) and frag.obs.dtype == np.uint8
         w.close()
     with pytest.raises(ValueError, match="MLP only"):
-        RolloutWorker("MinAtar/Breakout-v1", 2, 8, "s", 64, seed=0, model="minatar_cnn", inference="numpy")
+        RolloutWorker("MinAtar/Breakout-v1", 2, 8, "s", PolicyArch("minatar_cnn", 64), seed=0, inference="numpy")
 
 
 def test_both_exporters_give_the_same_graph_outputs() -> None:

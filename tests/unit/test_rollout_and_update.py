@@ -7,6 +7,7 @@ import torch
 from services.sampler.rollout import RolloutWorker
 from services.trainer.learner import Learner
 from shared.fragment import decode_fragment, encode_fragment
+from shared.rl.arch import PolicyArch
 from shared.rl.envs import fragment_spec
 from shared.rl.policy_np import WeightsError
 from shared.settings import TrainerSettings
@@ -16,7 +17,7 @@ SPEC = fragment_spec("CartPole-v1", 1 << 22)
 
 def test_rollout_makes_valid_fragments_with_episode_bookkeeping() -> None:
     learner = Learner(SPEC, TrainerSettings())
-    w = RolloutWorker("CartPole-v1", num_envs=4, fragment_steps=60, sampler_id="s", hidden=64, seed=3)
+    w = RolloutWorker("CartPole-v1", num_envs=4, fragment_steps=60, sampler_id="s", arch=PolicyArch(hidden=64), seed=3)
     with pytest.raises(RuntimeError, match="no policy"):
         w.collect()
     w.set_policy(7, learner.weights())
@@ -32,13 +33,13 @@ def test_rollout_makes_valid_fragments_with_episode_bookkeeping() -> None:
 
 
 def test_policy_with_wrong_shape_is_refused() -> None:
-    w = RolloutWorker("CartPole-v1", num_envs=2, fragment_steps=4, sampler_id="s", hidden=32, seed=0)
+    w = RolloutWorker("CartPole-v1", num_envs=2, fragment_steps=4, sampler_id="s", arch=PolicyArch(hidden=32), seed=0)
     with pytest.raises(WeightsError, match="shape"):
         w.set_policy(1, Learner(SPEC, TrainerSettings(hidden=64)).weights())
 
 
 def test_truncation_bootstraps_from_final_observation() -> None:
-    w = RolloutWorker("CartPole-v1", num_envs=2, fragment_steps=5, sampler_id="s", hidden=64, seed=0)
+    w = RolloutWorker("CartPole-v1", num_envs=2, fragment_steps=5, sampler_id="s", arch=PolicyArch(hidden=64), seed=0)
     learner = Learner(SPEC, TrainerSettings())
     w.set_policy(0, learner.weights())
     frag = w.collect()
@@ -62,7 +63,7 @@ def test_update_improves_the_policy_on_cartpole() -> None:
     """A few in-process updates raise the mean return well above a random policy's (~22)."""
     cfg = TrainerSettings(epochs=20, minibatches=1, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, seed=1)
     learner = Learner(SPEC, cfg)
-    w = RolloutWorker("CartPole-v1", num_envs=8, fragment_steps=32, sampler_id="s", hidden=64, seed=1)
+    w = RolloutWorker("CartPole-v1", num_envs=8, fragment_steps=32, sampler_id="s", arch=PolicyArch(hidden=64), seed=1)
     returns: list[float] = []
     for version in range(60):
         w.set_policy(version, learner.weights())
@@ -76,7 +77,7 @@ def test_update_improves_the_policy_on_cartpole() -> None:
 
 def test_checkpoint_round_trip_restores_everything() -> None:
     a = Learner(SPEC, TrainerSettings(seed=5))
-    w = RolloutWorker("CartPole-v1", num_envs=2, fragment_steps=16, sampler_id="s", hidden=64, seed=0)
+    w = RolloutWorker("CartPole-v1", num_envs=2, fragment_steps=16, sampler_id="s", arch=PolicyArch(hidden=64), seed=0)
     w.set_policy(0, a.weights())
     frag = w.collect()
     a.update([frag])

@@ -8,6 +8,7 @@ from services.sampler.rollout import RolloutWorker
 from services.trainer.learner import Learner
 from services.trainer.update import _targets, gae
 from shared.fragment import Fragment
+from shared.rl.arch import PolicyArch
 from shared.rl.envs import fragment_spec
 from shared.settings import TrainerSettings
 
@@ -17,7 +18,8 @@ SPEC = fragment_spec("CartPole-v1", 1 << 22)
 def _fragments(learner: Learner, n: int, steps: int = 40, envs: int = 3) -> list[Fragment]:
     out = []
     for i in range(n):
-        w = RolloutWorker("CartPole-v1", num_envs=envs, fragment_steps=steps, sampler_id=f"s{i}", hidden=64, seed=i)
+        w = RolloutWorker("CartPole-v1", num_envs=envs, fragment_steps=steps, sampler_id=f"s{i}",
+                          arch=PolicyArch(hidden=64), seed=i)
         w.set_policy(0, learner.weights())
         out.append(w.collect())
         w.close()

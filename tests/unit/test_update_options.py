@@ -15,6 +15,7 @@ from services.sampler.rollout import RolloutWorker
 from services.trainer.learner import Learner
 from services.trainer.update import UpdateConfig, ppo_update
 from shared.fragment import Fragment
+from shared.rl.arch import PolicyArch
 from shared.rl.envs import fragment_spec
 from shared.rl.model import ActorCritic
 from shared.settings import TrainerSettings
@@ -28,7 +29,8 @@ def setup() -> tuple[ActorCritic, list[Fragment], UpdateConfig]:
     learner = Learner(SPEC, TrainerSettings(seed=4, epochs=1, minibatches=1, ent_coef=0.0))
     frags = []
     for i in range(2):
-        w = RolloutWorker("CartPole-v1", num_envs=4, fragment_steps=32, sampler_id=f"s{i}", hidden=64, seed=i)
+        w = RolloutWorker("CartPole-v1", num_envs=4, fragment_steps=32, sampler_id=f"s{i}",
+                          arch=PolicyArch(hidden=64), seed=i)
         w.set_policy(0, learner.weights())
         frags.append(w.collect())
         w.close()
