@@ -25,7 +25,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import gymnasium as gym
 import numpy as np
@@ -35,6 +35,7 @@ from shared.rl.arch import PolicyArch, sampler_policy
 from shared.rl.envs import as_observation, env_options, fragment_spec, register_image_envs
 from shared.rl.frames import FrameStacker
 from shared.rl.policy_np import NumpyPolicy
+from shared.rl.policy_onnx import OnnxPolicy
 from shared.settings import Settings
 
 if TYPE_CHECKING:
@@ -74,7 +75,9 @@ def policy_for(settings: Settings) -> SamplerPolicy:
     spec = fragment_spec(settings.env.id, max_bytes=1 << 30, frame_stack=settings.env.frame_stack)
     arch = PolicyArch.of(settings.trainer)
     # the samplers' own builder; torch rather than onnxruntime for a CNN, so export can trace its module
-    return cast(SamplerPolicy, sampler_policy(spec, arch, "torch" if arch.is_cnn(spec) else "numpy"))
+    policy = sampler_policy(spec, arch, "torch" if arch.is_cnn(spec) else "numpy")
+    assert not isinstance(policy, OnnxPolicy)  # the two backends asked for
+    return policy
 
 
 def loaded_policy(settings: Settings, record: VersionRecord, blob: bytes) -> SamplerPolicy:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from shared.fragment import FragmentSpec
+from shared.rl.arch import PolicyArch
 from shared.rl.envs import fragment_spec
 from shared.settings import Settings, load_settings
 
@@ -64,9 +65,7 @@ def agree(settings: Settings) -> None:
     t = settings.trainer
     learner = Learner(spec, t.model_copy(update={"device": "cpu"}))
     blob = learner.weights()
-    load_weights(ActorCritic.for_spec(spec, t.hidden, normalize_observations=t.normalize_observations,
-                                      gsde=t.gsde, model=t.model, activation=t.activation),
-                 blob)  # what paramsync verifies before publishing
+    load_weights(ActorCritic.for_arch(spec, PolicyArch.of(t)), blob)  # what paramsync verifies before publishing
     worker = RolloutWorker.from_settings(settings, "config-test", seed=0)
     try:
         worker.set_policy(0, blob)
