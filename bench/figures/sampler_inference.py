@@ -25,11 +25,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from bench.report import FigureResult, Row
+
+if TYPE_CHECKING:
+    from shared.rl.arch import PolicyArch
 
 NAME = "sampler_inference"
 TITLE = ("Sampler inference: microseconds per action batch (network + sampling) at each config's num_envs, "
@@ -43,23 +46,24 @@ THREADS = (1, 2)
 
 @dataclass(frozen=True)
 class Case:
-    """One config's policy input: env, batch (``env.num_envs``), frame stack, model."""
+    """One config's policy input: env, batch (``env.num_envs``), frame stack, and the network the trainer's
+    settings give (:class:`shared.rl.arch.PolicyArch`), built as a sampler builds it."""
 
     config: str
     env_id: str
     num_envs: int
     frame_stack: int | None
-    model: str
-    hidden: int
+    arch: PolicyArch
 
 
 def cases() -> list[Case]:
+    from shared.rl.arch import PolicyArch
     from shared.settings import load_settings
 
     out = []
     for path in CONFIGS:
         s = load_settings(REPO / path, environ={})
-        out.append(Case(path, s.env.id, s.env.num_envs, s.env.frame_stack, s.trainer.model, s.trainer.hidden))
+        out.append(Case(path, s.env.id, s.env.num_envs, s.env.frame_stack, PolicyArch.of(s.trainer)))
     return out
 
 
@@ -68,26 +72,24 @@ def _backends(case: Case) -> tuple[dict[str, Callable[[], Any]], np.ndarray, boo
     whether the model is a CNN; the one-off costs (export, session) in seconds."""
     import torch
 
+    from shared.rl.arch import sampler_policy
     from shared.rl.envs import fragment_spec
     from shared.rl.model import ActorCritic, weights_to_bytes
-    from shared.rl.policy_np import NumpyPolicy
     from shared.rl.policy_onnx import OnnxPolicy, example_batch
-    from shared.rl.policy_torch import TorchPolicy
 
     spec = fragment_spec(case.env_id, 1 << 30, frame_stack=case.frame_stack)
-    image = spec.obs_dtype == "uint8"
-    model = case.model if case.model != "auto" else ("cnn" if image else "mlp")
+    image, cnn = spec.obs_dtype == "uint8", case.arch.is_cnn(spec)
     torch.manual_seed(0)
-    blob = weights_to_bytes(ActorCritic.for_spec(spec, case.hidden, model=model))
+    blob = weights_to_bytes(ActorCritic.for_arch(spec, case.arch))
     rng = np.random.default_rng(0)
     shape = example_batch(spec, case.num_envs).shape
     obs = (rng.integers(0, 256, shape, dtype=np.uint8) if image else rng.normal(size=shape).astype(np.float32))
     out: dict[str, Callable[[], Any]] = {}
-    if not image:
-        numpy_policy = NumpyPolicy.for_spec(spec, case.hidden)
+    if not cnn:
+        numpy_policy = sampler_policy(spec, case.arch, "numpy")
         numpy_policy.load(blob)
         out["numpy"] = lambda: numpy_policy.act(obs, rng)
-    torch_policy = TorchPolicy.for_spec(spec, model, case.hidden)
+    torch_policy = sampler_policy(spec, case.arch, "torch")
     torch_policy.load(blob)
     for threads in THREADS:
         def torch_act(n: int = threads) -> Any:
@@ -97,7 +99,8 @@ def _backends(case: Case) -> tuple[dict[str, Callable[[], Any]], np.ndarray, boo
         out[f"torch, {threads} thread{'s' if threads > 1 else ''}"] = torch_act
     costs: dict[str, float] = {}
     t0 = time.perf_counter()
-    onnx_policy = OnnxPolicy.for_spec(spec, model, case.hidden)
+    onnx_policy = sampler_policy(spec, case.arch, "onnx")
+    assert isinstance(onnx_policy, OnnxPolicy)
     costs["onnx_export_s"] = time.perf_counter() - t0
     for threads in THREADS:  # one session per thread count, built once: load() opens the session
         onnx_policy.threads = threads
@@ -110,7 +113,7 @@ def _backends(case: Case) -> tuple[dict[str, Callable[[], Any]], np.ndarray, boo
             onnx_policy._session = s
             return onnx_policy.act(obs, rng)
         out[f"onnxruntime, {threads} thread{'s' if threads > 1 else ''}"] = onnx_act
-    return out, obs, image, costs
+    return out, obs, cnn, costs
 
 
 def _block(fn: Callable[[], Any], min_s: float) -> float:
@@ -133,7 +136,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
     repeats, min_s = (3, 0.05) if quick else (9, 0.25)
     results: dict[str, Any] = {"load_before": os.getloadavg()[0], "repeats": repeats, "block_s": min_s, "cases": {}}
     for case in cases():
-        fns, obs, image, costs = _backends(case)
+        fns, obs, cnn, costs = _backends(case)
         for fn in fns.values():  # warm-up: first-call allocations, lazy initialisation
             _block(fn, min_s / 2)
         samples: dict[str, list[float]] = {label: [] for label in fns}
@@ -144,11 +147,11 @@ def measure(quick: bool = False) -> dict[str, Any]:
         med = {label: statistics.median(v) for label, v in samples.items()}
         one_thread = {label: m for label, m in med.items() if "2 threads" not in label}
         fastest = min(one_thread, key=lambda k: one_thread[k])
-        pick = resolve_inference("auto", image)
+        pick = resolve_inference("auto", cnn)
         picked = next(label for label in one_thread
                       if label.startswith({"onnx": "onnxruntime", "numpy": "numpy", "torch": "torch"}[pick]))
         results["cases"][case.config] = {
-            "env_id": case.env_id, "num_envs": case.num_envs, "obs_shape": list(obs.shape), "model": case.model,
+            "env_id": case.env_id, "num_envs": case.num_envs, "obs_shape": list(obs.shape), "model": case.arch.model,
             "us_per_batch": {label: {"median": med[label], "min": min(v), "max": max(v), "values": v}
                              for label, v in samples.items()},
             "fastest_1_thread": fastest, "auto_picks": pick,
