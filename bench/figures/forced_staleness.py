@@ -165,7 +165,8 @@ def run(ctx: Context) -> FigureResult:
     return FigureResult(
         headline=headline,
         numbers=numbers,
-        settings={"jobs": jobs, "workers": SAMPLERS, "trainer.objective": "decoupled | ppo",
+        settings={"config": ", ".join(f"{p.config} ({p.env})" for p in parts),
+                  "jobs": jobs, "workers": SAMPLERS, "trainer.objective": "decoupled | ppo",
                   **{f"{p.env}": f"lag {p.lag} versions, {p.budget:,} env steps, seeds "
                                  f"{', '.join(map(str, p.seeds))}, {p.config}" for p in parts}},
         method=(f"In one process per env, seed and variant (`FLYWHEEL_BENCH_JOBS`, default one per core, at a time): "
