@@ -288,6 +288,32 @@ def verdict(fw: PeerSummary, sb3: PeerSummary) -> tuple[bool | None, bool | None
     return fw.return_median >= sb3.return_median, fw.wall.median < sb3.wall.median
 
 
+def why_missed(fw_runs: list[BudgetRun], sb3_runs: list[BudgetRun], budget: int) -> str:
+    """What the runs themselves say about a missed return target: by how much, on how many seeds, and whether
+    the gap is outside the runs' spread; empty when the return target is met or cannot be judged."""
+    fw, sb3 = PeerSummary.of(fw_runs), PeerSummary.of(sb3_runs)
+    better, _ = verdict(fw, sb3)
+    if better is not False or fw.return_median is None or sb3.return_median is None:
+        return ""
+    gap = fw.return_median - sb3.return_median
+    paired = [(f, b) for f, b in zip(fw_runs, sb3_runs, strict=True)
+              if f.return_at_budget is not None and b.return_at_budget is not None]
+    ahead = sum(1 for f, b in paired if f.return_at_budget >= b.return_at_budget)  # type: ignore[operator]
+    below = [f for f in fw_runs if f.return_at_budget is not None and f.return_at_budget < min(sb3.returns)]
+    overlap = bool(fw.returns and sb3.returns and min(sb3.returns) <= max(fw.returns))
+    k = f"{budget // 1000}k"
+    text = (f"Why the return target is missed: Flywheel's median at {k} is {gap:,.0f} from SB3-zoo's "
+            f"({gap / sb3.return_median:+.0%}); Flywheel is ahead on {ahead} of {len(paired)} seeds")
+    if below:
+        text += (f", and {len(below)} of its runs ended below every SB3 run ("
+                 + ", ".join(f"seed {r.seed}: {r.return_at_budget:,.0f}" for r in below) + ")")
+    text += (". The ranges overlap: the gap is within the runs' spread at these seeds. " if overlap else
+             ". The ranges do not overlap. ")
+    return text + ("Whether the samplers' lag costs return is asked separately, on the same seeds with the lag "
+                   "held at 0 and at the stack's (`python -m bench.lag_look --config configs/halfcheetah.yaml "
+                   "--seed S --lag L`; docs/pixels.md, HalfCheetah, has five seeds of it).")
+
+
 def _cell(r: BudgetRun) -> str:
     if r.error is not None:
         return f"**failed** ({r.error.splitlines()[0]})"
@@ -360,6 +386,7 @@ def run(ctx: Context) -> FigureResult:
         "Failures:" if failures else "No run failed.",
         *failures,
         "",
+        *([why, ""] if (why := why_missed(runs[PEERS[1]], runs[PEERS[0]], budget)) else []),
         "Not shared between the two: " + "; ".join(NOT_SHARED) + ".",
     ])
     return FigureResult(

@@ -141,3 +141,22 @@ def test_the_wall_budget_reads_the_environment(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setenv("FLYWHEEL_BENCH_PEERS_MINATAR_WALL_S", bad)
         with pytest.raises(ValueError, match=f"WALL_S={bad!r}: want seconds"):
             wall_budget(Context(infra=None, stamp="t"))  # type: ignore[arg-type]
+
+
+def _runs(peer: str, returns: list[float]) -> list[object]:
+    from bench.figures.peers_mujoco import BudgetRun
+
+    return [BudgetRun(peer, i + 1, 300_000, 10.0, 600.0, r, 300, 300_000) for i, r in enumerate(returns)]
+
+
+def test_mujoco_says_why_a_missed_return_target_was_missed() -> None:
+    from bench.figures.peers_mujoco import PEERS, why_missed
+
+    sb3 = _runs(PEERS[0], [2_938, 2_930, 4_774, 3_140, 4_609])
+    missed = why_missed(_runs(PEERS[1], [3_005, 3_601, 3_496, 716, 1_642]), sb3, 300_000)  # type: ignore[arg-type]
+    assert "-135 from SB3-zoo's (-4%)" in missed
+    assert "ahead on 2 of 5 seeds" in missed and "seed 4: 716, seed 5: 1,642" in missed
+    assert "ranges overlap" in missed and "bench.lag_look" in missed
+    apart = why_missed(_runs(PEERS[1], [100, 200, 300, 400, 500]), sb3, 300_000)  # type: ignore[arg-type]
+    assert "do not overlap" in apart and "ahead on 0 of 5" in apart
+    assert why_missed(_runs(PEERS[1], [3_200, 3_601, 3_496, 3_100, 3_300]), sb3, 300_000) == ""  # type: ignore[arg-type]
