@@ -115,6 +115,16 @@ class FaultEnv:
     def restarts(self) -> dict[str, int]:
         return {k: v for k, v in self.stack.restarts().items() if v}
 
+    def wait_restarted(self, before: dict[str, int], timeout_s: float) -> dict[str, int]:
+        """The supervisor's restart counts once every process named in ``before`` shows more restarts than
+        there, or when ``timeout_s`` has passed (the caller asserts what it expects of them)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            after = self.stack.restarts()
+            if all(after.get(name, 0) > n for name, n in before.items()) or time.monotonic() >= deadline:
+                return after
+            time.sleep(0.2)
+
     def account(self) -> Accounting:
         topic = Topics.for_run(self.run).samples
         return account_now(self.endpoints.kafka_bootstrap, topic, trainer_group(self.run),

@@ -134,10 +134,8 @@ def _kill_trainer_at_random_points(env: FaultEnv, kills: int) -> None:
         pid = env.stack.pid("trainer")
         env.stack.kill("trainer")
         t0 = time.monotonic()
-        deadline = t0 + 90
-        while env.stack.restarts().get("trainer", 0) < before + i + 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert env.stack.restarts().get("trainer", 0) == before + i + 1, "the supervisor did not restart the trainer"
+        after = env.wait_restarted({"trainer": before + i}, timeout_s=90)
+        assert after.get("trainer", 0) == before + i + 1, "the supervisor did not restart the trainer"
         env.stack.wait_healthy("trainer", timeout_s=90)
         assert env.stack.pid("trainer") not in (None, pid), "the trainer was not replaced by a new process"
         env.wait_version_advances(version, timeout_s=90)
@@ -175,9 +173,7 @@ def test_other_services_kill9_are_restarted(fault_env: FaultEnv, name: str) -> N
     pid = env.stack.pid(name)
     env.stack.kill(name)
     t0 = time.monotonic()
-    while env.stack.restarts().get(name, 0) <= before and time.monotonic() - t0 < 60:
-        time.sleep(0.2)
-    assert env.stack.restarts().get(name, 0) == before + 1
+    assert env.wait_restarted({name: before}, timeout_s=60).get(name, 0) == before + 1
     service, _, replica = name.partition("-")
     env.stack.wait_healthy(service, int(replica or 0), timeout_s=60)
     assert env.stack.pid(name) not in (None, pid), f"{name} was not replaced by a new process"

@@ -27,16 +27,6 @@ def _equal_digests(env: FaultEnv) -> list[dict[str, Any]] | None:
     return None
 
 
-def _wait_both_restarted(env: FaultEnv, before: dict[str, int], deadline: float) -> dict[str, int]:
-    """The supervisor's restart counts once both ranks show a restart since ``before`` (or at ``deadline``)."""
-    while True:
-        after = env.stack.restarts()
-        both = all(after.get(name, 0) > before.get(name, 0) for name in ("trainer", "trainer-1"))
-        if both or time.monotonic() >= deadline:
-            return after
-        time.sleep(0.5)
-
-
 @pytest.mark.faults_full
 @pytest.mark.timeout(600)
 def test_trainer_rank_kill9_group_recovers(fault_env: FaultEnv) -> None:
@@ -58,7 +48,8 @@ def test_trainer_rank_kill9_group_recovers(fault_env: FaultEnv) -> None:
         # A version can still appear in the first seconds (an update rank 0 finished before its collective
         # failed, published late): recovery is the group re-formed (both ranks restarted) and then a version
         # newer than any published before the restarts.
-        after = _wait_both_restarted(env, before, t0 + RECOVERY_BOUND_S)
+        after = env.wait_restarted({name: before.get(name, 0) for name in ("trainer", "trainer-1")},
+                                   timeout_s=RECOVERY_BOUND_S)
         assert after.get("trainer-1", 0) > before.get("trainer-1", 0), "the killed rank was not restarted"
         # The survivor's collective failed: rank 0 stopped too and came back from the checkpoint.
         assert after.get("trainer", 0) > before.get("trainer", 0), "rank 0 went on alone after losing rank 1"
