@@ -3,10 +3,10 @@
 Runs the services' own RolloutWorkers and Learner in lockstep (:func:`bench.inproc.lockstep`): the workers act
 with the policy of exactly ``--lag`` updates ago (0: the current one, as a synchronous PPO), every other setting
 from the config, seeded by ``--seed`` (the trainer's initial weights and the workers' envs), until ``--steps``
-env steps. Run the same seeds at lag 0 and at the lag the stack shows (its ``lag`` TensorBoard scalar, about 2
-on the 2-core machine) and compare return at equal env steps: wall time does not enter. Prints one JSON line
-per run (the last-``--last`` return every ``--every`` env steps and at the end, the best rolling value, wall
-seconds)::
+env steps. Run the same seeds at lag 0 and at the lag the stack shows (its ``lag/mean_versions`` TensorBoard
+scalar, about 2 on the 2-core machine) and compare return at equal env steps: wall time does not enter. Prints
+one JSON line per run (the last-``--last`` return every ``--every`` env steps and at the end, the best rolling
+value, wall seconds)::
 
     .venv/bin/python -m bench.lag_look --config configs/halfcheetah.yaml --seed 4 --lag 0 --steps 300000
 """
