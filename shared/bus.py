@@ -67,6 +67,10 @@ class RecordSource(Protocol):
 
     async def position(self, tp: TopicPartition) -> int: ...
 
+    async def log_start(self, tp: TopicPartition) -> int:
+        """The partition's log start offset: records below it left the log (retention, ``deleteRecords``)."""
+        ...
+
     async def stop(self) -> None: ...
 
 
@@ -166,6 +170,9 @@ class KafkaSource:
     async def position(self, tp: TopicPartition) -> int:
         return int(await self.consumer.position(tp))
 
+    async def log_start(self, tp: TopicPartition) -> int:
+        return int((await self.consumer.beginning_offsets([tp]))[tp])
+
     async def stop(self) -> None:
         await self.consumer.stop()
 
@@ -195,6 +202,9 @@ class NoSource:
         raise self._refuse()
 
     async def position(self, tp: TopicPartition) -> int:
+        raise self._refuse()
+
+    async def log_start(self, tp: TopicPartition) -> int:
         raise self._refuse()
 
     async def stop(self) -> None:
@@ -257,6 +267,12 @@ class MemoryBus:
     """Awaited inside every acknowledged send (a test can rebalance or fail there)."""
     commit_errors: list[BaseException] = field(default_factory=list)
     """Raised by the next commits, in order."""
+    log_starts: dict[TopicPartition, int] = field(default_factory=dict)
+    """Per partition, the first offset still in the log (:meth:`delete_records` moves it)."""
+
+    def delete_records(self, tp: TopicPartition, before: int) -> None:
+        """Kafka's ``deleteRecords``: offsets below ``before`` leave the log (offsets are never reused)."""
+        self.log_starts[tp] = max(self.log_starts.get(tp, 0), min(before, len(self.logs.get(tp, []))))
 
     def create(self, topic: str, partitions: int = 1) -> None:
         self.partitions[topic] = partitions
@@ -336,6 +352,8 @@ class MemorySource:
         n = 0
         for tp in sorted(self.owned):
             log = self.bus.logs.get(tp, [])
+            # Below the log start: reset to it, as a consumer with auto_offset_reset=earliest does.
+            self.positions[tp] = max(self.positions[tp], self.bus.log_starts.get(tp, 0))
             while self.positions[tp] < len(log) and n < max_records:
                 out.setdefault(tp, []).append(log[self.positions[tp]])
                 self.positions[tp] += 1
@@ -360,6 +378,9 @@ class MemorySource:
 
     async def position(self, tp: TopicPartition) -> int:
         return self.positions[tp]
+
+    async def log_start(self, tp: TopicPartition) -> int:
+        return self.bus.log_starts.get(tp, 0)
 
     async def stop(self) -> None:
         pass

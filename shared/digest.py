@@ -10,9 +10,16 @@ from typing import Any, Literal
 
 import numpy as np
 
-Outcome = Literal["trained", "dropped", "dead", "gap"]
-OUTCOMES: tuple[Outcome, ...] = ("trained", "dropped", "dead", "gap")
+Outcome = Literal["trained", "dropped", "dead", "gap", "lost"]
+OUTCOMES: tuple[Outcome, ...] = ("trained", "dropped", "dead", "gap", "lost")
+"""Every offset of a partition since the run began on it ends in exactly one: ``trained`` (its gradient is in the
+model), ``dropped`` (stale), ``dead`` (dead-lettered), ``gap`` (the log held no record there when the trainer read
+past it) or ``lost`` (the record left the log, by retention or ``deleteRecords``, before the trainer read it)."""
 _MASK = (1 << 64) - 1
+ORIGIN = 0
+"""Where a run begins on every partition of its samples topic (the topic is the run's own): the ledger's
+``start``, which ``flywheel verify`` requires, so records that left the log before training cannot hide
+below it."""
 
 
 def mix64(offset: int) -> int:

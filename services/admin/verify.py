@@ -1,17 +1,30 @@
-"""``flywheel verify``: prove exactly-once from the artifact, not from log lines.
+"""``flywheel verify``: prove exactly-once from the artifact and the topics, not from log lines.
 
 A checkpoint stores, per partition of the samples topic, the offset range ``[start, end)`` its model
 reflects and the ledger of outcomes in it (``shared.digest``): a count and a 64-bit multiset hash of the
-offsets per outcome (trained, dropped as stale, dead-lettered, gap), with run-length ranges. Verify checks:
+offsets per outcome (trained, dropped as stale, dead-lettered, gap, lost), with run-length ranges. The
+ledger is cumulative from the partition's origin, so the newest checkpoint alone proves the whole run
+(pruning older checkpoints breaks nothing). Verify checks:
 
-1. **every offset exactly once**: the outcome digests add up to the closed-form digest of the range, and
+1. **the whole run**: every partition of the run's samples topic that holds or held a record is in the
+   ledger, and each range begins at the run's origin (offset 0; after a deliberate fresh start, where the
+   new model began, which is said). A lost rank ledger, a partition added to the topic after the
+   checkpoint, or a range that starts late fails here;
+2. **nothing lost**: no offset has the outcome ``lost`` (records that left the log, by retention or
+   ``deleteRecords``, before the trainer read them; the trainer records them when it reads past them);
+3. **every offset exactly once**: the outcome digests add up to the closed-form digest of the range, and
    the ranges cover it without overlap (a doubled or missing offset is named; from the digests alone
    when the ranges agree but the hash does not and one offset explains the difference);
-2. **the ranges agree with the digests** (a ledger whose parts disagree was tampered with or is corrupt);
-3. **against the topics**: every dead-lettered offset has its copy on ``<run>.samples.dlq``
+4. **the ranges agree with the digests** (a ledger whose parts disagree was tampered with or is corrupt);
+5. **against the topics**: every dead-lettered offset has its copy on ``<run>.samples.dlq``
    (``dlq-source``), the log holds a record at every trained, dropped and dead offset still retained, and
    none at a gap. So the trained records are exactly the range minus what the DLQ and the drops account for.
-   Drops as stale leave no record on a topic: they are checked by (1) and (2) only.
+   Drops as stale leave no record on a topic: they are checked by (3) and (4) only.
+
+Where the proof ends (``docs/reliability.md``): records beyond the checkpoint's frontier are not yet in the
+model and are not claimed; offsets the log no longer holds (expired by retention after they were read) are
+checked by the digests only; a log truncated below the trainer's position (unclean leader election, which
+the project's topics forbid) cannot be told from the digests.
 
 Exit 0 when every partition checks, 1 otherwise (each problem printed with the partition).
 """
@@ -25,7 +38,7 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
-from shared.digest import OUTCOMES, Digest, mix64, range_digest
+from shared.digest import ORIGIN, OUTCOMES, Digest, mix64, range_digest
 from shared.kafka import Topics, make_consumer
 from shared.marker import VersionedStore, VersionRecord
 from shared.settings import Settings
@@ -70,10 +83,23 @@ def _explain(diff: Digest, lo: int, hi: int) -> str:
     return ""
 
 
-def check_ledger(key: str, part: dict[str, Any]) -> PartitionReport:
-    """Checks 1 and 2 for one partition's ledger (pure: no topic is read)."""
+def _spans(ranges: Iterable[Iterable[int]]) -> str:
+    spans = [f"[{int(lo)}, {int(hi)})" for lo, hi in ranges]
+    return ", ".join(spans[:MAX_NAMED]) + (f" (+{len(spans) - MAX_NAMED} more)" if len(spans) > MAX_NAMED else "")
+
+
+def check_ledger(key: str, part: dict[str, Any], origin: int | None = ORIGIN) -> PartitionReport:
+    """Checks 1 (the range's start; ``origin`` None: any start, after a deliberate fresh start) to 4 for one
+    partition's ledger (pure: no topic is read)."""
     start, end = int(part["start"]), int(part["end"])
     rep = PartitionReport(key, start, end)
+    if origin is not None and start != origin:
+        rep.problems.append(f"the ledger starts at offset {start}, not at the run's origin {origin}: offsets "
+                            f"[{min(origin, start)}, {max(origin, start)}) have no outcome in this model")
+    lost = [list(r) for r in (part.get("ranges") or {}).get("lost", [])]
+    if lost:
+        n = sum(int(hi) - int(lo) for lo, hi in lost)
+        rep.problems.append(f"lost before training (left the log untrained): {n} record(s) at {_spans(lost)}")
     digests = {k: Digest.from_json(d) for k, d in (part.get("digests") or {}).items()}
     ranges = {k: [list(r) for r in (part.get("ranges") or {}).get(k, [])] for k in OUTCOMES}
     rep.counts = {k: digests.get(k, Digest()).count for k in OUTCOMES}
@@ -107,59 +133,76 @@ def check_ledger(key: str, part: dict[str, Any]) -> PartitionReport:
     return rep
 
 
-async def read_topics(settings: Settings, parts: dict[str, dict[str, Any]]) -> tuple[
-        dict[int, set[int]], dict[int, set[int]], dict[int, int]]:
-    """Offsets present on the samples topic within each ledger range, the DLQ's sources per partition, and
-    each partition's log start offset."""
+@dataclasses.dataclass
+class TopicView:
+    """What the topics hold, read once (:func:`read_topics`); partitions by number."""
+
+    partitions: set[int]  # every partition of the samples topic
+    log_start: dict[int, int]
+    log_end: dict[int, int]
+    present: dict[int, set[int]]  # offsets present on the log within each ledger range
+    dlq_sources: dict[int, set[int]]  # offsets each dead-letter copy names, per samples partition
+
+
+async def read_topics(settings: Settings, parts: dict[str, dict[str, Any]]) -> TopicView:
+    """Every partition of the samples topic with its log start and end, the offsets present within each
+    ledger range, and the DLQ's sources per partition."""
     topics = Topics.for_run(settings.run)
-    present: dict[int, set[int]] = {}
-    log_start: dict[int, int] = {}
     consumer = make_consumer(settings, group_id=None)
     await consumer.start()
     try:
-        wanted = {TopicPartition(topics.samples, int(k.rpartition(":")[2])): (int(p["start"]), int(p["end"]))
-                  for k, p in parts.items()}
         await consumer.topics()  # fetches the cluster's metadata
+        numbers = set(consumer.partitions_for_topic(topics.samples) or set())
+        numbers |= {int(k.rpartition(":")[2]) for k in parts}
+        ranges = {int(k.rpartition(":")[2]): (int(p["start"]), int(p["end"])) for k, p in parts.items()}
+        samples = [TopicPartition(topics.samples, n) for n in sorted(numbers)]
         dlq_tps = [TopicPartition(topics.dlq, p) for p in sorted(consumer.partitions_for_topic(topics.dlq) or {0})]
-        consumer.assign(list(wanted) + dlq_tps)
-        begin = await consumer.beginning_offsets(list(wanted) + dlq_tps)
-        ends = await consumer.end_offsets(list(wanted) + dlq_tps)
-        for tp, (lo, _hi) in wanted.items():
-            log_start[tp.partition] = begin[tp]
-            present[tp.partition] = set()
+        consumer.assign(samples + dlq_tps)
+        begin = await consumer.beginning_offsets(samples + dlq_tps)
+        ends = await consumer.end_offsets(samples + dlq_tps)
+        view = TopicView(partitions=set(numbers), log_start={tp.partition: begin[tp] for tp in samples},
+                         log_end={tp.partition: ends[tp] for tp in samples}, present={}, dlq_sources={})
+        limit: dict[TopicPartition, int] = {}
+        for tp in samples:
+            view.present[tp.partition] = set()
+            lo, hi = ranges.get(tp.partition, (0, 0))
             consumer.seek(tp, max(lo, begin[tp]))
+            limit[tp] = min(hi, ends[tp])
         for tp in dlq_tps:
             consumer.seek(tp, begin[tp])
-        sources: dict[int, set[int]] = {}
-        todo = {tp for tp in list(wanted) + dlq_tps
-                if (wanted[tp][1] if tp in wanted else ends[tp]) > max(begin[tp], wanted.get(tp, (0, 0))[0])}
+            limit[tp] = ends[tp]
+        todo = set()
+        for tp in samples + dlq_tps:
+            if limit[tp] > await consumer.position(tp):
+                todo.add(tp)
+            else:
+                consumer.pause(tp)
         while todo:
             polled = await consumer.getmany(timeout_ms=2000, max_records=5000)
             if not polled:
                 break
             for tp, records in polled.items():
                 for rec in records:
-                    if tp in wanted:
-                        if rec.offset < wanted[tp][1]:
-                            present[tp.partition].add(rec.offset)
+                    if tp.topic == topics.samples:
+                        if rec.offset < limit[tp]:
+                            view.present[tp.partition].add(rec.offset)
                     else:
                         src = dict(rec.headers or []).get("dlq-source", b"").decode(errors="replace")
                         topic, _, rest = src.rpartition(":")
                         topic, _, part = topic.rpartition(":")
                         if topic == topics.samples and part.isdigit() and rest.isdigit():
-                            sources.setdefault(int(part), set()).add(int(rest))
-                limit = wanted[tp][1] if tp in wanted else ends[tp]
-                if (await consumer.position(tp)) >= limit:
+                            view.dlq_sources.setdefault(int(part), set()).add(int(rest))
+                if (await consumer.position(tp)) >= limit[tp]:
                     todo.discard(tp)
                     consumer.pause(tp)
     finally:
         await consumer.stop()
-    return present, sources, log_start
+    return view
 
 
 def check_topics(rep: PartitionReport, part: dict[str, Any], present: set[int], dlq_sources: set[int],
                  log_start: int) -> None:
-    """Check 3 for one partition: the DLQ and the log agree with the ledger."""
+    """Check 5 for one partition: the DLQ and the log agree with the ledger."""
     ranges = part.get("ranges") or {}
     dead = _offsets(ranges.get("dead", []))
     no_copy = [o for o in dead if o not in dlq_sources]
@@ -174,6 +217,33 @@ def check_topics(rep: PartitionReport, part: dict[str, Any], present: set[int], 
         rep.problems.append(f"recorded as gaps but the log holds records there: {_name(gaps)}")
     if log_start > rep.start:
         rep.counts["expired_by_retention"] = min(log_start, rep.end) - rep.start
+
+
+def check_run(parts: dict[str, dict[str, Any]], samples_topic: str, origin: int | None,
+              view: TopicView | None) -> dict[str, PartitionReport]:
+    """Every check on a checkpoint's ledger (``view`` None: the ledger alone, checks 1-4 without the topic's
+    partitions). Partitions of the topic the ledger does not name get a report of their own."""
+    reports: dict[str, PartitionReport] = {}
+    for key, part in sorted(parts.items(), key=lambda kv: (kv[0].rpartition(":")[0], int(kv[0].rpartition(":")[2]))):
+        rep = reports[key] = check_ledger(key, part, origin)
+        if key.rpartition(":")[0] != samples_topic:
+            rep.problems.append(f"not a partition of this run's samples topic {samples_topic}")
+        elif view is not None:
+            n = int(key.rpartition(":")[2])
+            if n not in view.partitions:
+                rep.problems.append(f"the topic has no partition {n}")
+            check_topics(rep, part, view.present.get(n, set()), view.dlq_sources.get(n, set()),
+                         view.log_start.get(n, 0))
+    if view is not None:
+        named = {int(k.rpartition(":")[2]) for k in parts if k.rpartition(":")[0] == samples_topic}
+        for n in sorted(view.partitions - named):
+            end = view.log_end.get(n, 0)
+            if end > 0:  # the partition holds, or held, records this model has no outcome for
+                key = f"{samples_topic}:{n}"
+                rep = reports[key] = PartitionReport(key, 0, 0)
+                rep.problems.append(f"not in the checkpoint's ledger, but the log has offsets [0, {end}) "
+                                    f"(log start {view.log_start.get(n, 0)}): their outcome in this model is unknown")
+    return reports
 
 
 def checkpoint_record(store: VersionedStore, step: int | None) -> VersionRecord:
@@ -194,19 +264,25 @@ def verify(settings: Settings, step: int | None = None, read_log: bool = True) -
     rec = checkpoint_record(ckpts, step)
     parts: dict[str, dict[str, Any]] = dict(rec.extra.get("ledger") or {})
     lines = [f"checkpoint {rec.version} (policy version {rec.extra.get('policy_version')}, "
-             f"{len(parts)} partition(s))"]
+             f"{len(parts)} partition(s) in its ledger)"]
     if not parts:
         return 1, [*lines, "no ledger in this checkpoint (written before ledgers existed?): nothing can be proven"]
-    reports = {k: check_ledger(k, p) for k, p in sorted(parts.items())}
-    if read_log:
-        present, sources, log_start = asyncio.run(read_topics(settings, parts))
-        for k, p in parts.items():
-            n = int(k.rpartition(":")[2])
-            check_topics(reports[k], p, present.get(n, set()), sources.get(n, set()), log_start.get(n, 0))
+    fresh = rec.extra.get("fresh_start_at")
+    origin = None if fresh is not None else ORIGIN
+    if fresh is not None:
+        lines.append(f"  (a deliberate fresh start at {fresh}: each range is proven from where the new model began)")
+    view = asyncio.run(read_topics(settings, parts)) if read_log else None
+    if view is None:
+        lines.append("  (--no-log: the ledger alone; the topic's partitions and records are not read)")
+    reports = check_run(parts, Topics.for_run(settings.run).samples, origin, view)
     for k, r in reports.items():
         counts = ", ".join(f"{name} {n}" for name, n in r.counts.items() if n)
         lines.append(f"  {k} [{r.start}, {r.end}): {'ok' if r.ok else 'FAILED'} ({counts or 'empty'})")
         lines.extend(f"    - {p}" for p in r.problems)
     ok = all(r.ok for r in reports.values())
-    lines.append("verify: ok: every offset exactly once" if ok else "verify: FAILED")
+    if ok:
+        lines.append(f"verify: ok: every offset of {len(reports)} partition(s), from the run's origin to the "
+                     "checkpoint's frontier, has exactly one outcome; none lost before training")
+    else:
+        lines.append("verify: FAILED")
     return (0 if ok else 1), lines

@@ -16,8 +16,8 @@ from typing import Any
 from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError, RebalanceInProgressError
 
-from services.trainer.ledger import OffsetLedger, Outcome, tp_key
-from services.trainer.telemetry import COMMIT_FAILURES
+from services.trainer.ledger import ORIGIN, OffsetLedger, Outcome, tp_key
+from services.trainer.telemetry import COMMIT_FAILURES, RECORDS_LOST, Auditor
 from shared.bus import Publisher, Record, RecordSource
 from shared.fragment import header_dict
 from shared.retry import Health, Retrier, describe
@@ -29,7 +29,8 @@ always fits the topic's message limit."""
 
 class ConsumerGroup:
     def __init__(self, source: RecordSource, producer: Publisher, *, samples_topic: str, dlq_topic: str,
-                 max_message_bytes: int, kafka_timeout_s: float, health: Health, retry: Retrier, log: Any) -> None:
+                 max_message_bytes: int, kafka_timeout_s: float, health: Health, retry: Retrier, audit: Auditor,
+                 log: Any) -> None:
         self.source = source
         self.producer = producer
         self.samples_topic = samples_topic
@@ -38,8 +39,13 @@ class ConsumerGroup:
         self.kafka_timeout_s = kafka_timeout_s
         self.health = health
         self.retry = retry
+        self.audit = audit
         self.log = log
         self.ledger = OffsetLedger()
+        # Where a partition this model never saw is read from: the run's origin (offset 0), so records that
+        # left the log before the trainer read them are found and named (``lost``). False only for the first
+        # process of a deliberate fresh start, whose new model begins at the group's offsets.
+        self.unseen_from_origin = True
         # Partitions being revoked: aiokafka's assignment() still lists them until the rejoin completes,
         # so this set (filled first thing in the revoke callback) is what says "no longer ours".
         self.revoking: set[TopicPartition] = set()
@@ -53,7 +59,8 @@ class ConsumerGroup:
     def assigned(self, partitions: set[TopicPartition]) -> None:
         """Read every assigned partition from where this model's ledger ends (the checkpoint's offsets
         after a restore, the frontier after a revoke): records after it are in no model of this run, so
-        they are trained (again) exactly once. Partitions the model never saw start at the group's offset."""
+        they are trained (again) exactly once. Partitions the model never saw start at the run's origin
+        (offset 0; after a deliberate fresh start, at the group's offset)."""
         self.revoking -= partitions
         for tp in sorted(partitions, key=lambda t: (t.topic, t.partition)):
             off = self.ledger.resume_offset(tp)
@@ -63,14 +70,46 @@ class ConsumerGroup:
                 # must not hand the next owner the (later) offsets a crashed run committed.
                 self.ledger.seeked(tp, off)
                 self.log.info("resumed_from_ledger_offset", partition=tp.partition, offset=off)
+            elif self.unseen_from_origin:
+                self.source.seek(tp, ORIGIN)
+                self.ledger.begin(tp, ORIGIN)  # its range starts here: records already gone are found as lost
+                self.log.info("started_at_origin", partition=tp.partition, offset=ORIGIN)
 
     def forget(self, partitions: set[TopicPartition]) -> None:
         self.ledger.forget(partitions)
 
     # ---- outcomes -------------------------------------------------------------------------
-    def consumed(self, tp: TopicPartition, offset: int) -> bool:
-        """False for a re-delivered record that already has an outcome in this model (skip it)."""
+    async def consumed(self, tp: TopicPartition, offset: int) -> bool:
+        """False for a re-delivered record that already has an outcome in this model (skip it), or for one of
+        a partition revoked meanwhile. A record beyond the next expected offset means the consumer skipped
+        offsets: those the log start has passed were lost before training (:meth:`_skipped`)."""
+        expected = self.ledger.expected(tp)
+        if expected is not None and offset > expected:
+            await self._skipped(tp, expected, offset)
+            if not self.owned(tp):
+                return False
         return self.ledger.consumed(tp, offset)
+
+    async def _skipped(self, tp: TopicPartition, expected: int, offset: int) -> None:
+        """The consumer jumped from ``expected`` to ``offset``. Where the log start is past ``expected``, the
+        records in between left the log (retention, ``deleteRecords``, a reset to the log start) before this
+        model read them: recorded as ``lost`` in the ledger (``flywheel verify`` then fails, naming them),
+        counted, logged as an error and audited. The rest of the jump holds no record (a ``gap``)."""
+        log_start = await self.retry(lambda: self.source.log_start(tp), "read log start", "kafka",
+                                     timeout_s=self.kafka_timeout_s)
+        hi = min(log_start, offset)
+        if hi <= expected or not self.owned(tp) or self.ledger.expected(tp) != expected:
+            return
+        self.ledger.lost(tp, expected, hi)
+        n = hi - expected
+        RECORDS_LOST.inc(n)
+        self.log.error("records_lost_before_training", partition=tp.partition, from_offset=expected, to_offset=hi,
+                       count=n, log_start=log_start,
+                       hint="retention or deleteRecords removed them before the trainer read them")
+        await self.audit("records_lost_before_training",
+                         {"topic": tp.topic, "partition": tp.partition, "from_offset": expected, "to_offset": hi,
+                          "count": n, "log_start": log_start},
+                         f"{n} record(s) left the log untrained; flywheel verify names them until the run ends")
 
     def finished(self, tp: TopicPartition, offset: int, outcome: Outcome) -> None:
         self.ledger.finished(tp, offset, outcome)

@@ -4,15 +4,22 @@ Every consumed record ends in exactly one outcome: ``trained`` (after the optimi
 (stale) or ``dead`` (dead-lettered, after the dead-letter send was acknowledged). Per partition the
 ledger keeps a *frontier*: every offset in ``[start, frontier)`` has an outcome, and those outcomes
 are folded into order-independent digests (a count and a 64-bit multiset hash of the offsets, one per
-outcome) and into run-length ranges (which name offsets when a check fails). Offsets the log does not
-hold (a gap in the consumed sequence) are folded as ``gap``.
+outcome) and into run-length ranges (which name offsets when a check fails). Offsets the trainer read
+past without a record come in two kinds: ``lost`` when the log start had moved past them (retention or
+``deleteRecords`` removed them before they were trained: :meth:`OffsetLedger.lost`, which the trainer
+reports loudly), ``gap`` otherwise (the log held no record there).
 
 Invariants:
+- ``start`` is the partition's *origin*, where the run began on it: offset 0 (the run's samples topic is
+  the run's own; ``ConsumerGroup.assigned`` starts every partition this model never saw there), or, after
+  a deliberate fresh start, the first offset the new model read. It never moves, and the digests cover
+  everything since, so pruning old checkpoints cannot break the chain: the newest checkpoint alone proves
+  the run.
 - The frontier is the commit position and the checkpoint's resume offset: committing it never skips a
   record without an outcome, so a crash re-delivers exactly the unfinished tail.
-- ``trained + dropped + dead + gap`` digests equal :func:`range_digest` of ``[start, frontier)``:
-  every offset exactly once. :mod:`services.trainer.verify` checks this from a checkpoint alone, and
-  checks the dead-lettered and gap offsets against the topics.
+- ``trained + dropped + dead + gap + lost`` digests equal :func:`range_digest` of ``[start, frontier)``:
+  every offset exactly once. ``flywheel verify`` (``services.admin.verify``) checks this from a checkpoint
+  alone, and checks the outcomes against the topics; a ``lost`` outcome fails it.
 - The ledger is saved in the same checkpoint blob as the weights (``Learner.state_bytes``), taken while
   no update runs, so the ``trained`` digest covers exactly the records whose gradients are in them.
 - A revoked partition keeps its frontier and digests (the model still reflects them); its unfinished
@@ -28,15 +35,17 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
-from shared.digest import OUTCOMES, Digest, Outcome, mix64, range_digest
+from shared.digest import ORIGIN, OUTCOMES, Digest, Outcome, mix64, range_digest
 
-__all__ = ["OUTCOMES", "Digest", "OffsetLedger", "Outcome", "PartitionLedger", "mix64", "range_digest"]
+__all__ = ["ORIGIN", "OUTCOMES", "Digest", "OffsetLedger", "Outcome", "PartitionLedger", "mix64", "range_digest"]
 
-def _extend(ranges: list[list[int]], offset: int) -> None:
-    if ranges and ranges[-1][1] == offset:
-        ranges[-1][1] = offset + 1
+def _extend(ranges: list[list[int]], lo: int, hi: int | None = None) -> None:
+    """Append ``[lo, hi)`` (one offset when ``hi`` is None) to sorted run-length ranges, merging when adjacent."""
+    hi = lo + 1 if hi is None else hi
+    if ranges and ranges[-1][1] == lo:
+        ranges[-1][1] = hi
     else:
-        ranges.append([offset, offset + 1])
+        ranges.append([lo, hi])
 
 
 @dataclasses.dataclass
@@ -48,6 +57,7 @@ class PartitionLedger:
     ranges: dict[str, list[list[int]]] = dataclasses.field(default_factory=lambda: {k: [] for k in OUTCOMES})
     pending: set[int] = dataclasses.field(default_factory=set)
     done: dict[int, Outcome] = dataclasses.field(default_factory=dict)  # finished, above the frontier
+    lost: list[list[int]] = dataclasses.field(default_factory=list)  # lost ranges above the frontier, in order
 
     def fold(self, offset: int, outcome: Outcome) -> None:
         self.digests[outcome].add(offset)
@@ -55,9 +65,20 @@ class PartitionLedger:
 
     def advance(self) -> None:
         while self.frontier < self.next and self.frontier not in self.pending:
+            if self.lost and self.lost[0][0] == self.frontier:  # a lost range folds whole (it may be millions)
+                lo, hi = self.lost.pop(0)
+                self.digests["lost"] = self.digests["lost"] + range_digest(lo, hi)
+                _extend(self.ranges["lost"], lo, hi)
+                self.frontier = hi
+                continue
             outcome = self.done.pop(self.frontier, "gap")
             self.fold(self.frontier, outcome)
             self.frontier += 1
+
+    def clear_unfinished(self) -> None:
+        self.pending.clear()
+        self.done.clear()
+        self.lost.clear()
 
     def to_json(self) -> dict[str, Any]:
         return {"start": self.start, "end": self.frontier,
@@ -106,6 +127,29 @@ class OffsetLedger:
         p.next = max(p.next, offset + 1)
         return True
 
+    def begin(self, tp: TopicPartition, origin: int) -> None:
+        """Start the ledger of a partition this model never saw at ``origin`` (nothing to commit until it moves)."""
+        self._part(tp, origin)
+
+    def expected(self, tp: TopicPartition) -> int | None:
+        """The next offset this ledger expects on ``tp`` (one past the highest consumed or seeked), None for a
+        partition it never saw. A consumed offset beyond it means the consumer skipped offsets."""
+        p = self._parts.get(tp)
+        return None if p is None else p.next
+
+    def lost(self, tp: TopicPartition, lo: int, hi: int) -> None:
+        """Offsets ``[lo, hi)`` left the log before this model read them (the log start moved past them):
+        they get the outcome ``lost``. Only offsets not yet consumed: ``lo`` is :meth:`expected`."""
+        p = self._parts.get(tp)
+        if p is None or hi <= lo:
+            return
+        if lo != p.next:
+            raise ValueError(f"lost range [{lo}, {hi}) of {tp_key(tp)} does not start at the next expected "
+                             f"offset {p.next}")
+        p.lost.append([lo, hi])
+        p.next = hi
+        p.advance()
+
     def finished(self, tp: TopicPartition, offset: int, outcome: Outcome) -> None:
         """A pending record was trained, dropped as stale or dead-lettered."""
         p = self._parts.get(tp)
@@ -132,8 +176,7 @@ class OffsetLedger:
         """The consumer was moved to ``offset``: the next commit names it even when the group's committed
         offset is further on. Seeking ahead of the frontier records the skipped offsets as a gap."""
         p = self._part(tp, offset)
-        p.pending.clear()
-        p.done.clear()
+        p.clear_unfinished()
         p.next = max(p.frontier, offset)
         p.advance()
         self._committed.pop(tp, None)
@@ -144,8 +187,7 @@ class OffsetLedger:
         for tp in partitions:
             p = self._parts.get(tp)
             if p is not None:
-                p.pending.clear()
-                p.done.clear()
+                p.clear_unfinished()
                 p.next = p.frontier
             self._committed.pop(tp, None)
 

@@ -39,7 +39,7 @@ class RecordOutcomes:
 
     async def take(self, tp: TopicPartition, rec: Record, learner: Learner) -> None:
         """One polled record: skipped (a re-delivery that already has an outcome), dead-lettered, or admitted."""
-        if not self.group.consumed(tp, rec.offset):
+        if not await self.group.consumed(tp, rec.offset):
             self.log.info("redelivered_record_skipped", partition=tp.partition, offset=rec.offset)
             return
         m.CONSUMED.inc()

@@ -97,7 +97,7 @@ class Trainer:
         self.group = ConsumerGroup(self.source, self.producer, samples_topic=self.topics.samples,
                                    dlq_topic=self.topics.dlq, max_message_bytes=settings.kafka.max_message_bytes,
                                    kafka_timeout_s=kafka_timeout_s, health=self.health_state, retry=self.retry,
-                                   log=self.log)
+                                   audit=self.audit, log=self.log)
         self.publication = Publication(self.policies, self.producer, policy_topic=self.topics.policy,
                                        kafka_timeout_s=kafka_timeout_s, health=self.health_state, retry=self.retry,
                                        audit=self.audit, log=self.log)
@@ -223,7 +223,7 @@ class Trainer:
             offsets, ledger = self.group.ledger.snapshot(), self.group.ledger.state()
             state = {"learner": self.learner.state_bytes(offsets, ledger), "offsets": offsets, "ledger": ledger,
                      "lineage": self.lineage, "abandoned": self.intake.abandoned,
-                     "checkpoint": self.checkpoints.last}
+                     "checkpoint": self.checkpoints.last, "unseen_from_origin": self.group.unseen_from_origin}
         state = await asyncio.to_thread(self.ranks.broadcast, state)
         assert state is not None
         if not self.leader:
@@ -233,6 +233,7 @@ class Trainer:
                 self.intake.abandon(lo, hi)
             self.lineage = state["lineage"]
             self.checkpoints.last = state["checkpoint"]
+            self.group.unseen_from_origin = state["unseen_from_origin"]
             self.intake.model_version = self.learner.counters.policy_version
             m.VERSION.set(self.learner.counters.policy_version)
         self._note_digest()
@@ -450,6 +451,8 @@ class Trainer:
         self.learner, restored = await self.checkpoints.resume(
             self.learner, lambda: Learner(self.spec, self.cfg), self.group, self.intake, self.cfg.fresh_start)
         self.lineage = 0 if restored is None else restored.lineage
+        # A deliberate fresh start trains a new model from the group's offsets, not from the run's origin.
+        self.group.unseen_from_origin = not (restored is None and self.checkpoints.fresh_start_at is not None)
         marker = await self.retry(self.publication.read_marker, "read policy marker", "store")
         c = self.learner.counters
         lost = restored is None and self.checkpoints.fresh_start_at is None

@@ -38,6 +38,8 @@ RETURN_MEAN = Gauge("flywheel_trainer_episode_return_mean", "Mean return of the 
 COMMIT_FAILURES = Counter("flywheel_trainer_commit_failures_total",
                           "Offset commits that failed retriably (retried with the next commit)")
 CHECKPOINTS = Counter("flywheel_trainer_checkpoints_total", "Checkpoints written")
+RECORDS_LOST = Counter("flywheel_trainer_records_lost_total",
+                       "Samples records that left the log (retention, deleteRecords) before the trainer read them")
 NONFINITE = Counter("flywheel_trainer_nonfinite_steps_skipped_total",
                     "Gradient steps refused because the loss or gradient was not finite")
 STALLED = Gauge("flywheel_trainer_stalled", "1 while records arrive but no update happens (see /status for why)")

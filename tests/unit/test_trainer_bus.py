@@ -34,9 +34,11 @@ def fragment(version: int = 0, sample_id: str | None = None) -> tuple[list[tuple
     return encode_fragment(blank_fragment(version, steps=4, envs=2, sample_id=sample_id))
 
 
-def make(tmp_path: Path, **trainer: Any) -> tuple[Trainer, MemoryBus]:
-    mem = MemoryBus()
-    mem.create(T.samples, 2)
+def make(tmp_path: Path, mem: MemoryBus | None = None, **trainer: Any) -> tuple[Trainer, MemoryBus]:
+    """A trainer on ``mem`` (a new bus with a 2-partition samples topic by default) and a store in ``tmp_path``."""
+    if mem is None:
+        mem = MemoryBus()
+        mem.create(T.samples, 2)
     cfg = {"batch_fragments": 2, "minibatches": 2, "epochs": 1, "checkpoint_every": 1000, "batch_timeout_s": 0.2,
            **trainer}
     settings = Settings(run=RUN, store=StoreSettings(backend="local", local_root=tmp_path),

@@ -9,9 +9,12 @@ from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaConnectionError, RequestTimedOutError, TopicAuthorizationFailedError
 
 from services.trainer.group import ConsumerGroup
+from services.trainer.telemetry import Auditor
 from shared.bus import MemoryBus
 from shared.logging import get_logger
 from shared.retry import Health, Retrier
+from shared.runtime import AuditLog
+from shared.store import LocalDirStore
 
 TP = TopicPartition("r.samples", 0)
 
@@ -35,9 +38,10 @@ def _trainer(tmp_path: Path, twin: Any) -> ConsumerGroup:
     health = Health("trainer")
     g = ConsumerGroup(twin, MemoryBus().bus().publisher, samples_topic="r.samples", dlq_topic="r.samples.dlq",
                       max_message_bytes=1 << 20, kafka_timeout_s=5.0, health=health,
-                      retry=Retrier(health, get_logger()), log=get_logger())
+                      retry=Retrier(health, get_logger()),
+                      audit=Auditor(AuditLog(LocalDirStore(tmp_path), "r"), get_logger()), log=get_logger())
     for offset in range(3):
-        assert g.consumed(TP, offset)
+        assert g.ledger.consumed(TP, offset)
         g.finished(TP, offset, "trained")
     return g
 
@@ -65,7 +69,7 @@ async def test_commits_name_only_owned_partitions(tmp_path: Path) -> None:
     other = TopicPartition("r.samples", 1)
     twin = CommitTwin([], owned={TP})
     t = _trainer(tmp_path, twin)
-    t.consumed(other, 7)
+    t.ledger.consumed(other, 7)
     t.finished(other, 7, "dead")
     await t.commit()
     assert twin.committed == [{TP: 3}]
