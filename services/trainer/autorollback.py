@@ -54,18 +54,15 @@ class GuardShell:
         self.log = log
         self.holder = holder
         self.pinned: set[int] = set()
-        self._to_pin: set[int] = set()
 
     def observe(self, now: float, version: int, mean: float | None, episodes: int, stats: Any) -> None:
         """After every update (no I/O: pins are written by :meth:`check`)."""
-        if self.guard.observe_update(now, version, mean, episodes, stats):
-            self._to_pin.add(version)
+        self.guard.observe_update(now, version, mean, episodes, stats)
 
     def followed(self, version: int) -> None:
         """The trainer adopted a rollback to ``version`` (pins of the versions dropped are released by the
         next :meth:`check`)."""
         self.guard.followed(version)
-        self._to_pin &= set(self.guard.restorable_versions())
 
     def note_revision(self, now: float, revision: int, changed_keys: list[str], actor: str | None) -> None:
         self.guard.note_config_revision(now, revision, changed_keys, automatic=actor == GUARD_ACTOR)
@@ -126,11 +123,12 @@ class GuardShell:
         return out
 
     def _sync_pins(self) -> None:
+        """Pin every version a decision could restore (the best holders and the explosion fallback, the last
+        healthy version), unpin the rest."""
         keep = set(self.guard.restorable_versions())
-        for v in sorted((self._to_pin & keep) - self.pinned):
+        for v in sorted(keep - self.pinned):
             self.policies.pin(v, self.holder, PIN_TTL_S)
             self.pinned.add(v)
-        self._to_pin &= keep
         for v in sorted(self.pinned - keep):
             self.policies.unpin(v)
             self.pinned.discard(v)

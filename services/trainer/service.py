@@ -282,8 +282,12 @@ class Trainer:
     async def _exchange_ledgers(self) -> None:
         """Every rank's ledger entries for the partitions it owns, to every rank (under the update lock)."""
         assert self.ranks is not None
-        owned = {tp for tp in self.source.assignment() if tp not in self.group.revoking}
-        exported = await asyncio.to_thread(self.ranks.gather, self.group.ledger.export(owned))
+        # Export every partition still assigned, those being revoked included: an update that ran while a
+        # revoke waited for the lock trained their records, and the next owner must resume after them. Adopt
+        # only for partitions this rank no longer reads.
+        held = set(self.source.assignment())
+        owned = held - self.group.revoking
+        exported = await asyncio.to_thread(self.ranks.gather, self.group.ledger.export(held))
         merged: dict[str, dict[str, Any]] = {}
         for entries in exported:
             for key, d in entries.items():
@@ -326,8 +330,8 @@ class Trainer:
                 elif updates and self.checkpoints.last == updates:
                     self.log.info("checkpoint_up_to_date", update=updates)
                 elif updates:
-                    try:
-                        await asyncio.wait_for(self._checkpoint(), 30)
+                    try:  # fenced like every checkpoint: a trainer that lost its lease writes none
+                        await asyncio.wait_for(self._try_checkpoint(), 30)
                     except Exception as exc:  # the store is down: the next start resumes from the previous one
                         self.log.error("final_checkpoint_failed", error=describe(exc))
         finally:
@@ -436,9 +440,6 @@ class Trainer:
     def _checkpoint_extra(self) -> dict[str, Any]:
         return {"lineage": self.lineage, "abandoned": self.intake.abandoned, "trainer_id": self.id,
                 "lease": self.tasks.lease_token()}
-
-    async def _checkpoint(self) -> None:
-        await self.checkpoints.save(self.learner, self.group, self._checkpoint_extra())
 
     async def _try_checkpoint(self) -> None:
         saved = await self.checkpoints.try_save(self.learner, self.group, self._checkpoint_extra(),

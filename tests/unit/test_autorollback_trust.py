@@ -1,0 +1,330 @@
+"""The rollback guard's shell (services/trainer/autorollback.py), what it must never do quietly (issue 29).
+
+- Pins: the versions the guard may restore are pinned against paramsync's pruning, and every pin it wrote
+  is released (``VersionedStore.unpin``) at the first check after the guard stops naming that version in
+  ``restorable_versions``: after the trainer follows a rollback, after the guard's own rollback, when the
+  best rises past what a version held.
+- Errors: store and Kafka faults are transient (``shared.retry.is_transient``): a failed pin write is logged
+  (``guard_pin_failed``) and written at the next check; a failed rollback is logged
+  (``auto_rollback_deferred``) and decided again at the next check. Any other error propagates out of
+  ``check``, and so ends the trainer's ``rollback-guard`` task (``shared.retry.every``), which stops the
+  trainer loudly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from aiokafka.errors import KafkaConnectionError, UnsupportedVersionError
+
+from services.trainer.autorollback import GuardShell
+from services.trainer.guard import RollbackGuard
+from services.trainer.tasks import TrainerTasks
+from services.trainer.telemetry import Auditor
+from shared.bus import MemoryBus
+from shared.kafka import Topics
+from shared.marker import VersionedStore
+from shared.retry import every
+from shared.rollback import ROLLBACK_PREFIX
+from shared.runtime import AuditLog, RuntimeConfig
+from shared.settings import GuardSettings, Settings, StoreSettings, TrainerSettings
+from shared.store import PreconditionFailed, StoreError, open_store
+
+RUN = "r"
+CFG = GuardSettings(enabled=True, drop=100.0, hold_tolerance=25.0, settle_updates=2, window=10, min_episodes=20,
+                    blame_episodes=200, explode_updates=3, lr_factor=0.5, max_per_hour=3, cooldown_s=30.0)
+
+
+@dataclass(frozen=True)
+class Stats:
+    policy_loss: float = 0.01
+    value_loss: float = 5.0
+    skipped_steps: int = 0
+    grad_norm: float = 1.0
+
+
+class Log:
+    """Records every event (the shell's log is any structlog-like object)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, dict[str, Any]]] = []
+
+    def _add(self, level: str, event: str, **kw: Any) -> None:
+        self.events.append((level, event, kw))
+
+    def debug(self, event: str, **kw: Any) -> None:
+        self._add("debug", event, **kw)
+
+    def info(self, event: str, **kw: Any) -> None:
+        self._add("info", event, **kw)
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self._add("warning", event, **kw)
+
+    def error(self, event: str, **kw: Any) -> None:
+        self._add("error", event, **kw)
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        return [kw for _, e, kw in self.events if e == event]
+
+
+class FailingPins:
+    """A VersionedStore whose pin writes raise ``error`` the next ``times`` times."""
+
+    def __init__(self, inner: VersionedStore) -> None:
+        self.inner = inner
+        self.error: BaseException | None = None
+        self.times = 0
+
+    def pin(self, version: int, holder: str, ttl_s: float) -> None:
+        if self.times > 0 and self.error is not None:
+            self.times -= 1
+            raise self.error
+        self.inner.pin(version, holder, ttl_s)
+
+    def unpin(self, version: int) -> None:
+        self.inner.unpin(version)
+
+
+class FailingProducer:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.sent = 0
+
+    async def send(self, topic: str, value: bytes, **kw: Any) -> None:
+        self.sent += 1
+        raise self.error
+
+
+@dataclass
+class Rig:
+    sh: GuardShell
+    settings: Settings
+    store_pins: VersionedStore
+    pins: FailingPins
+    log: Log
+    mem: MemoryBus
+    version: int = 0
+    episodes: int = 0
+
+    def feed(self, means: list[float]) -> None:
+        for mean in means:
+            self.version += 1
+            self.episodes += 5
+            self.sh.observe(time.time(), self.version, mean, self.episodes, Stats())
+
+    async def check(self) -> Any:
+        return await self.sh.check(self.settings, self.settings)
+
+    def guard_restorable(self) -> frozenset[int]:
+        return self.sh.guard.restorable_versions()
+
+    def stored(self) -> set[int]:
+        """The pins in the store, as paramsync's pruning reads them."""
+        return self.store_pins.pinned()
+
+    def requests(self) -> list[str]:
+        return self.sh.store.list(f"{RUN}/{ROLLBACK_PREFIX}")
+
+    def audited(self, action: str) -> list[Any]:
+        return [e for e in AuditLog(self.sh.store, RUN).entries() if e.action == action]
+
+
+def rig(tmp_path: Path) -> Rig:
+    settings = Settings(run=RUN, store=StoreSettings(backend="local", local_root=tmp_path),
+                        trainer=TrainerSettings(learning_rate=1e-3, learning_rate_end=1e-5, guard=CFG))
+    store = open_store(settings)
+    mem = MemoryBus()
+    mem.create(Topics.for_run(RUN).control, 1)
+    log = Log()
+    policies = VersionedStore(store, RUN, "policy")
+    pins = FailingPins(policies)
+    sh = GuardShell(RollbackGuard(CFG), store=store, run=RUN, policies=pins,  # type: ignore[arg-type]
+                    config=RuntimeConfig(store, RUN), producer=mem.bus().publisher,
+                    control_topic=Topics.for_run(RUN).control, audit=Auditor(AuditLog(store, RUN), log), log=log,
+                    holder="t")
+    return Rig(sh, settings, policies, pins, log, mem)
+
+
+# ---- pins: what it pinned is released once the guard no longer names it ----
+
+async def test_following_a_rollback_releases_the_pins_of_the_versions_dropped(tmp_path: Path) -> None:
+    r = rig(tmp_path)
+    r.feed([500.0] * 30)
+    assert await r.check() is None
+    pinned = r.stored()
+    assert len(pinned) >= 2 and pinned == r.sh.pinned
+    kept = min(pinned)
+    r.sh.followed(kept)  # an operator rolled back to ``kept``: the versions above it are abandoned
+    assert await r.check() is None
+    assert r.stored() == {kept} == r.sh.pinned
+
+
+async def test_its_own_rollback_releases_every_pin_but_the_restored_version(tmp_path: Path) -> None:
+    r = rig(tmp_path)
+    r.feed([500.0] * 30)
+    await r.check()
+    r.feed([80.0] * 40)
+    d = await r.check()
+    assert d is not None and d.action == "rollback" and d.to_version in r.stored()
+    assert len(r.stored()) > 1
+    assert await r.check() is None  # cooling down; the pins follow the guard's forgotten state
+    assert r.stored() == {d.to_version} == r.sh.pinned
+
+
+async def test_versions_that_held_a_lower_best_are_unpinned_when_the_best_rises(tmp_path: Path) -> None:
+    r = rig(tmp_path)
+    r.feed([300.0] * 20)
+    await r.check()
+    at_300 = r.stored()
+    assert at_300 and max(at_300) <= r.version
+    first_500 = r.version + 1
+    r.feed([500.0] * 10)
+    await r.check()
+    assert r.stored() and not (r.stored() & at_300)
+    assert min(r.stored()) >= first_500 and r.stored() == r.sh.pinned
+    assert r.stored() <= r.sh.guard.restorable_versions()
+
+
+async def test_a_pinned_version_stays_pinned_while_the_guard_names_it(tmp_path: Path) -> None:
+    r = rig(tmp_path)
+    r.feed([500.0] * 30)
+    await r.check()
+    before = r.stored()
+    await r.check()
+    assert r.stored() == before  # no churn: a check without a change keeps every pin
+
+
+# ---- errors: transient ones are logged and retried, every other one propagates ----
+
+@pytest.mark.parametrize("error", [StoreError("store down"), TimeoutError("slow store")])
+async def test_a_transient_pin_failure_is_logged_and_pinned_at_the_next_check(tmp_path: Path,
+                                                                              error: Exception) -> None:
+    r = rig(tmp_path)
+    r.feed([500.0] * 30)
+    r.pins.error, r.pins.times = error, 1
+    assert await r.check() is None
+    assert r.log.named("guard_pin_failed") and r.stored() == r.sh.pinned
+    await r.check()
+    assert len(r.stored()) >= 2 and r.stored() == r.sh.pinned
+    assert r.stored() <= r.sh.guard.restorable_versions()
+
+
+async def test_a_transient_pin_failure_does_not_stop_a_rollback(tmp_path: Path) -> None:
+    r = rig(tmp_path)
+    r.feed([500.0] * 30)
+    await r.check()
+    r.feed([80.0] * 40)
+    r.pins.error, r.pins.times = StoreError("store down"), 100
+    d = await r.check()
+    assert d is not None and d.action == "rollback" and len(r.requests()) == 1
+
+
+@pytest.mark.parametrize("error", [RuntimeError("a bug"), PreconditionFailed("lost a conditional write")])
+async def test_a_non_transient_pin_failure_propagates(tmp_path: Path, error: Exception) -> None:
+    r = rig(tmp_path)
+    r.feed([500.0] * 30)
+    r.pins.error, r.pins.times = error, 1
+    with pytest.raises(type(error)):
+        await r.check()
+    assert not r.log.named("guard_pin_failed")
+
+
+@pytest.mark.parametrize("error", [ConnectionError("broker gone"), KafkaConnectionError("broker gone")])
+async def test_a_transient_failure_defers_the_rollback_to_the_next_check(tmp_path: Path, error: Exception) -> None:
+    r = rig(tmp_path)
+    r.feed([500.0] * 30)
+    await r.check()
+    r.feed([80.0] * 40)
+    real = r.sh.producer
+    r.sh.producer = FailingProducer(error)  # type: ignore[assignment]
+    assert await r.check() is None
+    (deferred,) = r.log.named("auto_rollback_deferred")
+    assert not r.audited("auto_rollback") and r.sh.guard.rollbacks_last_hour(time.time()) == 0
+    r.sh.producer = real
+    d = await r.check()  # decided again, and carried out this time
+    assert d is not None and d.action == "rollback" and d.to_version == deferred["to_version"]
+    assert len(r.audited("auto_rollback")) == 1 and r.sh.guard.rollbacks_last_hour(time.time()) == 1
+
+
+@pytest.mark.parametrize("error", [ValueError("a bug"), UnsupportedVersionError("not retriable")])
+async def test_a_non_transient_failure_carrying_out_a_rollback_propagates(tmp_path: Path, error: Exception) -> None:
+    r = rig(tmp_path)
+    r.feed([500.0] * 30)
+    await r.check()
+    r.feed([80.0] * 40)
+    r.sh.producer = FailingProducer(error)  # type: ignore[assignment]
+    with pytest.raises(type(error)):
+        await r.check()
+    assert r.sh.producer.sent == 1  # type: ignore[attr-defined]
+    assert not r.log.named("auto_rollback_deferred") and not r.audited("auto_rollback")
+    assert r.sh.guard.rollbacks_last_hour(time.time()) == 0  # not recorded as carried out
+
+
+async def test_a_non_transient_failure_in_the_store_propagates(tmp_path: Path) -> None:
+    # The durable rollback request is written with if_none_match: a lost conditional write is a decision,
+    # not a fault, and must not be retried quietly.
+    r = rig(tmp_path)
+    r.feed([500.0] * 30)
+    await r.check()
+    r.feed([80.0] * 40)
+
+    put = r.sh.store.put
+
+    def refuse_requests(key: str, *a: Any, **kw: Any) -> Any:
+        if key.startswith(f"{RUN}/{ROLLBACK_PREFIX}"):
+            raise PreconditionFailed("request id taken")
+        return put(key, *a, **kw)
+
+    r.sh.store.put = refuse_requests  # type: ignore[method-assign]
+    with pytest.raises(PreconditionFailed, match="request id taken"):
+        await r.check()
+    assert not r.log.named("auto_rollback_deferred") and not r.log.named("guard_pin_failed")
+    assert not r.requests() and r.sh.guard.rollbacks_last_hour(time.time()) == 0
+
+
+async def test_the_trainers_guard_task_ends_on_a_non_transient_error_and_survives_a_transient_one(
+        tmp_path: Path) -> None:
+    """How the trainer runs the shell: ``TrainerTasks.guard_check`` under ``every`` (tasks.py)."""
+    r = rig(tmp_path)
+    r.feed([500.0] * 30)
+    trainer = SimpleNamespace(guard=r.sh, base_settings=r.settings, settings=r.settings)
+    tasks = SimpleNamespace(t=trainer)
+    stop = asyncio.Event()
+
+    def guard_task() -> asyncio.Task[None]:
+        return asyncio.create_task(every(lambda: 0.01, lambda: TrainerTasks.guard_check(tasks),  # type: ignore[arg-type]
+                                         name="rollback-guard", log=r.log, stop_event=stop))
+
+    r.pins.error, r.pins.times = StoreError("store down"), 3
+    task = guard_task()
+    for _ in range(500):
+        await asyncio.sleep(0.01)
+        if r.pins.times == 0 and r.stored():
+            break
+    assert not task.done() and r.stored() == r.sh.pinned and len(r.log.named("guard_pin_failed")) == 3
+    stop.set()
+    await asyncio.wait_for(task, 5)
+
+    stop.clear()
+    r.feed([500.0] * 10)  # a new version to pin
+    r.pins.error, r.pins.times = RuntimeError("a bug"), 1
+    task = guard_task()
+    with pytest.raises(RuntimeError, match="a bug"):
+        await asyncio.wait_for(task, 5)
+
+
+async def test_the_explosion_fallback_is_pinned_before_it_is_needed(tmp_path: Path) -> None:
+    # Before any version held a best, an explosion restores the last healthy version: its weights must be
+    # pinned against paramsync's pruning like a best holder's (the shell pinned best holders only).
+    r = rig(tmp_path)
+    r.sh.observe(time.time(), 1, None, 0, Stats())  # healthy, no episode yet: nothing holds a best
+    r.sh.observe(time.time(), 2, None, 0, Stats(policy_loss=float("nan")))
+    assert await r.check() is None
+    assert 1 in r.guard_restorable() and r.stored() == {1} == r.sh.pinned
