@@ -151,12 +151,14 @@ async def read_topics(settings: Settings, parts: dict[str, dict[str, Any]]) -> T
     consumer = make_consumer(settings, group_id=None)
     await consumer.start()
     try:
-        await consumer.topics()  # fetches the cluster's metadata
-        numbers = set(consumer.partitions_for_topic(topics.samples) or set())
+        # The cluster's metadata as it is now (consumer.topics() fetches it but keeps it; partitions_for_topic
+        # reads only what the consumer happened to cache, which for a new consumer is nothing).
+        cluster = await consumer._client.fetch_all_metadata()  # noqa: SLF001 - aiokafka offers no public read
+        numbers = set(cluster.partitions_for_topic(topics.samples) or set())
         numbers |= {int(k.rpartition(":")[2]) for k in parts}
         ranges = {int(k.rpartition(":")[2]): (int(p["start"]), int(p["end"])) for k, p in parts.items()}
         samples = [TopicPartition(topics.samples, n) for n in sorted(numbers)]
-        dlq_tps = [TopicPartition(topics.dlq, p) for p in sorted(consumer.partitions_for_topic(topics.dlq) or {0})]
+        dlq_tps = [TopicPartition(topics.dlq, p) for p in sorted(cluster.partitions_for_topic(topics.dlq) or {0})]
         consumer.assign(samples + dlq_tps)
         begin = await consumer.beginning_offsets(samples + dlq_tps)
         ends = await consumer.end_offsets(samples + dlq_tps)
@@ -216,7 +218,7 @@ def check_topics(rep: PartitionReport, part: dict[str, Any], present: set[int], 
     if gaps:
         rep.problems.append(f"recorded as gaps but the log holds records there: {_name(gaps)}")
     if log_start > rep.start:
-        rep.counts["expired_by_retention"] = min(log_start, rep.end) - rep.start
+        rep.counts["below_log_start"] = min(log_start, rep.end) - rep.start  # outcomes the log no longer holds
 
 
 def check_run(parts: dict[str, dict[str, Any]], samples_topic: str, origin: int | None,

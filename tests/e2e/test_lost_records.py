@@ -1,0 +1,110 @@
+"""Records removed from a samples partition before the trainer read them (Kafka's ``deleteRecords``, as
+retention would) on the real stack: the trainer trains on, says so loudly (an error log line, an audit
+entry, ``flywheel_trainer_records_lost_total``), and ``flywheel verify`` exits 1 naming the partition and
+the range. Before the deletion the same run verifies (exit 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
+
+from devstack import LocalStack
+from shared.kafka import Topics, trainer_group
+from tests.e2e.conftest import log_events, status
+from tests.faults.accounting import committed, read_topic
+
+pytestmark = [pytest.mark.e2e, pytest.mark.kafka, pytest.mark.s3, pytest.mark.timeout(600)]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _verify(stack: LocalStack) -> tuple[int, str]:
+    proc = subprocess.run([sys.executable, "-m", "services.admin.cli", "verify"], env=stack.service_env("admin"),
+                          capture_output=True, text=True, timeout=180, cwd=REPO)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+async def _delete_records(bootstrap: str, tp: TopicPartition, before: int) -> int:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        low = await admin.delete_records({tp: RecordsToDelete(before_offset=before)})
+        return int(low[tp])
+    finally:
+        await admin.close()
+
+
+def _wait(what: str, check: Any, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def test_records_deleted_before_training_are_reported_and_fail_verify(make_stack: Any, run_name: str,
+                                                                       kafka_bootstrap: str) -> None:
+    stack = make_stack(18700, env={"FLYWHEEL_TRAINER_CHECKPOINT_EVERY": "5"})
+    stack.up(samplers=2, prometheus=False)
+    _wait("10 updates", lambda: status(stack)["trainer"]["updates"] >= 10, 120)
+    code, out = _verify(stack)
+    assert code == 0, f"an untouched run must verify:\n{out}"
+
+    stack.stop("trainer")  # SIGTERM: commits and checkpoints what it trained (no longer wanted: not restarted)
+    frontier = asyncio.run(committed(kafka_bootstrap, trainer_group(run_name)))
+    topic = Topics.for_run(run_name).samples
+
+    def untrained() -> tuple[int, int, int] | None:
+        ends: dict[int, int] = {}
+        for p, off in asyncio.run(read_topic(kafka_bootstrap, topic)):
+            ends[p] = max(ends.get(p, 0), off + 1)
+        # Flow control lets the samplers run only a window ahead of the trainer: a few records per partition.
+        ready = [(p, frontier.get(p, 0), end) for p, end in sorted(ends.items()) if end - frontier.get(p, 0) >= 2]
+        return ready[0] if ready else None
+
+    part, lo, end = _wait("2 untrained records on a partition", untrained, 90)
+    hi = lo + 2  # the oldest two untrained records of that partition leave the log
+    assert asyncio.run(_delete_records(kafka_bootstrap, TopicPartition(topic, part), hi)) == hi
+
+    log = stack.log_path("trainer")
+    before = len(log_events(log))
+    stack.start("trainer")
+    stack.wait_healthy("trainer", timeout_s=90)
+    lost = _wait("records_lost_before_training in the trainer's log",
+                 lambda: [e for e in log_events(log)[before:] if e["event"] == "records_lost_before_training"], 90)
+    assert len(lost) == 1, lost
+    assert (lost[0]["partition"], lost[0]["from_offset"], lost[0]["to_offset"], lost[0]["count"]) == (part, lo, hi, 2)
+    assert lost[0]["level"] == "error"
+    # It trains on, and the next checkpoint carries the loss.
+    at = status(stack)["trainer"]["updates"]
+    _wait("5 more updates", lambda: status(stack)["trainer"]["updates"] >= at + 5, 120)
+    _wait("a checkpoint after the loss",
+          lambda: [e for e in log_events(log)[before:] if e["event"] == "checkpoint_written"
+                   and e["offsets"].get(f"{topic}:{part}", 0) > hi], 120)
+
+    metrics = httpx.get(f"http://127.0.0.1:{stack.port('trainer')}/metrics", timeout=10).text
+    assert "flywheel_trainer_records_lost_total 2.0" in metrics, \
+        [line for line in metrics.splitlines() if "records_lost" in line]
+    audit = httpx.get(f"{stack.admin_url}/audit", headers={"Authorization": f"Bearer {stack.admin_token}"},
+                      timeout=10).json()
+    entries = [e for e in audit["entries"] if e["action"] == "records_lost_before_training"]
+    assert len(entries) == 1, audit
+    assert entries[0]["params"]["partition"] == part and entries[0]["params"]["count"] == 2
+
+    code, out = _verify(stack)
+    print(f"\npartition {part}: deleted [{lo}, {hi}) of {end}; flywheel verify exit {code}:\n{out}")
+    assert code == 1, out
+    assert f"{topic}:{part} [0, " in out and "FAILED" in out, out
+    assert f"lost before training (left the log untrained): 2 record(s) at [{lo}, {hi})" in out, out
+    others = [line for line in out.splitlines() if line.startswith(f"  {topic}:") and f"{topic}:{part} " not in line]
+    assert others and all(line.endswith(")") and ": ok (" in line for line in others), out
