@@ -54,7 +54,7 @@ def _wait(what: str, check: Any, timeout_s: float) -> Any:
 
 def test_records_deleted_before_training_are_reported_and_fail_verify(make_stack: Any, run_name: str,
                                                                        kafka_bootstrap: str) -> None:
-    stack = make_stack(18700, env={"FLYWHEEL_TRAINER_CHECKPOINT_EVERY": "5"})
+    stack = make_stack(18300, env={"FLYWHEEL_TRAINER_CHECKPOINT_EVERY": "5"})
     stack.up(samplers=2, prometheus=False)
     _wait("10 updates", lambda: status(stack)["trainer"]["updates"] >= 10, 120)
     code, out = _verify(stack)

@@ -8,7 +8,10 @@ offset and sample id. A trainer *run* is one process lifetime (its log starts wi
 - within one run, no record has two outcomes (so none is trained twice);
 - across runs, a record is trained again only when the later run restored a checkpoint whose
   offsets precede it (its first training was in no checkpointed model: exactly once in the model);
-- every record below the trainer group's committed offsets has an outcome (nothing skipped).
+- every record below the trainer group's committed offsets has an outcome (nothing skipped);
+- once drained (:meth:`Accounting.every_record_once`): every record on the topic has an outcome, counted by
+  distinct (partition, offset), and a record's second outcome is only ever a refused re-delivery in the same
+  run or a re-processing after a restore (so a doubled outcome can never stand in for a missing one).
 """
 
 from __future__ import annotations
@@ -98,6 +101,14 @@ class Accounting:
     wrong_sample_id: list[Key] = field(default_factory=list)
     dead_letter_reasons: Counter[str] = field(default_factory=Counter)
     silent_resets: list[str] = field(default_factory=list)
+    accounted: int = 0
+    """Distinct records on the topic with at least one outcome (by partition and offset, not outcome lines)."""
+    unaccounted: list[Key] = field(default_factory=list)
+    """Records on the topic with no outcome at all, committed or not (only a drained run must have none)."""
+    unexplained_outcomes: list[Key] = field(default_factory=list)
+    """Records with an outcome beyond their first that is neither a refused re-delivery in the same run (a
+    dead letter ``duplicate``, or the first dead letter's own reason again) nor a re-processing in a later run
+    at or past the offset that run restored from its checkpoint."""
 
     def problems(self) -> list[str]:
         out = []
@@ -110,12 +121,28 @@ class Accounting:
                 out.append(f"{name}: {len(items)}, e.g. {items[:5]}")
         return out
 
+    def every_record_once(self) -> list[str]:
+        """What keeps a drained run from having every record accounted for once: a record on the topic with no
+        outcome, or a record with an outcome beyond its first that nothing explains. Records are counted by
+        (partition, offset), never by summing outcome lines, so a record with two outcomes cannot stand in
+        for one with none."""
+        return [f"{name}: {len(items)}, e.g. {items[:5]}" for name in ("unaccounted", "unexplained_outcomes")
+                if (items := getattr(self, name))]
+
     def summary(self) -> dict[str, Any]:
         return {"produced": self.produced, **{k: self.outcomes[k] for k in ("trained", "dropped_stale",
                                                                               "dead_lettered")},
                 "trainer_runs": self.runs, "retrained_after_restore": self.retrained_after_restore,
                 "trained_twice_in_a_run": len(self.trained_twice_in_a_run), "missing": len(self.missing),
-                "redelivered_in_a_run": len(self.two_outcomes_in_a_run)}
+                "redelivered_in_a_run": len(self.two_outcomes_in_a_run), "accounted": self.accounted,
+                "unaccounted": len(self.unaccounted), "unexplained_outcomes": len(self.unexplained_outcomes)}
+
+
+def _repeat_explained(first: tuple[str, str | None], later: tuple[str, str | None]) -> bool:
+    """Within one run: ``later`` (kind, dead-letter reason) is a re-delivery of a record whose first outcome
+    was ``first``, refused (``duplicate``) or dead-lettered again for the same reason, never trained or dropped."""
+    kind, reason = later
+    return kind == "dead_lettered" and (reason == "duplicate" or first == later)
 
 
 def account(produced: dict[Key, dict[str, str]], trainer_log: Path, committed_offsets: dict[int, int]) -> Accounting:
@@ -124,6 +151,8 @@ def account(produced: dict[Key, dict[str, str]], trainer_log: Path, committed_of
     acc.runs = len(runs)
     trained_before: dict[Key, int] = {}  # key -> run index of its last training
     seen_any: set[Key] = set()
+    first_in_run: dict[Key, tuple[int, tuple[str, str | None]]] = {}  # key -> (run, its first outcome there)
+    unexplained: set[Key] = set()
     for i, run in enumerate(runs):
         restored = [e for e in run if e.get("event") == "checkpoint_restored"]
         offsets = {int(k.rsplit(":", 1)[1]): int(v) for k, v in (restored[0].get("checkpoint_offsets") or {}).items()
@@ -139,6 +168,18 @@ def account(produced: dict[Key, dict[str, str]], trainer_log: Path, committed_of
             key = (int(e["partition"]), int(e["offset"]))
             per_run[key] += 1
             acc.outcomes[kind] += 1
+            outcome = (kind, str(e.get("reason")) if kind == "dead_lettered" else None)
+            if key not in first_in_run:
+                first_in_run[key] = (i, outcome)
+            elif first_in_run[key][0] == i:
+                if not _repeat_explained(first_in_run[key][1], outcome):
+                    unexplained.add(key)
+            else:  # its first outcome in this run: re-processed only from the restored checkpoint's offsets on
+                # (a partition the checkpoint does not name, or no checkpoint at all, is read from its start;
+                # a restart that skipped an existing checkpoint is a silent reset, reported as such)
+                if key[1] < offsets.get(key[0], 0):
+                    unexplained.add(key)
+                first_in_run[key] = (i, outcome)
             seen_any.add(key)
             if kind == "dead_lettered":
                 acc.dead_letter_reasons[str(e.get("reason"))] += 1
@@ -157,8 +198,13 @@ def account(produced: dict[Key, dict[str, str]], trainer_log: Path, committed_of
         acc.trained_twice_in_a_run += [k for k, n in trained_in_run.items() if n > 1]
     for key in produced:
         p, off = key
-        if off < committed_offsets.get(p, 0) and key not in seen_any:
+        if key in seen_any:
+            acc.accounted += 1
+            continue
+        acc.unaccounted.append(key)
+        if off < committed_offsets.get(p, 0):
             acc.missing.append(key)
+    acc.unexplained_outcomes = sorted(unexplained)
     return acc
 
 

@@ -138,16 +138,21 @@ class FaultEnv:
                               text=True, timeout=180, cwd=REPO)
         return proc.returncode, (proc.stdout + proc.stderr).strip()
 
-    def check_accounting(self, fault: str, recover_s: float | None, note: str = "") -> Accounting:
+    def check_accounting(self, fault: str, recover_s: float | None, note: str = "", *,
+                         drained: bool = False) -> Accounting:
+        """Account for every record so far and run ``flywheel verify``; add the row. ``drained``: nothing is in
+        flight, so every record on the topic must have an outcome, each accounted once
+        (:meth:`Accounting.every_record_once`), not only those below the committed offsets."""
         acc = self.account()
         self.say(f"[{fault}] accounting: {acc.summary()}")
         code, out = self.verify()
         self.say(f"[{fault}] flywheel verify exit {code}:\n{out}")
-        ok = not acc.problems() and code == 0
+        problems = acc.problems() + (acc.every_record_once() if drained else [])
+        ok = not problems and code == 0
         self.rows.append(Row(fault, "ok" if ok else "FAILED", recover_s, len(acc.missing),
                              len(acc.trained_twice_in_a_run), self.restarts(), note,
                              "ok" if code == 0 else f"FAILED (exit {code})"))
-        assert not acc.problems(), acc.problems()
+        assert not problems, problems
         assert code == 0, f"flywheel verify failed after {fault}:\n{out}"
         return acc
 

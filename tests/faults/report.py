@@ -8,12 +8,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.trainer.intake import DEDUP_WINDOW  # the text states the code's window, not a copy of it
+
 if TYPE_CHECKING:
     from tests.faults.conftest import Row
 
 REPO = Path(__file__).resolve().parents[2]
 
-GUARANTEES = """\
+GUARANTEES = f"""\
 ## What Flywheel guarantees, and where it ends
 
 - **No service exits on a transient fault.** Kafka and object-store operations are retried with
@@ -34,7 +36,7 @@ GUARANTEES = """\
   and only for partitions the trainer owns. A record re-delivered within a run (its commit lost in
   a rebalance) gets a second outcome: it is refused as a duplicate, never trained twice.
 - **No record is trained twice within a trainer run** (sample ids are de-duplicated over the last
-  200,000; a revoke marks its partitions at once, waits for the update in progress and commits it
+  {DEDUP_WINDOW:,} admitted; a revoke marks its partitions at once, waits for the update in progress and commits it
   before the partitions go; records of those partitions still in the poll or in a batch formed
   meanwhile are released, not trained).
 - **Exactly-once model state across crashes**: a checkpoint stores the offsets its model reflects,
@@ -43,6 +45,13 @@ GUARANTEES = """\
   back to the previous good checkpoint; an unreachable store is retried, never taken for "no
   checkpoint"; with checkpoints present but none usable the trainer refuses to start unless
   `trainer.fresh_start=true`.
+- **`flywheel verify` proves the run from the artifact and the topics**: every partition of the samples
+  topic is in the newest checkpoint's ledger from the run's origin (offset 0), every offset of it has
+  exactly one outcome (trained, dropped as stale, dead-lettered, gap), none was lost before training, and
+  the outcomes agree with the samples and dead-letter topics. Records that leave the log before the trainer
+  reads them (retention, `deleteRecords`) are found when the trainer reads past them and recorded as `lost`
+  (audit entry, `flywheel_trainer_records_lost_total`, alert `FlywheelRecordsLost`): `verify` then fails,
+  naming the partition and range (`tests/e2e/test_lost_records.py`).
 - **A non-finite loss or gradient is refused** (the step is skipped and counted, the weights and
   optimizer state are kept).
 - **Training cannot stall silently**: a candidate not published within
@@ -72,10 +81,39 @@ Where it ends:
   the `cluster` profile) runs three KRaft nodes with replication factor 3, `min.insync.replicas` 2
   and `acks=all`; its fault rows (a partition leader killed, two of three brokers away) are in
   `docs/reliability-cluster.md` (`make test-faults BROKERS=3`).
+- **What `verify` does not prove.** Records beyond the checkpoint's resume offset are not in the model
+  yet and are not claimed. A stale drop leaves nothing on a topic: the digests prove the offset was
+  dropped, not what it held. Outcomes at offsets the log no longer holds (retention after training) are
+  proven by the digests only (`below_log_start` in its output). A log truncated below the trainer's
+  position (unclean leader election, which the run's topics do not allow) cannot be told from the digests.
+  After a deliberate `trainer.fresh_start` the proof starts where the new model began, and says so.
 - **Log lines**: services rotate their log files by size between lines (`log.file`,
   `log.max_bytes`, `log.backups`); lines older than the kept backups are gone, and with them the
   trace of those samples.
 """
+
+
+MUTATION_REPORT = REPO / "docs" / "reliability-mutation.md"
+MUTATION_BEGIN = "<!-- mutation: from docs/reliability-mutation.md (make test-mutation) -->"
+
+
+def mutation_section(path: Path | None = None) -> list[str]:
+    """The summary of the trust core's mutation testing, copied from ``docs/reliability-mutation.md`` (written by
+    ``make test-mutation``, ``tools/mutation/run.py``, which refreshes this section in place too): this file is
+    rewritten by every fault-suite run, the mutation results live in their own file."""
+    path = path or MUTATION_REPORT
+    lines = [MUTATION_BEGIN, "## Mutation testing of the trust core", ""]
+    text = path.read_text() if path.exists() else ""
+    if "<!-- summary -->" not in text:
+        return lines + ["Not run yet: `make test-mutation` writes `docs/reliability-mutation.md`."]
+    summary = text.split("<!-- summary -->", 1)[1].split("<!-- /summary -->", 1)[0].strip("\n")
+    return lines + [
+        "The digest, ledger, verify, lease, guard and autorollback, marker, credits and the intake's de-duplication,",
+        "mutated by `make test-mutation` against their unit tests; every survivor, and why it survives, is in",
+        "[reliability-mutation.md](reliability-mutation.md).",
+        "",
+        summary,
+    ]
 
 
 def _git(*args: str) -> str:
@@ -141,7 +179,7 @@ def write_reliability(rows: list[Row], seed: int, path: Path | None = None, minu
         "Each test first asserts that its fault really happened (the process died, records moved to the",
         "other member, the marker was unreadable, the request was refused) and only then that nothing was lost.",
         "",
-    ] + _table(rows) + ["", GUARANTEES]
+    ] + _table(rows) + ["", GUARANTEES] + mutation_section()
     path.write_text("\n".join(lines) + "\n")
     return path
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +30,7 @@ from aiokafka.errors import KafkaError
 
 import devstack
 from devstack import kafka as devkafka
+from devstack.procs import is_running
 from shared.kafka import Topics
 from tests.faults.conftest import RECOVERY_GOAL_S, FaultEnv, fault_stack
 from tests.faults.report import write_cluster_reliability
@@ -58,7 +60,9 @@ class ClusterFaults:
     def pid(self, node_id: int) -> int | None:
         return devkafka.proc(self.cfg, self.cfg.kafka_nodes[node_id - 1]).pid()
 
-    def kill(self, node_id: int) -> None:
+    def kill(self, node_id: int) -> int:
+        """SIGKILL node ``node_id``; its pid (no longer the node's recorded process once this returns, unless 15 s
+        were not enough; :meth:`assert_away` waits for it to have exited)."""
         pid = self.pid(node_id)
         assert pid is not None, f"Kafka node {node_id} is not running"
         os.kill(pid, signal.SIGKILL)
@@ -66,6 +70,24 @@ class ClusterFaults:
         while self.pid(node_id) is not None and time.monotonic() < deadline:
             time.sleep(0.1)
         self.env.say(f"Kafka node {node_id} (pid {pid}) killed with SIGKILL")
+        return pid
+
+    def assert_away(self, node_id: int, pid: int, within_s: float = 30.0) -> None:
+        """Node ``node_id`` is really away: the process killed (``pid``) has exited, no process of the node runs,
+        and its broker and controller ports refuse connections. A SIGKILLed JVM takes a while to unwind (its
+        threads exit, its heap is unmapped, its sockets close with the last thread): up to ``within_s``."""
+        node = self.cfg.kafka_nodes[node_id - 1]
+        deadline = time.monotonic() + within_s
+        while True:
+            alive = is_running(pid)
+            listening = [port for port in (node.port, node.controller_port) if _accepts(port)]
+            if not (alive or listening) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        assert not alive, f"Kafka node {node_id} (pid {pid}) still runs {within_s:.0f} s after SIGKILL"
+        assert not listening, f"Kafka node {node_id} (pid {pid}) was killed but port(s) {listening} still accept " \
+                              f"connections after {within_s:.0f} s"
+        assert self.pid(node_id) is None, f"Kafka node {node_id} runs again (pid {self.pid(node_id)})"
 
     def start_all(self) -> None:
         """Start the nodes that are down; returns once all three are registered and a round trip works."""
@@ -101,6 +123,13 @@ class ClusterFaults:
             except (httpx.HTTPError, ValueError) as exc:
                 out[key] = {"error": str(exc)}
         return out
+
+
+def _accepts(port: int) -> bool:
+    """Something on 127.0.0.1 accepts a TCP connection on ``port``."""
+    with socket.socket() as sock:
+        sock.settimeout(2)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _degraded(body: dict[str, Any]) -> bool:
@@ -158,10 +187,16 @@ def test_two_brokers_away_below_min_isr(cluster_env: FaultEnv) -> None:
     restarts_before = env.restarts()
     version = env.published()
     first, second = env.rng.sample([1, 2, 3], 2)
-    cluster.kill(first)
+    killed = {first: cluster.kill(first)}
     time.sleep(5)
-    cluster.kill(second)
+    killed[second] = cluster.kill(second)
     down_at = time.monotonic()
+    # The fault is real: both nodes are gone (processes, ports), and only the third still answers.
+    for node_id, pid in killed.items():
+        cluster.assert_away(node_id, pid)
+    [survivor] = [n for n in (1, 2, 3) if n not in killed]
+    assert cluster.pid(survivor) is not None, f"Kafka node {survivor}, the one left, is not running"
+    env.say(f"Kafka nodes {sorted(killed)} away (processes gone, ports refusing); node {survivor} runs")
     seen: dict[str, str] = {}
     while time.monotonic() - down_at < 60:
         time.sleep(3)
@@ -170,8 +205,13 @@ def test_two_brokers_away_below_min_isr(cluster_env: FaultEnv) -> None:
                 seen[name] = str(body.get("reasons") or body)[:200]
                 env.say(f"{name} degraded after {time.monotonic() - down_at:.0f} s: {seen[name]}")
     stalled = env.published()
+    for node_id, pid in killed.items():  # still away for the whole 60 s: nothing brought them back early
+        cluster.assert_away(node_id, pid)
     cluster.start_all()
     back = time.monotonic()
+    restarted = {n: cluster.pid(n) for n in killed}
+    assert all(p is not None and p != killed[n] for n, p in restarted.items()), \
+        f"the nodes did not come back as new processes: {restarted} (killed: {killed})"
     env.wait_version_advances(max(version, stalled), timeout_s=RECOVERY_GOAL_S + 60)
     recover = time.monotonic() - back
     env.say(f"two brokers away 60 s: degraded {sorted(seen)}; version {version} -> {stalled} meanwhile; training "

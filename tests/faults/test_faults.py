@@ -32,7 +32,7 @@ from shared.marker import VersionedStore, VersionRecord
 from shared.settings import load_settings
 from shared.store import ObjectStore, PreconditionFailed
 from tests.faults.accounting import read_events, read_topic
-from tests.faults.conftest import ADMIN_PORT, LOG_CAP, RECOVERY_GOAL_S, REPO, FaultEnv, Row
+from tests.faults.conftest import ADMIN_PORT, LOG_CAP, RECOVERY_GOAL_S, REPO, FaultEnv
 from tests.fragments import blank_fragment
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -502,51 +502,119 @@ def test_second_trainer_is_refused(fault_env: FaultEnv, tmp_path: Path) -> None:
                          f"(next version {recover:.1f} s later)")
 
 
-def _guard_wired() -> bool:
-    trainer = REPO / "services" / "trainer"
-    return any("RollbackGuard(" in p.read_text() for p in trainer.glob("*.py") if p.name != "guard.py")
+RECOVERED_WITHIN_S = 300.0
+"""The guard row's bound, from the change to the last-100 return back within ``drop`` of the best (one manual
+run on the local stack: rolled back after 9 s, back at 486 of 500 after 69 s)."""
 
 
 @pytest.mark.faults_full
-@pytest.mark.xfail(not _guard_wired(), strict=False,
-                   reason="the rollback guard (services/trainer/guard.py) is not used by the trainer yet")
+@pytest.mark.timeout(1200)  # the stack, up to 300 s to reach the level, up to 300 s to recover, the accounting
 def test_guard_rolls_back_a_learning_rate_that_breaks_the_policy(fault_env: FaultEnv) -> None:
+    """The rollback guard, end to end: a runtime change that breaks a solved policy is rolled back to a version
+    that held the best (republished as the newest, its weights those of the version it names), the trainer
+    follows, and the last-100 return comes back within ``drop`` of the best (out of what the guard calls a fall).
+    Never xfail: a trainer without the guard wired fails here."""
     env = fault_env
     guard = load_settings(environ=env.stack.service_env("trainer")).trainer.guard
     assert guard.enabled, "trainer.guard.enabled is off in the suite's config"
-    # A fall of ``drop`` below the best is possible only once the best is well above it (a broken CartPole
-    # policy still scores ~10): wait until the last-100 return reaches twice the drop.
-    level = 2 * guard.drop
+    # The change breaks a *solved* policy (CartPole's 475): at the plateau the best cannot rise any more. A
+    # change that lands while the return still rises is another case: the last-100 return lags the weights,
+    # versions trained under the change can post a new best, and the guard (by design, test_guard.py's
+    # test_a_version_that_held_a_lower_best_is_not_restored) restores the newest holder, which may already
+    # carry the change. Measured once on a fresh stack (best 202 -> 265 after the change): not recovered.
+    level = max(2 * guard.drop, 475.0)
     t0 = time.monotonic()
     ret: dict[str, Any] = {}
-    while time.monotonic() - t0 < 300:
+    while time.monotonic() - t0 < 420:
         ret = env.status()["episode_return"]
         if (ret.get("mean") or 0) >= level and ret.get("count", 0) >= guard.min_episodes:
             break
         time.sleep(2)
-    assert (ret.get("mean") or 0) >= level, f"the last-100 return did not reach {level} within 300 s: {ret}"
+    assert (ret.get("mean") or 0) >= level, f"the last-100 return did not reach {level} within 420 s: {ret}"
+    version = env.published()
     # Both ends of the schedule: once trainer.anneal_env_steps have been trained (a long fault suite gets there),
     # the rate in use is learning_rate_end, and learning_rate alone would change nothing.
-    env.say(f"last-100 return {ret['mean']:.0f} >= {level:.0f}: setting trainer.learning_rate(_end)=1.0")
+    env.say(f"last-100 return {ret['mean']:.0f} >= {level:.0f} at v{version}: setting trainer.learning_rate(_end)=1.0")
     auth = {"Authorization": f"Bearer {env.stack.admin_token}"}
+    before = len([e for e in env.audit() if e["action"] == "auto_rollback"])
     r = httpx.patch(f"{env.stack.admin_url}/config", json={"trainer.learning_rate": 1.0,
                                                           "trainer.learning_rate_end": 1.0}, headers=auth, timeout=30)
     assert r.status_code == 200, r.text
     revision = int(r.json()["revision"])
     t1 = time.monotonic()
-    rollbacks: list[dict[str, Any]] = []
+    recovered = False
+    means: list[float] = []  # the last-100 return as /status showed it since the change
+
+    def watch() -> None:
+        mean = env.status()["episode_return"].get("mean")
+        if mean is not None:
+            means.append(float(mean))
+
     try:
+        rollbacks: list[dict[str, Any]] = []
         while time.monotonic() - t1 < 90 and not rollbacks:
-            rollbacks = [e for e in env.audit() if e["action"] == "auto_rollback"]
+            watch()
+            rollbacks = [e for e in env.audit() if e["action"] == "auto_rollback"][before:]
             time.sleep(1)
         assert rollbacks, "no auto_rollback audit entry within 90 s of trainer.learning_rate(_end)=1.0"
+        decided_s = time.monotonic() - t1
+        params = rollbacks[-1]["params"]
+        target, request_id = int(params["to_version"]), str(params["request_id"])
+        env.say(f"auto_rollback audited {decided_s:.1f} s after the change: to v{target}, {params.get('reason')}, "
+                f"{params.get('remedy')}; best {params.get('best')}, mean {params.get('mean')}")
+
+        # The rollback as published: paramsync republished the target's weights as the newest version for the
+        # guard's request (the policy marker's history), and the trainer followed that announcement.
+        markers = VersionedStore(env.store(), env.run, "policy")
+        republished = None
+        while time.monotonic() - t1 < 150 and republished is None:
+            watch()
+            republished = next((rec for rec in markers.records() if rec.extra.get("rollback_request") == request_id),
+                               None)
+            time.sleep(0.5)
+        assert republished is not None, f"no version was published for the guard's rollback request to v{target}"
+        assert republished.extra.get("rollback_of") == target and republished.version > version, republished
+        held = next((rec for rec in markers.records() if rec.version == target), None)
+        assert held is not None, f"v{target}, the version the guard restored, is not kept (it should be pinned)"
+        assert republished.sha256 == held.sha256, f"v{republished.version} does not carry v{target}'s weights"
+        followed: list[dict[str, object]] = []
+        while time.monotonic() - t1 < 180 and not followed:
+            watch()
+            followed = [e for e in _trainer_runs(env)[-1] if e.get("event") == "rollback_followed"
+                        and int(str(e.get("policy_version") or 0)) >= republished.version]
+            time.sleep(0.5)
+        assert followed, f"the trainer did not follow the rollback to v{target} (v{republished.version})"
+        rolled_s = time.monotonic() - t1
+
+        # The return recovered: the last-100 mean, once fallen below the best the guard held minus ``drop`` (the
+        # fault is real), is back above it.
+        floor = float(params["best"]) - guard.drop
+        if params.get("mean") is not None:
+            means.insert(0, float(params["mean"]))
+        while True:
+            recovered = any(m < floor for m in means) and means[-1] >= floor
+            recover_s = time.monotonic() - t1
+            if recovered or recover_s >= RECOVERED_WITHIN_S:
+                break
+            time.sleep(1)
+            watch()
+        lowest = min(means, default=float("nan"))
+        assert lowest < floor, (f"the last-100 return never fell below {floor:.0f} (best {params['best']} - drop "
+                                f"{guard.drop}) after the change: lowest {lowest}")
+        assert recovered, (f"the last-100 return was not back at {floor:.0f} (best {params['best']} - drop "
+                           f"{guard.drop}) within {RECOVERED_WITHIN_S:.0f} s of the change: now {means[-1]:.0f}, "
+                           f"lowest {lowest:.0f}")
     finally:
-        if not rollbacks:  # leave the run as it was for the tests after this one
+        if not recovered:  # leave the run as it was for the tests after this one
             httpx.post(f"{env.stack.admin_url}/config/revert", json={"revision": revision - 1}, headers=auth,
                        timeout=30)
-    decided_s = time.monotonic() - t1
-    env.check_accounting("learning_rate(_end)=1.0 after solving (the guard)", round(decided_s, 1),
-                         f"auto_rollback audited {decided_s:.1f} s after the change: {rollbacks[-1]['params']}"[:300])
+    env.say(f"last-100 return {lowest:.0f} -> {means[-1]:.0f} (>= {floor:.0f}) {recover_s:.1f} s after the change")
+    env.check_accounting(
+        "learning_rate(_end)=1.0 after solving (the guard)", round(recover_s, 1),
+        f"auto_rollback ({params.get('reason')}, {params.get('remedy')}) {decided_s:.1f} s after the change; "
+        f"v{target} republished as v{republished.version}, followed {rolled_s:.1f} s after the change; last-100 "
+        f"return {lowest:.0f} -> {means[-1]:.0f} (best {float(params['best']):.0f} - drop {guard.drop:.0f}) "
+        f"{recover_s:.1f} s after the change")
 
 
 @pytest.mark.faults
@@ -563,9 +631,12 @@ def test_zz_drained_every_record_accounted_for(fault_env: FaultEnv) -> None:
             break
         time.sleep(1)
     assert env.status()["backlog"]["records"] == 0, "the trainer did not drain the backlog"
-    acc = env.check_accounting("drained: every record produced", None, "backlog 0 at the end")
+    # drained: every record on the topic, counted as distinct records (not outcome lines: a record with two
+    # outcomes cannot cover one with none), and a second outcome only a refused re-delivery or a re-processing
+    # after a restore.
+    acc = env.check_accounting("drained: every record produced", None, "backlog 0 at the end", drained=True)
     assert acc.produced > 0 and not acc.missing
-    assert sum(acc.outcomes.values()) >= acc.produced
+    assert acc.accounted == acc.produced and not acc.unaccounted, (acc.accounted, acc.produced)
 
 
 @pytest.mark.faults
@@ -586,8 +657,11 @@ def test_zz_log_files_stay_under_their_cap(fault_env: FaultEnv) -> None:
             f"{sum(p.stat().st_size for p in files) / 1e6:.1f} MB")
     assert not over, f"log files over the {LOG_CAP} byte cap: {over}"
     assert "trainer" in rotated, "the trainer's log never reached the cap: the check proved nothing"
-    env.rows.append(Row(f"log files under a {LOG_CAP // 1024} KiB cap for {minutes:.1f} min", "ok", None, 0, 0,
-                        env.restarts(), f"rotated: {', '.join(rotated)}"))
+    # The row's lost / trained-twice figures are measured, not written: the accounting reads the trainer's log
+    # across every rotated copy, so an outcome line lost at a rotation shows as a record with no outcome.
+    copies = len([p for p in files if p.name.startswith("trainer.log")])
+    env.check_accounting(f"log files under a {LOG_CAP // 1024} KiB cap for {minutes:.1f} min", None,
+                         f"rotated: {', '.join(rotated)}; records accounted across the trainer log's {copies} files")
 
 
 def _self_rotated(path: Path) -> bool:
