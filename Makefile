@@ -10,12 +10,18 @@ BROKERS ?= 1
 # Data-parallel trainer ranks (trainer.world_size; docs/architecture.md "Trainer ranks"). Docker: 1, or 2 with the
 # compose `ranks` profile; local processes: any number up to the samples topic's partitions.
 TRAINERS ?= 1
+# HOSTS=1: the local-process stack with every Kafka node, the S3 server, every trainer rank, paramsync, admin and
+# each sampler in a network namespace of its own, at its own address on bridge fw-br0 (root; docs/local-stack.md,
+# "Many hosts on one machine"). make down removes the namespaces, links and rules (HOSTS_STATE says one is up).
+HOSTS ?=
+HOSTS_FLAG := $(filter-out 0 no false,$(HOSTS))
+HOSTS_STATE := $(or $(FLYWHEEL_HOME),.flywheel)/hosts.json
 COMPOSE_CLUSTER := COMPOSE_PROFILES=cluster KAFKA_CLUSTER_VOTERS=1@kafka:9093,2@kafka-2:9093,3@kafka-3:9093 KAFKA_CLUSTER_REPLICATION=3 KAFKA_CLUSTER_MIN_ISR=2 KAFKA_CLUSTER_BOOTSTRAP=kafka:9092,kafka-2:9092,kafka-3:9092
 CONFIG ?= configs/cartpole.yaml
 PYTEST_ARGS ?=
 ONLY ?=
 
-.PHONY: help install up down status infra-up infra-down test test-faults test-unit bench lint k8s-check s3-live-check clean
+.PHONY: help install up down status infra-up infra-down test test-faults test-partitions test-unit test-mutation bench lint k8s-check s3-live-check clean
 
 help:
 	@echo "make up        run the whole stack (docker compose if a Docker engine answers, else local processes)"
@@ -24,6 +30,8 @@ help:
 	@echo "make test      all tests (brings test Kafka + S3 up itself when no endpoints are given)"
 	@echo "make test-unit fast tests only"
 	@echo "make test-faults  the whole fault-injection suite (~10 min) -> docs/reliability.md"
+	@echo "make test-partitions  the multi-host stack in network namespaces and a cut of rank 0 from the brokers (root, ~6 min)"
+	@echo "make test-mutation  mutation testing of the trust core (~N min; ONLY=name for one file) -> docs/reliability-mutation.md"
 	@echo "make bench     the benchmark suite (ONLY=name for one figure) -> docs/benchmarks.md"
 	@echo "make lint      ruff + mypy --strict on shared/, services/ and devstack/"
 	@echo "make k8s-check build every deploy/k8s overlay (kustomize, in-process) and check it (needs Go)"
@@ -38,7 +46,10 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 up: install
-	@if docker info >/dev/null 2>&1; then \
+	@if [ -n "$(HOSTS_FLAG)" ]; then \
+		echo "HOSTS=$(HOSTS): local processes, each part in a network namespace of its own (docs/local-stack.md)"; \
+		$(PY) -m devstack up --hosts --samplers $(SAMPLERS) --brokers $(BROKERS) --trainers $(TRAINERS) --config $(CONFIG); \
+	elif docker info >/dev/null 2>&1; then \
 		export FLYWHEEL_ADMIN_TOKEN=$${FLYWHEEL_ADMIN_TOKEN:-$$($(PY) -c 'import secrets; print(secrets.token_hex(32))')}; \
 		echo "Docker engine found: docker compose up (admin token: $$FLYWHEEL_ADMIN_TOKEN)"; \
 		case "$(BROKERS)" in 1) ;; 3) export $(COMPOSE_CLUSTER);; *) echo "compose runs BROKERS=1 or 3" >&2; exit 2;; esac; \
@@ -51,10 +62,12 @@ up: install
 	fi
 
 down: install
-	@if docker info >/dev/null 2>&1; then COMPOSE_PROFILES=cluster,ranks docker compose down; else $(PY) -m devstack down; fi
+	@if [ -n "$(HOSTS_FLAG)" ] || [ -f "$(HOSTS_STATE)" ]; then $(PY) -m devstack down; \
+	elif docker info >/dev/null 2>&1; then COMPOSE_PROFILES=cluster,ranks docker compose down; else $(PY) -m devstack down; fi
 
 status: install
 	$(PY) -m devstack status
+	@if [ -f "$(HOSTS_STATE)" ]; then $(PY) -m devstack hosts; fi
 
 infra-up: install
 	$(PY) -m devstack infra-up --brokers $(BROKERS)
@@ -63,13 +76,24 @@ infra-down: install
 	$(PY) -m devstack infra-down
 
 test: install
-	FLYWHEEL_INFRA_BROKERS=$(BROKERS) $(PY) -m pytest -m "not faults_full and not learning_full" $(PYTEST_ARGS)
+	FLYWHEEL_INFRA_BROKERS=$(BROKERS) $(PY) -m pytest -m "not faults_full and not learning_full and not hosts" $(PYTEST_ARGS)
 
 test-faults: install
 	FAULT_REPORT=1 FLYWHEEL_INFRA_BROKERS=$(BROKERS) $(PY) -m pytest tests/faults $(PYTEST_ARGS)
 
+# The multi-host stack (every part in its own network namespace, HOSTS=1) and its network faults: root, ip netns
+# and iptables (docs/local-stack.md, "Many hosts on one machine"); tests/hosts, run by CI.
+test-partitions: install
+	$(PY) -m pytest tests/hosts -m hosts $(PYTEST_ARGS)
+
 test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+# cosmic-ray over the trust core's files against their unit tests (tools/mutation/targets.toml), each in a private
+# copy of the tree; not part of make test nor CI (it takes long: the time per file is in the report).
+test-mutation: install
+	$(PY) -m pip install --quiet -e '.[test,mutation]'
+	$(PY) tools/mutation/run.py $(if $(ONLY),--only $(ONLY),)
 
 bench: install
 	$(PY) -m pip install --quiet -e '.[test,bench]'

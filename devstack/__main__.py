@@ -1,8 +1,12 @@
 """``python -m devstack COMMAND``: the whole Flywheel stack as local processes, without Docker.
 
     up [--samplers N] [--brokers N] [--config PATH] [--run NAME] [--store local|s3] [--no-prometheus] [--log-max-mb MB]
+       [--hosts]                 --hosts: every part in a network namespace of its own (devstack.hosts; root)
     down [--keep-infra]          stop the supervisor, the services (trainer last), Prometheus, Kafka + S3
+                                 (and remove a multi-host stack's namespaces, links and rules)
     status                       every process: alive/DEAD, pid, restarts, endpoint, log
+    hosts [cut NAME [PEER...] | heal NAME | cleanup]
+                                 the multi-host stack: NAME NETNS ADDRESS PID per part; cut / heal links
     restart SERVICE              trainer|paramsync|admin|sampler|sampler-<i>
     hold NAME / release NAME     the supervisor leaves NAME alone / looks after it again
     infra-up / infra-down        just Kafka + S3
@@ -19,7 +23,8 @@ import logging
 import sys
 from pathlib import Path
 
-from devstack import infra, supervisor
+from devstack import forward, infra, supervisor
+from devstack import hosts as multihost
 from devstack.config import DEFAULT_CONFIG, DEFAULT_TIMEOUT_S, StackError, default_home
 from devstack.logs import LOG_MAX_BYTES
 from devstack.services import parse_key
@@ -60,10 +65,27 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--no-supervise", action="store_true", help="no supervisor: nothing is restarted")
     up.add_argument("--log-max-mb", type=float,
                     help="rotate a log past this size (default: as last time, else %(default)s)")
+    up.add_argument("--hosts", action=argparse.BooleanOptionalAction, default=None,
+                    help="the multi-host stack: every Kafka node, the S3 server, every trainer rank, paramsync, "
+                    "admin and each sampler in a network namespace of its own, at its own address on bridge "
+                    f"{multihost.BRIDGE} ({multihost.SUBNET}); needs root, ip and iptables (default: as the running "
+                    "stack, else off)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait (default: %(default)s)")
     down = sub.add_parser("down", parents=[common], help="stop the supervisor, the services, then Kafka and S3")
     down.add_argument("--keep-infra", action="store_true", help="leave Kafka and the S3 server running")
     sub.add_parser("status", parents=[common], help="the stack's processes, alive or dead, pids, restarts")
+    hosts = sub.add_parser("hosts", parents=[common],
+                           help="the multi-host stack's parts: NAME NETNS ADDRESS PID; cut / heal a part's links",
+                           description="Without an action: each part of the multi-host stack (up --hosts) with its "
+                           "network namespace, address and pid (a pid that does not live in its part's namespace is "
+                           "flagged). `cut NAME [PEER ...]`: inside NAME's namespace, drop every packet to and from "
+                           "each PEER (default: every Kafka node); `heal NAME` removes those rules. `cleanup`: "
+                           f"remove every {multihost.PREFIX}* namespace, link and rule left on this machine, "
+                           "whoever made them (after a crash).")
+    hosts.add_argument("action", nargs="?", choices=["list", "cut", "heal", "cleanup"], default="list")
+    hosts.add_argument("name", nargs="?", help="the part: kafka, kafka-<i>, s3, trainer, trainer-<r>, paramsync, "
+                       "admin, sampler-<i>")
+    hosts.add_argument("peers", nargs="*", help="cut: the parts to cut NAME from (default: every Kafka node)")
     restart = sub.add_parser("restart", parents=[common], help="stop and start a service, wait until healthy")
     restart.add_argument("service", help="trainer, paramsync, admin, sampler (every replica) or sampler-<i>")
     for name, what in (("hold", "leave NAME alone: do not restart it"), ("release", "restart NAME again if it dies")):
@@ -84,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _stack(home: Path, config: str | None = None, run: str | None = None, store: str | None = None, *,
-           supervise: bool = True, log_max_bytes: int = LOG_MAX_BYTES, brokers: int | None = None) -> LocalStack:
+           supervise: bool = True, log_max_bytes: int = LOG_MAX_BYTES, brokers: int | None = None,
+           hosts: bool | None = None) -> LocalStack:
     """A LocalStack for ``home``, with the config, run, store, ports and Kafka size of the last ``up``."""
     last = StackState(home).load()
     ports = {k: int(v) for k, v in (last.get("ports") or {}).items()}
@@ -95,7 +118,7 @@ def _stack(home: Path, config: str | None = None, run: str | None = None, store:
                       prometheus_port=ports.get("prometheus", 9090), supervise=supervise, log_max_bytes=log_max_bytes,
                       brokers=brokers or last.get("brokers"),
                       trainer_rank_base_port=ports.get("trainer_rank_base", 8170),
-                      rendezvous_port=ports.get("rendezvous", 29500))
+                      rendezvous_port=ports.get("rendezvous", 29500), hosts=hosts)
 
 
 def _up(args: argparse.Namespace, home: Path) -> int:
@@ -103,7 +126,7 @@ def _up(args: argparse.Namespace, home: Path) -> int:
     samplers = args.samplers if args.samplers is not None else len(last.get("samplers") or [0, 1])
     log_max = int(args.log_max_mb * 1024 * 1024) if args.log_max_mb else int(last.get("log_max_bytes") or LOG_MAX_BYTES)
     stack = _stack(home, args.config, args.run, args.store, supervise=not args.no_supervise, log_max_bytes=log_max,
-                   brokers=args.brokers)
+                   brokers=args.brokers, hosts=args.hosts)
     now = {"config": str(stack.config), "run": stack.run, "store_backend": stack.store_backend}
     changed = [k for k, v in now.items() if k in last and last[k] != v]
     if changed and stack.pids():
@@ -124,13 +147,17 @@ def _up(args: argparse.Namespace, home: Path) -> int:
     for st in stack.status():
         _out(f"  {st.name:<11} {st.log}")
     _out(f"admin API:  {stack.admin_url}    OpenAPI docs: {stack.admin_url}/docs")
+    if stack.hosts:
+        _out(f"hosts:      each part in its own network namespace on {multihost.BRIDGE} ({multihost.SUBNET}): "
+             f"{PROG} hosts")
     _out(f"curves:     .venv/bin/tensorboard --logdir {home}/tb    (tracking.tensorboard_dir moves them)")
     source = stack.admin_token_source
     if source.startswith("/"):
         _out(f"token:      {source} (mode 0600): export FLYWHEEL_ADMIN_TOKEN=$(cat {source})")
     else:
         _out(f"token:      from {source}")
-    url = "" if stack.admin_url == DEFAULT_ADMIN_URL else f" --url {stack.admin_url}"
+    forwarded = stack.hosts and any(st.name == forward.NAME and st.alive for st in stack.status(infra=False))
+    url = "" if stack.admin_url == DEFAULT_ADMIN_URL or forwarded else f" --url {stack.admin_url}"
     _out(f"status:     flywheel status{url}    (processes: {PROG} status)")
     _out(f"stop:       make down    (or: {PROG} down)")
     return 0
@@ -147,9 +174,46 @@ def _status(home: Path) -> int:
         _out(f"  {st.name:<11} {alive}  {pid:<17}  {restarts:<16}  {st.endpoint:<36}  {st.log}")
     sup = stack.supervisor_pid()
     _out(f"  supervisor  {f'alive  pid {sup}' if sup else 'not running: nothing is restarted'}")
+    if stack.hosts:
+        _out(f"  network     bridge {multihost.BRIDGE} {multihost.GATEWAY}/{multihost.PREFIX_LEN}, a namespace per "
+             f"part: {PROG} hosts")
     if not any(st.alive for st in states):
         _out(f"nothing is running: {PROG} up")
     return 0 if all(st.alive for st in states) else 3
+
+
+def _hosts(args: argparse.Namespace, home: Path) -> int:
+    if args.action == "cleanup":
+        removed = multihost.teardown(home, _out, force=True)
+        _out("removed" if removed else f"nothing to remove: no {multihost.PREFIX}* namespace, link or rule")
+        return 0
+    if args.action in ("cut", "heal"):
+        if not args.name:
+            raise StackError(f"{args.action} needs the part's name, e.g. `{PROG} hosts {args.action} trainer`")
+        try:
+            multihost.host(args.name)
+            if args.action == "heal":
+                _out(f"{args.name}: removed {multihost.heal(args.name)} cut rule(s)")
+                return 0
+            recorded = [h["name"] for h in multihost.load_state(home).get("hosts") or []]
+            peers = args.peers or [n for n in recorded if multihost.parse_part(n)[0] == "kafka"]
+            if not peers:
+                raise StackError(f"no multi-host stack in {home} to cut {args.name} from: name the peers")
+            addrs = multihost.cut(args.name, peers)
+        except ValueError as exc:
+            raise StackError(str(exc)) from None
+        _out(f"{args.name} ({multihost.netns_name(args.name)}) cut from {', '.join(peers)} ({', '.join(addrs)}); "
+             f"`{PROG} hosts heal {args.name}` restores it")
+        return 0
+    if not multihost.active(home):
+        _out(f"no multi-host stack in {home} (start one with `{PROG} up --hosts`, or `make up HOSTS=1`)")
+        return 3
+    stack = _stack(home)
+    pids = {st.name: st.pid if st.alive else None for st in stack.status()}
+    table = multihost.rows(home, pids)
+    for line in multihost.format_rows(table):
+        _out(line)
+    return 0 if all(r.pid is not None and not r.where for r in table) else 3
 
 
 def _restart(name: str, home: Path) -> int:
@@ -176,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             _stack(home).down(infra=not args.keep_infra)
         elif args.command == "status":
             return _status(home)
+        elif args.command == "hosts":
+            return _hosts(args, home)
         elif args.command == "restart":
             return _restart(args.service, home)
         elif args.command == "hold":

@@ -174,6 +174,9 @@ class InfraConfig:
     brokers: int = 1
     """Kafka nodes (each a combined KRaft controller + broker), 1..MAX_BROKERS; see :attr:`kafka_nodes` for their
     ports. More than one: run topics get replication factor min(3, n) and min.insync.replicas min(2, n)."""
+    hosts: bool = False
+    """The multi-host stack (``devstack.hosts``): each Kafka node and the S3 server in a network namespace of its
+    own, listening on (and advertising) that host's address instead of 127.0.0.1."""
 
     @classmethod
     def resolve(
@@ -187,14 +190,21 @@ class InfraConfig:
         kafka_sasl_port: int | None = None,
         kafka_authorizer: bool = False,
         brokers: int | None = None,
+        hosts: bool | None = None,
     ) -> InfraConfig:
         """Explicit arguments win, then FLYWHEEL_INFRA_*_PORT / FLYWHEEL_INFRA_BROKERS / FLYWHEEL_HOME, then defaults.
 
         The SASL listener is off unless ``kafka_sasl_port`` is given, the authorizer unless ``kafka_authorizer``
-        (no environment variable turns either on).
+        (no environment variable turns either on). ``hosts`` None: as the home's stack is (a multi-host one while
+        its ``hosts.json`` exists, see ``devstack.hosts``).
         """
+        resolved_home = Path(home).expanduser().resolve() if home else default_home()
+        if hosts is None:
+            from devstack.hosts import active  # lazily: devstack.hosts imports this module
+
+            hosts = active(resolved_home)
         cfg = cls(
-            home=Path(home).expanduser().resolve() if home else default_home(),
+            home=resolved_home,
             kafka_port=kafka_port or _env_port("FLYWHEEL_INFRA_KAFKA_PORT", DEFAULT_KAFKA_PORT),
             controller_port=controller_port
             or _env_port("FLYWHEEL_INFRA_CONTROLLER_PORT", DEFAULT_CONTROLLER_PORT),
@@ -203,6 +213,7 @@ class InfraConfig:
             kafka_sasl_port=kafka_sasl_port,
             kafka_authorizer=kafka_authorizer,
             brokers=brokers or _env_int("FLYWHEEL_INFRA_BROKERS", 1, "a number of brokers"),
+            hosts=hosts,
         )
         cfg.validate()
         return cfg
@@ -233,6 +244,23 @@ class InfraConfig:
         if self.kafka_authorizer and self.kafka_sasl_username in KAFKA_ROLE_USERS:
             raise StackError(f"the Kafka SASL user {self.kafka_sasl_username!r} is a super user with the authorizer "
                              "on: it must not be named after a role")
+
+    def host(self, name: str) -> str:
+        """The address process ``name`` (``kafka``, ``kafka-<i>``, ``s3``) listens on: 127.0.0.1, or its own
+        host's address in the multi-host stack."""
+        if not self.hosts:
+            return "127.0.0.1"
+        from devstack.hosts import address
+
+        return address(name)
+
+    def netns(self, name: str) -> str | None:
+        """The network namespace process ``name`` runs in (None: the caller's; see :attr:`hosts`)."""
+        if not self.hosts:
+            return None
+        from devstack.hosts import netns_name
+
+        return netns_name(name)
 
     @property
     def kafka_scram_users(self) -> dict[str, str]:
@@ -286,10 +314,10 @@ class InfraConfig:
     def endpoints(self) -> InfraEndpoints:
         sasl = self.kafka_sasl_port is not None
         return InfraEndpoints(
-            kafka_bootstrap=",".join(f"127.0.0.1:{node.port}" for node in self.kafka_nodes),
-            s3_endpoint=f"http://127.0.0.1:{self.s3_port}",
+            kafka_bootstrap=",".join(f"{self.host(node.name)}:{node.port}" for node in self.kafka_nodes),
+            s3_endpoint=f"http://{self.host('s3')}:{self.s3_port}",
             bucket=self.bucket,
-            kafka_sasl_bootstrap=f"127.0.0.1:{self.kafka_sasl_port}" if sasl else None,
+            kafka_sasl_bootstrap=f"{self.host('kafka')}:{self.kafka_sasl_port}" if sasl else None,
             kafka_sasl_username=self.kafka_sasl_username if sasl else None,
             kafka_sasl_password=self.kafka_sasl_password if sasl else None,
             kafka_role_users=KAFKA_ROLE_USERS if self.kafka_authorizer else (),

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from devstack import kafka, s3
-from devstack.config import DEFAULT_TIMEOUT_S, MAX_BROKERS, InfraConfig, InfraEndpoints
+from devstack.config import DEFAULT_TIMEOUT_S, MAX_BROKERS, InfraConfig, InfraEndpoints, StackError
 from devstack.jars import ensure_kafka_jars, find_java
 from devstack.procs import Proc, ProcStatus, file_lock, is_running, require_free
 from devstack.readiness import run_coro, wait_until
@@ -32,6 +32,7 @@ def ensure_up(
     kafka_sasl_port: int | None = None,
     kafka_authorizer: bool = False,
     brokers: int | None = None,
+    hosts: bool | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: Progress = say,
 ) -> InfraEndpoints:
@@ -47,28 +48,33 @@ def ensure_up(
     creates their ACLs; the stack's own SASL user is a super user.
     ``brokers`` (default ``$FLYWHEEL_INFRA_BROKERS``, else 1): a KRaft cluster of that many nodes; ready once
     every node runs, all are registered and an acks=all round trip on a topic replicated min(3, n) times works.
+    ``hosts`` (default: as the home is, see ``InfraConfig.resolve``): each node and the S3 server in its own
+    network namespace, which ``devstack.hosts.ensure_network`` made first.
     """
     cfg = InfraConfig.resolve(home, kafka_port, controller_port, s3_port, bucket, kafka_sasl_port=kafka_sasl_port,
-                              kafka_authorizer=kafka_authorizer, brokers=brokers)
+                              kafka_authorizer=kafka_authorizer, brokers=brokers, hosts=hosts)
     cfg.home.mkdir(parents=True, exist_ok=True)
     with file_lock(cfg.home / ".infra.lock"):
         started = time.monotonic()
         kprocs, sproc = kafka.procs(cfg), s3.proc(cfg)
         kafka_pids, s3_pid = [p.pid() for p in kprocs], sproc.pid()
-        for node, pid in zip(cfg.kafka_nodes, kafka_pids, strict=True):
+        for node, kproc, pid in zip(cfg.kafka_nodes, kprocs, kafka_pids, strict=True):
             if pid is not None:
                 kafka.check_ports(cfg, pid, node)
-            else:
+                _check_netns(cfg, kproc, pid)
+            elif not cfg.hosts:  # in the multi-host stack each node listens in a namespace of its own
                 require_free(f"{node.name}; see --kafka-port, FLYWHEEL_INFRA_KAFKA_PORT", node.port, cfg.home)
                 require_free(f"{node.name} controller; see --controller-port, FLYWHEEL_INFRA_CONTROLLER_PORT",
                              node.controller_port, cfg.home)
-        if kafka_pids[0] is None and cfg.kafka_sasl_port is not None:
+        if kafka_pids[0] is None and cfg.kafka_sasl_port is not None and not cfg.hosts:
             require_free("kafka SASL listener (kafka_sasl_port)", cfg.kafka_sasl_port, cfg.home)
         if s3_pid is not None:
             s3.check_port(cfg, s3_pid)
+            _check_netns(cfg, sproc, s3_pid)
         else:
             s3.moto_server_path()
-            require_free("s3; see --s3-port, FLYWHEEL_INFRA_S3_PORT", cfg.s3_port, cfg.home)
+            if not cfg.hosts:
+                require_free("s3; see --s3-port, FLYWHEEL_INFRA_S3_PORT", cfg.s3_port, cfg.home)
 
         running = list(kafka_pids)
         if None in kafka_pids:
@@ -77,13 +83,14 @@ def ensure_up(
             kafka.prepare(cfg, java, libs, progress)
             for i, (node, kproc) in enumerate(zip(cfg.kafka_nodes, kprocs, strict=True)):
                 if kafka_pids[i] is None:
-                    kafka_pids[i], _ = kproc.ensure(kafka.command(cfg, java, libs, node), cwd=node.dir)
+                    kafka_pids[i], _ = kproc.ensure(kafka.command(cfg, java, libs, node), cwd=node.dir,
+                                                    netns=cfg.netns(node.name))
         for node, kproc, was, pid in zip(cfg.kafka_nodes, kprocs, running, kafka_pids, strict=True):
             what = "Kafka" if node.node_id == 1 else f"Kafka {node.name}"
             progress(f"{what} already running (pid {pid})" if was is not None
                      else f"started {what} (pid {pid}), log {kproc.log}")
         if s3_pid is None:
-            s3_pid, _ = sproc.ensure(s3.command(cfg), cwd=cfg.home)
+            s3_pid, _ = sproc.ensure(s3.command(cfg), cwd=cfg.home, netns=cfg.netns(s3.NAME))
             progress(f"started S3 server (moto, pid {s3_pid}), log {sproc.log}")
         else:
             progress(f"S3 server already running (pid {s3_pid})")
@@ -112,6 +119,20 @@ def ensure_up(
         write_env_file(cfg.env_file, ep)
         progress(f"Kafka + S3 up in {time.monotonic() - started:.1f} s; endpoints in {cfg.env_file}")
         return ep
+
+
+def _check_netns(cfg: InfraConfig, proc: Proc, pid: int) -> None:
+    """A reused process must run where this call expects it: on 127.0.0.1, or in its own host's namespace."""
+    record = proc.record()
+    running_in = record.netns if record is not None else None
+    expected = cfg.netns(proc.name)
+    if running_in != expected:
+        raise StackError(f"our {proc.name} in {cfg.home} (pid {pid}) runs in {_where(running_in)}, not in "
+                         f"{_where(expected)}: run `python -m devstack down --home {cfg.home}` first")
+
+
+def _where(netns: str | None) -> str:
+    return f"network namespace {netns}" if netns else "the root namespace (127.0.0.1)"
 
 
 def write_env_file(path: Path, ep: InfraEndpoints) -> None:
@@ -152,8 +173,10 @@ def status(home: str | os.PathLike[str] | None = None) -> list[ProcStatus]:
     for kproc in _kafka_procs(cfg):
         krec = kproc.record()  # where it listens, as started
         ports = kafka.running_ports(krec.cmd) if krec else None
-        out.append(kproc.status(f"127.0.0.1:{ports[0]} (controller {ports[1]})" if ports else "-"))
+        host = cfg.host(kproc.name) if krec is not None and krec.netns else "127.0.0.1"
+        out.append(kproc.status(f"{host}:{ports[0]} (controller {ports[1]})" if ports else "-"))
     sproc = s3.proc(cfg)
     srec = sproc.record()
     port = s3.running_port(srec.cmd) if srec else None
-    return [*out, sproc.status(f"http://127.0.0.1:{port}" if port else "-")]
+    host = cfg.host(s3.NAME) if srec is not None and srec.netns else "127.0.0.1"
+    return [*out, sproc.status(f"http://{host}:{port}" if port else "-")]

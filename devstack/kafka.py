@@ -86,15 +86,16 @@ def server_properties(cfg: InfraConfig, node: KafkaNode | None = None) -> str:
     node = node or cfg.kafka_nodes[0]
     port, cport, sport = node.port, node.controller_port, cfg.kafka_sasl_port
     rf, min_isr = cfg.kafka_replication
-    voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in cfg.kafka_nodes)
+    host = cfg.host(node.name)  # 127.0.0.1, or the node's own host's address in the multi-host stack
+    voters = ",".join(f"{n.node_id}@{cfg.host(n.name)}:{n.controller_port}" for n in cfg.kafka_nodes)
     shape = "Single-node" if cfg.brokers == 1 else f"Node {node.node_id} of {cfg.brokers}:"
-    listeners = f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{cport}"
-    advertised = f"PLAINTEXT://127.0.0.1:{port}"
+    listeners = f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{cport}"
+    advertised = f"PLAINTEXT://{host}:{port}"
     protocols = "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
     sasl = ""
     if sport is not None:
-        listeners += f",SASL_PLAINTEXT://127.0.0.1:{sport}"
-        advertised += f",SASL_PLAINTEXT://127.0.0.1:{sport}"
+        listeners += f",SASL_PLAINTEXT://{host}:{sport}"
+        advertised += f",SASL_PLAINTEXT://{host}:{sport}"
         protocols += ",SASL_PLAINTEXT:SASL_PLAINTEXT"
         mech = KAFKA_SASL_MECHANISM.lower()
         # The server side of SCRAM needs a JAAS entry without options: credentials live in the cluster metadata.
@@ -115,7 +116,7 @@ super.users=User:ANONYMOUS;User:{cfg.kafka_sasl_username}
 allow.everyone.if.no.acl.found=false
 """
     return f"""\
-# Written by `python -m devstack infra-up` / `up`; regenerated on every start. {shape} KRaft on 127.0.0.1.
+# Written by `python -m devstack infra-up` / `up`; regenerated on every start. {shape} KRaft on {host}.
 process.roles=broker,controller
 node.id={node.node_id}
 controller.quorum.voters={voters}

@@ -58,6 +58,9 @@ class LaunchRecord:
     cwd: str
     env: dict[str, str] | None
     log: str
+    netns: str | None = None
+    """The network namespace it runs in (``ip netns exec``; the multi-host stack, ``devstack.hosts``), or None:
+    the caller's. Left out of the JSON when None."""
 
 
 class Proc:
@@ -86,7 +89,9 @@ class Proc:
         """The launch record while the process is wanted, else None."""
         try:
             data = json.loads(self.record_path.read_text())
-            return LaunchRecord(list(data["cmd"]), str(data["cwd"]), data.get("env"), str(data["log"]))
+            netns = data.get("netns")
+            return LaunchRecord(list(data["cmd"]), str(data["cwd"]), data.get("env"), str(data["log"]),
+                                None if netns is None else str(netns))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -107,8 +112,11 @@ class Proc:
             return None
         return pid
 
-    def spawn(self, cmd: list[str], *, cwd: Path, env: Mapping[str, str] | None = None) -> int:
-        """Start ``cmd`` detached (own session, no stdin, output appended to the log) and record it.
+    def spawn(self, cmd: list[str], *, cwd: Path, env: Mapping[str, str] | None = None,
+              netns: str | None = None) -> int:
+        """Start ``cmd`` detached (own session, no stdin, output appended to the log) and record it; with
+        ``netns``, inside that network namespace (``ip netns exec`` execs ``cmd``, so the process's command line
+        is ``cmd`` all the same).
 
         No check that it already runs: callers do that under :func:`table_lock` (see :meth:`ensure`).
         """
@@ -119,9 +127,17 @@ class Proc:
         stdout = self.out if env is not None and env.get("FLYWHEEL_LOG_FILE") == str(self.log) else self.log
         rotate(stdout, int(StackState(self.home).load().get("log_max_bytes") or LOG_MAX_BYTES))  # unsupervised too
         with open(stdout, "ab") as log:  # "a": O_APPEND, so a copy-truncate never leaves a hole
-            log.write(f"\n{BANNER} {self.name} at {time.strftime('%Y-%m-%dT%H:%M:%S')}: {' '.join(cmd)}\n".encode())
+            where = f" in netns {netns}" if netns is not None else ""
+            log.write(f"\n{BANNER} {self.name} at {time.strftime('%Y-%m-%dT%H:%M:%S')}{where}: {' '.join(cmd)}\n"
+                      .encode())
             log.flush()
-            proc = subprocess.Popen(cmd, cwd=cwd, env=None if env is None else dict(env), stdin=subprocess.DEVNULL,
+            argv = cmd
+            if netns is not None:
+                from devstack.hosts import netns_exec, tool
+
+                argv = netns_exec(netns, cmd)
+                argv[0] = tool("ip") or argv[0]
+            proc = subprocess.Popen(argv, cwd=cwd, env=None if env is None else dict(env), stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         proc.returncode = 0  # it is meant to outlive us: no "still running" warning at exit
         # Popen returns once exec has begun, but the kernel fills /proc/<pid>/cmdline a moment later: until
@@ -131,10 +147,13 @@ class Proc:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.005)
-        record = LaunchRecord(list(cmd), str(cwd), None if env is None else dict(env), str(stdout))
+        record = LaunchRecord(list(cmd), str(cwd), None if env is None else dict(env), str(stdout), netns)
+        data = asdict(record)
+        if netns is None:
+            del data["netns"]
         fd = os.open(self.record_path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:  # 0600: the environment may hold the admin token
-            json.dump(asdict(record), fh, indent=1)
+            json.dump(data, fh, indent=1)
         self.record_path.with_suffix(".tmp").replace(self.record_path)
         self.pidfile.write_text(f"{proc.pid}\n")
         return proc.pid
@@ -144,13 +163,15 @@ class Proc:
         record = self.record()
         if record is None:
             raise StackError(f"{self.name} has no launch record in {self.record_path}")
-        return self.spawn(record.cmd, cwd=Path(record.cwd), env=record.env)
+        return self.spawn(record.cmd, cwd=Path(record.cwd), env=record.env, netns=record.netns)
 
-    def ensure(self, cmd: list[str], *, cwd: Path, env: Mapping[str, str] | None = None) -> tuple[int, bool]:
-        """(pid, started): the running process, or ``cmd`` started now; atomic against the supervisor."""
+    def ensure(self, cmd: list[str], *, cwd: Path, env: Mapping[str, str] | None = None,
+               netns: str | None = None) -> tuple[int, bool]:
+        """(pid, started): the running process, or ``cmd`` started now (in ``netns`` if given); atomic against
+        the supervisor."""
         with table_lock(self.home):
             pid = self.pid()
-            return (pid, False) if pid is not None else (self.spawn(cmd, cwd=cwd, env=env), True)
+            return (pid, False) if pid is not None else (self.spawn(cmd, cwd=cwd, env=env, netns=netns), True)
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
         """Un-want the process, then SIGTERM it, SIGKILL after ``timeout_s``; the pid stopped, or None."""

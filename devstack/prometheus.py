@@ -12,7 +12,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,9 @@ def command(exe: str, home: Path, port: int) -> list[str]:
             f"--web.listen-address=127.0.0.1:{port}"]
 
 
-def write_config(home: Path, targets: dict[str, list[int]], port: int) -> Path:
-    """Write ``<home>/prometheus.yml``: ``targets`` maps job suffix (``trainer``, ``sampler``) to ports.
+def write_config(home: Path, targets: Mapping[str, Sequence[int | str]], port: int) -> Path:
+    """Write ``<home>/prometheus.yml``: ``targets`` maps job suffix (``trainer``, ``sampler``) to ports on
+    127.0.0.1, or ``host:port`` strings (the multi-host stack's parts, each at its own address).
 
     Returns the path; the file is replaced atomically, so a SIGHUP reload never sees half of it.
     """
@@ -54,13 +55,14 @@ def write_config(home: Path, targets: dict[str, list[int]], port: int) -> Path:
     cfg["rule_files"] = [str((base / rule).resolve()) for rule in cfg.get("rule_files") or []]
     for job in cfg.get("scrape_configs") or []:
         name = str(job.get("job_name", ""))
+        ports: Sequence[int | str]
         if name == "prometheus":
             ports = [port]
         elif name.startswith("flywheel-") and name.removeprefix("flywheel-") in targets:
             ports = targets[name.removeprefix("flywheel-")]
         else:
             continue
-        job["static_configs"] = [{"targets": [f"127.0.0.1:{p}" for p in ports]}]
+        job["static_configs"] = [{"targets": [f"127.0.0.1:{p}" if isinstance(p, int) else p for p in ports]}]
     path = home / "prometheus.yml"
     tmp = path.with_suffix(".tmp")
     header = f"# Written by devstack from {LOCAL_CONFIG}; edit that file, not this one.\n"
@@ -70,7 +72,8 @@ def write_config(home: Path, targets: dict[str, list[int]], port: int) -> Path:
 
 
 def ensure_running(
-    home: Path, port: int, targets: dict[str, list[int]], *, deadline: float, progress: Callable[[str], None]
+    home: Path, port: int, targets: Mapping[str, Sequence[int | str]], *, deadline: float,
+    progress: Callable[[str], None]
 ) -> int | None:
     """Write the configuration, then reload the running Prometheus or start one and wait until ready.
 

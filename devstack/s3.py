@@ -29,8 +29,8 @@ def moto_server_path() -> Path:
 
 
 def command(cfg: InfraConfig) -> list[str]:
-    """moto's server on 127.0.0.1."""
-    return [sys.executable, str(moto_server_path()), "-H", "127.0.0.1", "-p", str(cfg.s3_port)]
+    """moto's server on 127.0.0.1 (on its own host's address in the multi-host stack)."""
+    return [sys.executable, str(moto_server_path()), "-H", cfg.host(NAME), "-p", str(cfg.s3_port)]
 
 
 def running_port(args: list[str]) -> int | None:

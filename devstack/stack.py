@@ -10,14 +10,16 @@ import dataclasses
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from devstack import kafka, s3, supervisor
+from devstack import forward, kafka, s3, supervisor
+from devstack import hosts as multihost
 from devstack import prometheus as prom
-from devstack.config import DEFAULT_CONFIG, MAX_BROKERS, REPO_ROOT, InfraEndpoints, StackError
+from devstack.config import DEFAULT_CONFIG, MAX_BROKERS, REPO_ROOT, InfraConfig, InfraEndpoints, StackError
 from devstack.infra import down as infra_down
 from devstack.infra import ensure_up, say
 from devstack.infra import status as infra_status
@@ -25,6 +27,7 @@ from devstack.logs import LOG_BACKUPS, LOG_MAX_BYTES
 from devstack.procs import (
     Proc,
     ProcStatus,
+    describe_listener,
     file_lock,
     is_running,
     port_is_free,
@@ -65,6 +68,10 @@ class LocalStack:
     ``supervise``: ``up`` starts this home's supervisor, which restarts any wanted process that
     dies (see ``devstack.supervisor``). Every method is idempotent and works across Python
     processes: it reads the files in ``home``.
+
+    ``hosts``: the multi-host stack (``devstack.hosts``): every Kafka node, the S3 server, every trainer rank,
+    paramsync, admin and each sampler in a network namespace of its own, at its own address on one bridge
+    (needs root and the stack's own infra). None: as the home's stack is (multi-host while its hosts.json exists).
     """
 
     def __init__(
@@ -87,6 +94,7 @@ class LocalStack:
         supervise: bool = True,
         log_max_bytes: int = LOG_MAX_BYTES,
         brokers: int | None = None,
+        hosts: bool | None = None,
         progress: Callable[[str], None] = say,
     ) -> None:
         if store_backend not in ("local", "s3"):
@@ -112,6 +120,10 @@ class LocalStack:
         self._progress = progress
         self._token: tuple[str, str] | None = None
         self.state = StackState(self.home)
+        self.hosts = multihost.active(self.home) if hosts is None else hosts
+        if self.hosts and not self._owns_infra:
+            raise StackError("the multi-host stack (hosts) runs its own Kafka and S3 in namespaces: "
+                             "it cannot use given infra endpoints")
 
     # ---- names, files, ports -------------------------------------------------------------
     def _proc(self, service: str, replica: int = 0) -> Proc:
@@ -145,6 +157,16 @@ class LocalStack:
             return self._trainer_rank_base_port + replica
         return self._ports[service]
 
+    def host(self, service: str, replica: int = 0) -> str:
+        """The address a service process listens on: 127.0.0.1, or its own host's in the multi-host stack."""
+        key = proc_key(service, replica)
+        return multihost.address(key) if self.hosts else HOST
+
+    def netns(self, service: str, replica: int = 0) -> str | None:
+        """The network namespace a service process runs in (None: this one's)."""
+        key = proc_key(service, replica)
+        return multihost.netns_name(key) if self.hosts else None
+
     @property
     def trainers(self) -> int:
         """Trainer ranks (``trainer.world_size``): as given, else as at the last ``up``, else 1."""
@@ -154,7 +176,7 @@ class LocalStack:
 
     @property
     def admin_url(self) -> str:
-        return f"http://{HOST}:{self._ports['admin']}"
+        return f"http://{self.host('admin')}:{self._ports['admin']}"
 
     @property
     def admin_token(self) -> str:
@@ -171,21 +193,27 @@ class LocalStack:
         """Kafka + S3 endpoints; for a stack that owns its infra, starts (or reuses) it."""
         if self._infra is None:
             try:
-                self._infra = ensure_up(self.home, brokers=self.brokers, timeout_s=timeout_s, progress=self._progress)
+                self._infra = ensure_up(self.home, brokers=self.brokers, hosts=self.hosts, timeout_s=timeout_s,
+                                        progress=self._progress)
             except StackError as exc:
                 raise StackError(f"Kafka / S3 did not come up: {exc}") from exc
         return self._infra
 
     def service_env(self, service: str, replica: int = 0) -> dict[str, str]:
         """The full environment one service process is started with (see ``services.service_env``); trainer
-        ranks get their rank, the world size and rank 0's rendezvous address."""
+        ranks get their rank, the world size and rank 0's rendezvous address (rank 0's host's, in the multi-host
+        stack, where each process also listens on its own host's address and gloo uses the host's interface)."""
         env = service_env(os.environ, service=service, replica=replica, port=self.port(service, replica),
                           home=self.home, config=self.config, run=self.run, store_backend=self.store_backend,
                           endpoints=self.endpoints(), admin_token=self.admin_token, overrides=self.env,
                           log_max_bytes=self.log_max_bytes, log_backups=LOG_BACKUPS)
+        if self.hosts:
+            env["FLYWHEEL_HTTP_HOST"] = self.host(service, replica)
+            if service == "trainer":
+                env["GLOO_SOCKET_IFNAME"] = multihost.NS_IFACE
         if service == "trainer" and self.trainers > 1:
             env.update({"FLYWHEEL_TRAINER_WORLD_SIZE": str(self.trainers), "FLYWHEEL_TRAINER_RANK": str(replica),
-                        "FLYWHEEL_TRAINER_RENDEZVOUS": f"{HOST}:{self.rendezvous_port}"})
+                        "FLYWHEEL_TRAINER_RENDEZVOUS": f"{self.host('trainer')}:{self.rendezvous_port}"})
         return env
 
     # ---- one process ---------------------------------------------------------------------
@@ -204,13 +232,16 @@ class LocalStack:
             self._progress(f"{proc.name} already running (pid {pid})")
             return pid
         port = self.port(service, replica)
-        require_free(proc.name, port, self.home)
+        if not self.hosts:  # a host of the multi-host stack is a namespace of its own: its ports are free
+            require_free(proc.name, port, self.home)
         env = self.service_env(service, replica)
-        pid, started = proc.ensure(service_command(service), cwd=REPO_ROOT, env=env)
+        netns = self.netns(service, replica)
+        pid, started = proc.ensure(service_command(service), cwd=REPO_ROOT, env=env, netns=netns)
         if service == "sampler":
             self.state.add_sampler(replica)
         what = f"started {proc.name}" if started else f"{proc.name} was just restarted by the supervisor"
-        self._progress(f"{what} (pid {pid}) on {HOST}:{port}, log {proc.log}")
+        where = f" in netns {netns}" if netns else ""
+        self._progress(f"{what} (pid {pid}){where} on {self.host(service, replica)}:{port}, log {proc.log}")
         return pid
 
     def wait_healthy(self, service: str, replica: int = 0, timeout_s: float = 60.0) -> None:
@@ -226,7 +257,7 @@ class LocalStack:
         if pid is None:
             raise StackError(f"{proc.name} is not running.\nlast 30 lines of {proc.crash_log()}:\n"
                              f"{tail(proc.crash_log())}")
-        url = f"http://{HOST}:{self.port(service, replica)}/healthz"
+        url = f"http://{self.host(service, replica)}:{self.port(service, replica)}/healthz"
         took = wait_until(f"{proc.name} (pid {pid})", lambda left: http_ok(url, min(left, 2.0)), deadline=deadline,
                           alive=lambda: is_running(pid), log_path=proc.crash_log())
         self._progress(f"{proc.name} healthy (pid {pid}) after {took:.1f} s")
@@ -241,7 +272,8 @@ class LocalStack:
         if pid is None:
             raise StackError(f"cannot signal {proc.name}: it is not running")
         os.kill(pid, sig)
-        if sig == signal.SIGKILL and wait_gone(pid, timeout_s=10.0) and not is_infra(name) and name != prom.NAME:
+        if (sig == signal.SIGKILL and wait_gone(pid, timeout_s=10.0) and not is_infra(name) and name != prom.NAME
+                and not self.hosts):  # a dead process's port in its own namespace is free at once
             service, index = parse_key(proc.name)
             port, deadline = self.port(service, index), time.monotonic() + 10.0
             while not port_is_free(port) and proc.pid() in (None, pid) and time.monotonic() < deadline:
@@ -294,13 +326,19 @@ class LocalStack:
             raise StackError(f"trainers must be >= 1, got {trainers=}")
         deadline = time.monotonic() + timeout_s
         with file_lock(self.home / ".localstack.lock"):
+            self._check_mode()
             if trainers is not None and trainers != self.trainers:
                 self._stop_ranks()
                 self._trainers = trainers
             wanted = self._layout(range(samplers), self.trainers)
             for service, replica in wanted:  # before anything starts: a taken port fails fast
-                if self.pid(service, replica) is None:
+                if self.pid(service, replica) is None and not self.hosts:
                     require_free(proc_key(service, replica), self.port(service, replica), self.home)
+            plan: list[multihost.Host] = []
+            if self.hosts:  # each part's host (namespace, veth, address) before the part
+                brokers = InfraConfig.resolve(self.home, brokers=self.brokers, hosts=True).brokers
+                plan = multihost.plan(brokers, self.trainers, range(samplers))
+                multihost.ensure_network(self.home, plan, self._progress)
             self.endpoints(timeout_s)
             self._progress(f"admin token: {self.admin_token_source}")
             validate_config(self.config, self.service_env("trainer"))
@@ -308,6 +346,8 @@ class LocalStack:
                 if replica >= samplers:
                     self.stop("sampler", replica)
                     SupervisorState(self.home).forget([proc_key("sampler", replica)])
+            if self.hosts:  # the hosts of samplers and ranks scaled down go too
+                multihost.prune(self.home, plan, self._progress)
             self.state.save(samplers=list(range(samplers)), trainers=self.trainers, prometheus=prometheus,
                             config=str(self.config),
                             run=self.run, store_backend=self.store_backend, log_max_bytes=self.log_max_bytes,
@@ -325,16 +365,55 @@ class LocalStack:
                 self._progress(f"stopped the supervisor (pid {stopped}): supervise=False")
             for service, replica in wanted:
                 self.wait_healthy(service, replica, timeout_s=max(1.0, deadline - time.monotonic()))
+            if self.hosts:
+                self._ensure_admin_forward()
             if prometheus:
-                targets = {s: [self.port(s)] for s in ("trainer", "paramsync", "admin")}
-                targets["trainer-ranks"] = [self.port("trainer", r) for r in range(1, self.trainers)]
-                targets["sampler"] = [self.port("sampler", r) for r in range(samplers)]
+                targets: dict[str, list[int | str]] = {s: [self._target(s)] for s in ("trainer", "paramsync", "admin")}
+                targets["trainer-ranks"] = [self._target("trainer", r) for r in range(1, self.trainers)]
+                targets["sampler"] = [self._target("sampler", r) for r in range(samplers)]
                 prom.ensure_running(self.home, self.prometheus_port, targets, deadline=deadline,
                                     progress=self._progress)
 
+    def _target(self, service: str, replica: int = 0) -> int | str:
+        """What Prometheus scrapes: a port on 127.0.0.1, or ``address:port`` in the multi-host stack."""
+        port = self.port(service, replica)
+        return f"{self.host(service, replica)}:{port}" if self.hosts else port
+
+    def _check_mode(self) -> None:
+        """Refuse to mix a plain stack and a multi-host one in one home while either runs."""
+        was_hosts = multihost.active(self.home)
+        if self.hosts == was_hosts:
+            return
+        alive = [st.name for st in self.status() if st.alive]
+        if alive:
+            now, then = ("a multi-host", "on 127.0.0.1") if self.hosts else ("a plain", "as a multi-host stack")
+            raise StackError(f"the stack in {self.home} runs {then} ({', '.join(alive)} alive); it cannot become "
+                             f"{now} one while it runs: `python -m devstack down` first")
+        if was_hosts:  # nothing runs: what is left of the network goes before a plain stack starts
+            multihost.teardown(self.home, self._progress)
+
+    def _admin_forward(self) -> tuple[Proc, list[str], int]:
+        port = self._ports["admin"]
+        cmd = [sys.executable, "-m", "devstack.forward", f"{HOST}:{port}", f"{self.host('admin')}:{port}"]
+        return Proc(self.home, forward.NAME), cmd, port
+
+    def _ensure_admin_forward(self) -> None:
+        """The multi-host stack's admin listens on its own host's address; forward 127.0.0.1:<admin port> in the
+        root namespace to it (supervised), so the ``flywheel`` CLI's default URL works, when that port is free."""
+        proc, cmd, port = self._admin_forward()
+        if proc.pid() is None and not port_is_free(port):
+            self._progress(f"127.0.0.1:{port} is taken by {describe_listener(port)}: no forwarder to the admin API; "
+                           f"use `flywheel --url {self.admin_url} ...`")
+            return
+        pid, started = proc.ensure(cmd, cwd=REPO_ROOT)
+        self._progress(f"{'started' if started else 'already running:'} {proc.name} (pid {pid}): "
+                       f"http://{HOST}:{port} -> {self.admin_url}")
+
     def down(self, infra: bool = True) -> None:
         """Stop the supervisor, then samplers (together), admin, paramsync, the trainer (it commits),
-        Prometheus, and Kafka + S3 when this stack owns them and ``infra``."""
+        Prometheus, and Kafka + S3 when this stack owns them and ``infra``; then, for a multi-host stack, every
+        namespace, link and rule of its network (``devstack.hosts.teardown``; kept with ``infra`` False, where
+        Kafka and S3 still run in theirs)."""
         if not self.home.is_dir():
             return
         with file_lock(self.home / ".localstack.lock"):
@@ -349,9 +428,20 @@ class LocalStack:
             if (pid := prom.proc(self.home).stop()) is not None:
                 self._progress(f"stopped prometheus (pid {pid})")
             stopped = [proc_key(s, r) for s, r in layout] + [prom.NAME]
+            if (pid := Proc(self.home, forward.NAME).stop()) is not None:
+                self._progress(f"stopped {forward.NAME} (pid {pid})")
+            if self.hosts:
+                stopped.append(forward.NAME)
             if infra and self._owns_infra:
                 infra_down(self.home, progress=self._progress)
                 stopped += [*INFRA, *(f"{kafka.NAME}-{i}" for i in range(2, MAX_BROKERS + 1))]
+                if self.hosts:
+                    multihost.teardown(self.home, self._progress)
+                elif multihost.leftovers_possible() and os.geteuid() == 0:  # a multi-host stack's, after a crash
+                    multihost.teardown(self.home, self._progress, orphans_only=True)
+            elif self.hosts:
+                self._progress("the multi-host network stays (Kafka and S3 still run in their namespaces): "
+                               "`python -m devstack down` removes it")
             SupervisorState(self.home).forget(stopped)
 
     def _stop_ranks(self) -> None:
@@ -364,10 +454,14 @@ class LocalStack:
 
     def status(self, infra: bool = True) -> list[ProcStatus]:
         """Every process this stack runs or should run, alive or dead, with pid, endpoint and restarts."""
-        out = [self._proc(s, r).status(f"http://{HOST}:{self.port(s, r)}")
+        out = [self._proc(s, r).status(f"http://{self.host(s, r)}:{self.port(s, r)}")
                for s, r in self._layout(self.state.samplers(), self.trainers)]
         if self.state.load().get("prometheus") and prom.binary():
             out.append(prom.proc(self.home).status(f"http://{HOST}:{self.prometheus_port}"))
+        if self.hosts:
+            fwd, _cmd, port = self._admin_forward()
+            if fwd.record() is not None or fwd.pid() is not None:
+                out.append(fwd.status(f"http://{HOST}:{port}"))
         if infra and self._owns_infra:
             out += infra_status(self.home)
         sup = SupervisorState(self.home).load()
