@@ -105,6 +105,8 @@ class Holder:
     mean: float
     update: int
     """The guard's count of observed updates when it was observed."""
+    episodes: int = 0
+    """Episodes seen when it was observed (its mean covers the ``return_window`` episodes before)."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ class NotedRevision:
     """Order among the guard's inputs (times may tie)."""
     holder: Holder | None
     """The newest holder when it was noted: the last version trained without it."""
+    update: int = 0
+    """The guard's count of observed updates when it was noted."""
 
 
 @dataclass(frozen=True)
@@ -156,8 +160,10 @@ class RollbackGuard:
     decided before ``cooldown_s`` has passed since the last rollback or when ``enabled`` is false.
     """
 
-    def __init__(self, settings: GuardSettings) -> None:
+    def __init__(self, settings: GuardSettings, return_window: int = 100) -> None:
         self.cfg = settings
+        self.return_window = return_window
+        """Episodes the observed mean covers (the learner's ``trainer.return_window``, the last-100)."""
         self._now = -math.inf
         self._seq = 0
         self._updates = 0
@@ -240,7 +246,7 @@ class RollbackGuard:
         else:
             self._fall = None
         if healthy and mean >= self.best - self.cfg.hold_tolerance:
-            self._holders.append(Holder(version, mean, self._updates))
+            self._holders.append(Holder(version, mean, self._updates, episodes))
             while len(self._holders) > 1 and self._holders[1].update <= self._updates - self.cfg.settle_updates:
                 self._holders.popleft()  # a newer one is settled: no trigger from now on restores this one
             return True
@@ -260,7 +266,7 @@ class RollbackGuard:
         if automatic or not keys or any(r.revision >= revision for r in self._revisions):
             return
         newest = self._holders[-1] if self._holders else None
-        self._revisions.append(NotedRevision(revision, keys, self._episodes or 0, self._seq, newest))
+        self._revisions.append(NotedRevision(revision, keys, self._episodes or 0, self._seq, newest, self._updates))
 
     def _prune_revisions(self) -> None:
         """Drop revisions that no fall or explosion, now or later, could be blamed on."""
@@ -308,8 +314,16 @@ class RollbackGuard:
         culprit = next((r for r in self._revisions
                         if r.seq < trigger.seq and trigger.episodes - r.episodes <= self.cfg.blame_episodes), None)
         target = trigger.holder
-        if culprit is not None and culprit.holder is not None and self._still_holds(culprit.holder):
-            target = culprit.holder
+        if culprit is not None and culprit.holder is not None:
+            # A version observed after the blamed revision restores only when its mean was made by episodes
+            # played after the revision: the mean lags the weights by return_window episodes, so versions
+            # trained under a harmful change post the old policy's returns (and new bests) for a while.
+            # Measured on the local stack: learning_rate=1.0 on solved CartPole, the newest holder before the
+            # fall was two versions past the change and restoring it did not bring the return back.
+            lagging = target is None or (target.update > culprit.update
+                                         and target.episodes - culprit.episodes < self.return_window)
+            if lagging or self._still_holds(culprit.holder):
+                target = culprit.holder
         to_version = target.version if target is not None else trigger.fallback
         if to_version is None:
             return None

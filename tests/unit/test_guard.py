@@ -137,12 +137,28 @@ def test_no_trigger_before_min_episodes() -> None:
 
 def test_a_version_that_held_a_lower_best_is_not_restored() -> None:
     run = Run()
+    run.guard = RollbackGuard(CFG, return_window=50)  # a mean over 50 episodes: made after the change sooner
     run.hold(300.0, 30)
     run.guard.note_config_revision(run.now, 3, ["trainer.target_kl"])
-    run.hold(500.0, 10)  # improved after the change: the holder before it no longer holds the best
+    # Improved after the change, on episodes played after it (14 updates of 5: past the 50-episode window): the
+    # holder before it no longer holds the best.
+    run.hold(500.0, 14)
     newest = run.version
     d = run.until_decision(350.0)
     assert d.remedy == "revert_config" and d.to_version == newest - 3  # settle_updates before the fall
+
+
+def test_a_best_posted_while_the_mean_still_lags_the_change_does_not_count() -> None:
+    # The mean covers the last 100 episodes: versions trained under a harmful change post the old policy's
+    # returns, even new bests, until 100 episodes were played after it. Restoring one restores the change's
+    # weights (measured on the local stack: learning_rate=1.0 on solved CartPole, not recovered).
+    run = Run()
+    run.hold(300.0, 30)
+    before = run.version
+    run.guard.note_config_revision(run.now, 3, ["trainer.learning_rate"])
+    run.hold(500.0, 10)  # 50 episodes after the change: the mean is still mostly the old policy's
+    d = run.until_decision(100.0)
+    assert d.remedy == "revert_config" and d.to_version == before
 
 
 def test_explosions_roll_back_to_the_last_version_that_held_the_best() -> None:
