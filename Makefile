@@ -31,7 +31,7 @@ help:
 	@echo "make test-unit fast tests only"
 	@echo "make test-faults  the whole fault-injection suite (~10 min) -> docs/reliability.md"
 	@echo "make test-partitions  the multi-host stack in network namespaces and a cut of rank 0 from the brokers (root, ~6 min)"
-	@echo "make test-mutation  mutation testing of the trust core (~N min; ONLY=name for one file) -> docs/reliability-mutation.md"
+	@echo "make test-mutation  mutation testing of the trust core (hours; ONLY=name for one file) -> docs/reliability-mutation.md"
 	@echo "make bench     the benchmark suite (ONLY=name for one figure) -> docs/benchmarks.md"
 	@echo "make lint      ruff + mypy --strict on shared/, services/ and devstack/"
 	@echo "make k8s-check build every deploy/k8s overlay (kustomize, in-process) and check it (needs Go)"

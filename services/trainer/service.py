@@ -114,7 +114,8 @@ class Trainer:
         self.stats = m.TrainerStats()
         # A strategy that waits for every live sampler (sync) learns who is live from their heartbeats.
         self.beats = bus.tail(self.topics.heartbeats) if strategy.needs_live_samplers else None
-        self.guard = GuardShell(RollbackGuard(self.cfg.guard, return_window=self.cfg.return_window), store=store, run=settings.run, policies=self.policies,
+        rollback_guard = RollbackGuard(self.cfg.guard, return_window=self.cfg.return_window)
+        self.guard = GuardShell(rollback_guard, store=store, run=settings.run, policies=self.policies,
                                 config=self.runtime.watcher.config, producer=self.producer,
                                 control_topic=self.topics.control, audit=self.audit, log=self.log, holder=self.id)
         # TensorBoard (on by default), MLflow when configured; rank 0's only (the ranks train one model).
