@@ -283,8 +283,8 @@ def verify(settings: Settings, step: int | None = None, read_log: bool = True) -
         lines.extend(f"    - {p}" for p in r.problems)
     ok = all(r.ok for r in reports.values())
     if ok:
-        lines.append(f"verify: ok: every offset of {len(reports)} partition(s), from the run's origin to the "
-                     "checkpoint's frontier, has exactly one outcome; none lost before training")
+        lines.append(f"verify: ok: every offset exactly once ({len(reports)} partition(s), each from the run's origin "
+                     "to the checkpoint's frontier; none lost before training)")
     else:
         lines.append("verify: FAILED")
     return (0 if ok else 1), lines

@@ -1,6 +1,8 @@
 """Continuous actions (Pendulum-v1), observation normalisation and reward scaling (pure code, no Kafka)."""
 
 import io
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -172,7 +174,11 @@ def test_reward_statistics_survive_a_checkpoint_and_old_checkpoints_still_restor
 
 def test_per_fragment_latency_sleeps_one_draw_per_fragment(monkeypatch: pytest.MonkeyPatch) -> None:
     sleeps: list[float] = []
-    monkeypatch.setattr(rollout_mod.time, "sleep", sleeps.append)
+    # rollout_mod.time is the time module itself: record this thread's sleeps only (a background thread left by
+    # another test, sleeping in a loop, once added thousands of 1.0 s calls here and spun on the patched sleep).
+    me, real_sleep = threading.current_thread(), time.sleep
+    monkeypatch.setattr(rollout_mod.time, "sleep",
+                        lambda s: sleeps.append(s) if threading.current_thread() is me else real_sleep(s))
     learner = Learner(CARTPOLE, TrainerSettings())
     w = RolloutWorker("CartPole-v1", num_envs=2, fragment_steps=8, sampler_id="s", arch=PolicyArch(hidden=64), seed=0,
                       fragment_latency_median_ms=30.0, fragment_latency_sigma=0.0)

@@ -182,8 +182,8 @@ def test_the_lines_verify_prints(tmp_path: Path) -> None:
         "  (--no-log: the ledger alone; the topic's partitions and records are not read)",
         "  r.samples:0 [0, 10): ok (trained 9, dead 1)",
         "  r.samples:1 [0, 0): ok (empty)",
-        "verify: ok: every offset of 2 partition(s), from the run's origin to the checkpoint's frontier, has exactly "
-        "one outcome; none lost before training",
+        "verify: ok: every offset exactly once (2 partition(s), each from the run's origin to the checkpoint's "
+        "frontier; none lost before training)",
     ]
     bad = ledger(n=10)
     bad["ranges"]["trained"] = [[0, 9]]

@@ -210,7 +210,7 @@ def test_verify_exits_0_on_an_honest_checkpoint_and_1_on_each_fault(tmp_path: Pa
     _checkpoint(store, 1, {"r.samples:0": ledger()})
     code, lines = verify(_settings(tmp_path), read_log=False)
     assert code == 0, lines
-    assert lines[-1].startswith("verify: ok: every offset of 1 partition(s), from the run's origin")
+    assert lines[-1].startswith("verify: ok: every offset exactly once (1 partition(s), each from the run's origin")
     late = copy.deepcopy(ledger())
     late["start"] = 5
     _checkpoint(store, 2, {"r.samples:0": late})
