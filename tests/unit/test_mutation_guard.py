@@ -479,3 +479,56 @@ def test_a_revision_is_forgotten_blame_episodes_after_it_was_noted() -> None:
     assert [r.revision for r in run.g._revisions] == [1]  # 20 after: still within reach
     run.step(300.0)  # 30: 25 after
     assert run.g._revisions == []
+
+
+def _feed(g: RollbackGuard, steps: list[tuple[int, float]], start_version: int = 0, now: float = 100.0) -> float:
+    """Observe (episodes, mean) per update, versions counting from ``start_version + 1``."""
+    for i, (episodes, mean) in enumerate(steps):
+        now += 1.0
+        g.observe_update(now, start_version + i + 1, mean, episodes, OK)
+    return now
+
+
+def test_the_default_return_window_is_the_last_100_episodes() -> None:
+    """A holder observed within 100 episodes of the blamed revision posts a mean of episodes from before it."""
+    cfg = GuardSettings(**{**CFG.model_dump(), "blame_episodes": 1000})
+    for lag, restored in ((99, 2), (100, 4)):
+        g = RollbackGuard(cfg)
+        now = _feed(g, [(0, 300.0), (50, 300.0)])  # version 2 holds 300
+        g.note_config_revision(now, 5, ["trainer.learning_rate"])  # at 50 episodes, update 2
+        now = _feed(g, [(50 + lag - 50, 340.0), (50 + lag, 340.0), (50 + lag + 50, 340.0), (50 + lag + 60, 150.0),
+                        (50 + lag + 65, 150.0), (50 + lag + 70, 150.0)], start_version=2, now=now)
+        d = g.decide(now)
+        assert d is not None and d.remedy == "revert_config" and d.to_version == restored, (lag, d.to_version)
+
+
+def test_a_holder_exactly_return_window_after_the_revision_is_not_lagging() -> None:
+    g = RollbackGuard(CFG, return_window=10)
+    now = _feed(g, [(0, 300.0), (5, 300.0), (10, 300.0)])  # version 3 holds 300
+    g.note_config_revision(now, 5, ["trainer.learning_rate"])  # at 10 episodes, update 3
+    now = _feed(g, [(15, 340.0), (20, 340.0), (25, 340.0), (30, 150.0), (35, 150.0), (40, 150.0)],
+                start_version=3, now=now)
+    d = g.decide(now)
+    assert d is not None and d.remedy == "revert_config" and d.to_version == 5  # 20 - 10 = the window: not lagging
+
+
+def test_a_holder_from_before_the_revision_is_not_lagging() -> None:
+    g = RollbackGuard(CFG)
+    now = _feed(g, [(0, 300.0), (5, 300.0), (10, 300.0), (15, 300.0), (20, 320.0), (25, 300.0)])
+    g.note_config_revision(now, 5, ["trainer.learning_rate"])  # the newest holder is version 6 (300)
+    now = _feed(g, [(30, 340.0), (35, 150.0), (40, 150.0), (45, 150.0)], start_version=6, now=now)
+    d = g.decide(now)
+    # The settled holder (version 5, from before the revision) restores: version 6 no longer holds the best.
+    assert d is not None and d.remedy == "revert_config" and d.to_version == 5
+
+
+def test_a_culprit_holder_above_the_tolerance_still_holds() -> None:
+    run = Run()
+    for _ in range(6):
+        run.step(300.0)
+    run.step(290.0)  # version 7 holds (within 25 of 300)
+    run.g.note_config_revision(run.now, 9, ["trainer.learning_rate"])
+    for _ in range(3):
+        run.step(150.0)
+    d = run.g.decide(run.now)
+    assert d is not None and d.remedy == "revert_config" and d.to_version == 7
