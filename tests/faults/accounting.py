@@ -33,11 +33,32 @@ OUTCOMES = {"fragment_trained": "trained", "fragment_dropped_stale": "dropped_st
 Key = tuple[int, int]  # (partition, offset)
 
 
+def _log_inodes(path: Path) -> list[tuple[str, int]]:
+    out = []
+    for f in log_files(path.parent, path.name.removesuffix(".log")):
+        try:
+            out.append((f.name, f.stat().st_ino))
+        except FileNotFoundError:
+            out.append((f.name, -1))
+    return out
+
+
 def read_events(path: Path) -> list[dict[str, Any]]:
     """The JSON records of a service's log ``path`` and its rotated copies, oldest first (lines that do
-    not start with a JSON object, a traceback's say, are skipped)."""
-    parsed = (parse_line(line) for f in log_files(path.parent, path.name.removesuffix(".log"))
-              for line in f.read_text(errors="replace").splitlines() if line.startswith("{"))
+    not start with a JSON object, a traceback's say, are skipped). A rotation while the copies are read
+    renames them under the reader (a file read twice, another skipped): read again until no rotation
+    happened meanwhile (a fault-suite run missed 54 records' outcome lines that way)."""
+    for _ in range(20):
+        before = _log_inodes(path)
+        lines: list[str] = []
+        for f in log_files(path.parent, path.name.removesuffix(".log")):
+            try:
+                lines.extend(f.read_text(errors="replace").splitlines())
+            except FileNotFoundError:
+                pass
+        if _log_inodes(path) == before:
+            break
+    parsed = (parse_line(line) for line in lines if line.startswith("{"))
     return [one[1] for one in parsed if one is not None]
 
 
