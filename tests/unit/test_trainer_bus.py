@@ -64,8 +64,10 @@ async def run_until(t: Trainer, done: Callable[[], bool], timeout_s: float = 30)
                 await asyncio.sleep(0.01)
     finally:
         stop.set()
-        await task
-        await t.stop()
+        try:
+            await task
+        finally:
+            await t.stop()  # also when the trainer died: its clients and lease are released
 
 
 def trained(t: Trainer) -> int:

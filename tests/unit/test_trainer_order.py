@@ -8,7 +8,6 @@ writes a final checkpoint and commits anyway, so looking once the trainer stoppe
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from shared.fragment import Fragment, encode_fragment
 from shared.kafka import Topics
 from shared.settings import Settings, StoreSettings, TrainerSettings
 from tests.fragments import blank_fragment
+from tests.unit.test_trainer_bus import run_until
 
 RUN = "r"
 T = Topics.for_run(RUN)
@@ -45,24 +45,6 @@ def put(mem: MemoryBus, n: int) -> None:
     for _ in range(n):
         headers, payload = encode_fragment(blank_fragment(0, steps=4, envs=2))
         mem.append(T.samples, payload, headers=headers, partition=TP0.partition)
-
-
-async def run_until(t: Trainer, done: Callable[[], bool], timeout_s: float = 30) -> None:
-    stop = asyncio.Event()
-    await t.start()
-    task = asyncio.create_task(t.run(stop))
-    try:
-        async with asyncio.timeout(timeout_s):
-            while not done():
-                if task.done():
-                    task.result()  # the trainer died: raise its error
-                await asyncio.sleep(0.01)
-    finally:
-        stop.set()
-        try:
-            await task
-        finally:
-            await t.stop()
 
 
 def trained_in_ledger(t: Trainer) -> int:
