@@ -58,9 +58,15 @@ class PolicyMessage(_Msg):
     """On an announcement: the weights themselves, base64 (standard alphabet, padded), when they fit
     ``paramsync.inline_max_bytes`` and ``kafka.max_message_bytes``; their sha256 and size are ``sha256`` and
     ``size``. None: fetch ``blob`` from the store. Readers that do not know the field ignore it."""
+    key_id: str | None = None
+    """On an announcement: the id of the key paramsync signed it with (``shared.signing``); None: unsigned."""
+    signature: str | None = None
+    """On an announcement: HMAC-SHA256 (hex) of the policy's claims (run, version, sha256, size, trainer step,
+    lineage, rollback_of) under ``key_id``. Readers with signing on refuse an announcement without a valid one."""
 
     def to_bytes(self) -> bytes:
-        return self.model_dump_json(exclude={"inline"} if self.inline is None else None).encode()
+        unset = {name for name in ("inline", "key_id", "signature") if getattr(self, name) is None}
+        return self.model_dump_json(exclude=unset or None).encode()
 
     def with_inline(self, data: bytes) -> PolicyMessage:
         """This message carrying ``data`` inline; ValueError unless ``data`` is what ``sha256`` and ``size`` name."""
@@ -87,14 +93,22 @@ class PolicyMessage(_Msg):
 
     @classmethod
     def of(cls, type_: Literal["candidate", "announce"], rec: VersionRecord) -> PolicyMessage:
+        """The message of ``rec``; an announcement carries the record's signature (``extra["signature"]``)."""
+        sig = rec.extra.get("signature") if type_ == "announce" else None
+        key_id, signature = (sig.get("key_id"), sig.get("hmac")) if isinstance(sig, dict) else (None, None)
         return cls(type=type_, version=rec.version, blob=rec.blob, sha256=rec.sha256, size=rec.size,
                    trainer_step=rec.trainer_step, created_at=rec.created_at,
-                   lineage=int(rec.extra.get("lineage") or 0), rollback_of=rec.extra.get("rollback_of"))
+                   lineage=int(rec.extra.get("lineage") or 0), rollback_of=rec.extra.get("rollback_of"),
+                   key_id=key_id if isinstance(key_id, str) else None,
+                   signature=signature if isinstance(signature, str) else None)
 
     def record(self) -> VersionRecord:
+        """The version record this message names (with its signature, when it carries one)."""
         extra: dict[str, Any] = {"lineage": self.lineage} if self.lineage else {}
         if self.rollback_of is not None:
             extra["rollback_of"] = self.rollback_of
+        if self.key_id is not None and self.signature is not None:
+            extra["signature"] = {"key_id": self.key_id, "hmac": self.signature}
         return VersionRecord(version=self.version, blob=self.blob, sha256=self.sha256, size=self.size,
                              trainer_step=self.trainer_step, created_at=self.created_at, extra=extra)
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from shared.logging import RotatingFile, configure_logging, get_logger
 from shared.settings import ConfigError, Settings, load_settings
+from shared.signing import startup_problem as signing_startup_problem
 
 
 class Service(Protocol):
@@ -49,6 +50,10 @@ def entrypoint(service: str, argv: list[str] | None = None) -> Settings:
     except ConfigError as exc:
         sys.stderr.write(f"flywheel {service}: {exc}\n")
         raise SystemExit(2) from None
+    problem = signing_startup_problem(service, settings)
+    if problem is not None:
+        sys.stderr.write(f"flywheel {service}: invalid configuration: {problem}\n")
+        raise SystemExit(2)
     stream = None
     if settings.log.file is not None:
         stream = RotatingFile(settings.log.file, settings.log.max_bytes, settings.log.backups)
@@ -145,12 +150,19 @@ async def serve(svc: Service, settings: Settings, app: Any | None = None) -> Non
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     http_task = asyncio.create_task(server.serve(sockets=[sock]))
     log.info("http_listening", host=settings.http.host, port=sock.getsockname()[1])
+    failed: BaseException | None = None
     try:
         await check_kafka_credentials(settings)
         await svc.start()
         await svc.run(stop_event)
+    except BaseException as exc:  # said in the stopping line: the traceback alone goes to stderr, not the log
+        failed = exc
+        raise
     finally:
-        log.info("stopping", reason="signal" if stop_event.is_set() else "run returned")
+        if failed is not None and not isinstance(failed, asyncio.CancelledError | KeyboardInterrupt):
+            log.error("stopping", reason="failed", error=f"{type(failed).__name__}: {failed}"[:500])
+        else:
+            log.info("stopping", reason="signal" if stop_event.is_set() else "run returned")
         try:
             await svc.stop()
         finally:

@@ -438,6 +438,47 @@ class ParamsyncSettings(_Section):
     must also fit ``kafka.max_message_bytes`` (else it goes without them). 0: never inline (docs/policies.md)."""
 
 
+class SigningSettings(_Section):
+    """Signed policies (docs/security.md, "Signed policies"): paramsync signs every version record and
+    announcement with HMAC-SHA256; samplers, the trainer and the admin refuse what is unsigned or badly signed."""
+
+    keys_file: Path | None = None
+    """A file of ``<key id> <secret, hex>`` lines (at least 32 bytes each; ``#`` comments): every key listed
+    verifies, the one ``key_id`` names signs. A reference, never the secret: mount it from a secret store (mode
+    0600). Required when ``enabled``."""
+    key_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    """The key paramsync signs with (one listed in ``keys_file``); required by paramsync, unused by readers."""
+    # Declared after the fields it governs: its validator checks them against it (as kafka.security_protocol).
+    enabled: bool = Field(False, validate_default=True)
+    """Sign (paramsync) and require signatures (every reader). Off: nothing is signed or checked, as before
+    signed policies; the local stack turns it on with a key file of its own per run."""
+
+    @field_validator("enabled")
+    @classmethod
+    def _keys_are_usable(cls, enabled: bool, info: ValidationInfo) -> bool:
+        from shared.signing import read_keys  # no torch, no I/O unless signing is configured
+
+        given = info.data
+        path: Path | None = given.get("keys_file")
+        key_id: str | None = given.get("key_id")
+        if not enabled:
+            for name, value in (("keys_file", path), ("key_id", key_id)):
+                if value is not None:
+                    raise ValueError(f"signing.{name} is set but signing.enabled=false: policies would be neither "
+                                     f"signed nor checked (set signing.enabled=true, or unset signing.{name})")
+            return enabled
+        if "keys_file" in given and path is None:
+            raise ValueError("signing.keys_file is required when signing.enabled=true "
+                             "(FLYWHEEL_SIGNING_KEYS_FILE: a file of '<key id> <secret hex>' lines)")
+        if path is None:
+            return enabled  # keys_file itself failed validation: its own error says why
+        keys = read_keys(path)
+        if key_id is not None and key_id not in keys:
+            raise ValueError(f"signing.key_id {key_id!r} is not in signing.keys_file {str(path)!r} "
+                             f"(listed: {', '.join(sorted(keys))})")
+        return enabled
+
+
 class AdminSettings(_Section):
     token: SecretStr | None = None
     """Bearer token for mutating endpoints (from the environment only: FLYWHEEL_ADMIN_TOKEN)."""
@@ -508,6 +549,7 @@ class Settings(_Section):
     http: HttpSettings = HttpSettings()
     log: LogSettings = LogSettings()
     tracking: TrackingSettings = TrackingSettings()
+    signing: SigningSettings = SigningSettings()
 
     @field_validator("run")
     @classmethod

@@ -83,6 +83,9 @@ class SamplerStatus(BaseModel):
                                                             "as of the last grant")
     credit_wait_s: float = Field(0.0, description="Seconds it waited for credits since it started")
     config_revision: int = Field(0, description="The runtime-settings revision it applied")
+    ahead_of_published: int | None = Field(
+        None, description="Versions its policy is ahead of the published one (the marker's, signature checked): a "
+                          "version that was never published, e.g. a forged announcement; null when not ahead")
 
 
 class BacklogStatus(BaseModel):
@@ -105,6 +108,12 @@ class StalenessStatus(BaseModel):
     per_sampler: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Per sampler: mean, p95, max staleness of its trained fragments, "
                                           "dropped and dropped_fraction")
+    ahead: int | None = Field(
+        None, description="The largest lead, in versions, of a live sampler's behaviour version over the published "
+                          "version; null when none is ahead. Such a sampler acts on a policy that was never "
+                          "published: reported here (and per sampler), never counted as staleness 0")
+    ahead_samplers: list[str] = Field(
+        default_factory=list, description="Live samplers whose behaviour version is ahead of the published one")
 
 
 class ReturnStatus(BaseModel):
@@ -162,8 +171,15 @@ def create_app(state: AdminState) -> FastAPI:
         v = s.view
         tb = v.trainer.beat if v.trainer else None
         pb = v.paramsync.beat if v.paramsync else None
+        def ahead(version: int | None) -> int | None:
+            """How far ``version`` is ahead of the published one (None: not ahead, or nothing to compare)."""
+            if rec is None or version is None or version <= rec.version:
+                return None
+            return version - rec.version
+
         samplers = [
             SamplerStatus(id=sid, alive=s.alive(seen, now), policy_version=seen.beat.policy_version,
+                          ahead_of_published=ahead(seen.beat.policy_version),
                           steps_per_s=round(seen.beat.steps_per_s, 1), last_seen=seen.at,
                           paused=seen.beat.paused_since is not None, paused_since=seen.beat.paused_since,
                           max_backlog=seen.beat.max_backlog, config_revision=seen.beat.config_revision,
@@ -208,7 +224,10 @@ def create_app(state: AdminState) -> FastAPI:
                 mean=tb.staleness_mean if tb else None, max=tb.staleness_max if tb else None,
                 p95=tb.staleness_p95 if tb else None,
                 dropped_fraction=tb.dropped_fraction if tb else None,
-                per_sampler=(tb.staleness_per_sampler or {}) if tb else {}),
+                per_sampler=(tb.staleness_per_sampler or {}) if tb else {},
+                ahead=max((a for sm in samplers if sm.alive and (a := sm.ahead_of_published) is not None),
+                          default=None),
+                ahead_samplers=[sm.id for sm in samplers if sm.alive and sm.ahead_of_published is not None]),
             episode_return=ReturnStatus(mean=tb.return_mean if tb else None, count=tb.return_count if tb else 0),
         )
 

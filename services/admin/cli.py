@@ -402,6 +402,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
     from services.admin.evaluate import EvalError, evaluate  # gymnasium, numpy: only for these commands
     from shared.marker import BadPayload, VersionedStore
     from shared.settings import ConfigError
+    from shared.signing import SignatureRefused
     from shared.store import StoreError, open_store
 
     try:
@@ -415,6 +416,9 @@ def cmd_policy(args: argparse.Namespace) -> int:
         from services.admin.export import export_version  # torch and onnx: only for this command
 
         path, record = export_version(settings, policies, args.version, args.format, args.out)
+    except SignatureRefused as exc:  # logged, counted and audited by load_trusted
+        print(f"flywheel: refused: the policy's signature does not verify ({exc})", file=sys.stderr)
+        return 1
     except (LookupError, EvalError, BadPayload) as exc:
         print(f"flywheel: {exc}", file=sys.stderr)
         return 1

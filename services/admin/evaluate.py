@@ -15,7 +15,8 @@ Video (``--video DIR``): one file per episode through gymnasium's ``RecordVideo`
 (``pip install -e '.[video]'``), else the frames as PNG files, ``DIR/episode-<i>/frame-<t>.png``, and the report
 says which. Needs an env that renders ``rgb_array`` (the classic-control ones need pygame).
 
-Reads the store only (never writes: an unreadable marker is reported, not repaired). No print here: the CLI prints.
+Reads the store only (never writes: an unreadable marker is reported, not repaired), except the audit entry of a
+policy refused for its signature (docs/security.md). No print here: the CLI prints.
 """
 
 from __future__ import annotations
@@ -30,13 +31,17 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import gymnasium as gym
 import numpy as np
 
+from shared.logging import get_logger
 from shared.marker import VersionedStore, VersionRecord
+from shared.retry import describe
 from shared.rl.arch import PolicyArch, sampler_policy
 from shared.rl.envs import as_observation, env_options, fragment_spec, register_image_envs
 from shared.rl.frames import FrameStacker
 from shared.rl.policy_np import NumpyPolicy
 from shared.rl.policy_onnx import OnnxPolicy
+from shared.runtime import AuditLog
 from shared.settings import Settings
+from shared.signing import PolicyVerifier, Refusals, SignatureRefused, record_audit_params
 
 if TYPE_CHECKING:
     from shared.rl.policy_torch import TorchPolicy
@@ -51,21 +56,51 @@ class EvalError(RuntimeError):
 
 
 # ---- which weights ---------------------------------------------------------------------------------
-def load_version(policies: VersionedStore, version: int | None) -> tuple[VersionRecord, bytes]:
-    """The record and checked blob of ``version`` (None: the published one). Read-only: an unreadable marker
-    raises (``BadMarker``) instead of being repaired. Raises :class:`LookupError` when there is no such version."""
+def find_version(policies: VersionedStore, version: int | None) -> VersionRecord:
+    """The record of ``version`` (None: the published one). Read-only: an unreadable marker raises (``BadMarker``)
+    instead of being repaired. Raises :class:`LookupError` when there is no such version."""
     if version is None:
         current = policies.read_marker(repair=False)
         if current is None:
             raise LookupError(f"no policy is published under {policies.prefix} yet (is the run name right?)")
-        record = current[0]
-    else:
-        kept = policies.records()
-        found = [r for r in kept if r.version == version]
-        if not found:
-            have = ", ".join(str(r.version) for r in kept[-20:]) or "none"
-            raise LookupError(f"version {version} is not kept under {policies.prefix} (kept: {have})")
-        record = found[-1]
+        return current[0]
+    kept = policies.records()
+    found = [r for r in kept if r.version == version]
+    if not found:
+        have = ", ".join(str(r.version) for r in kept[-20:]) or "none"
+        raise LookupError(f"version {version} is not kept under {policies.prefix} (kept: {have})")
+    return found[-1]
+
+
+def load_version(policies: VersionedStore, version: int | None,
+                 verifier: PolicyVerifier | None = None) -> tuple[VersionRecord, bytes]:
+    """:func:`find_version`'s record and its checked blob. :class:`~shared.signing.SignatureRefused` when
+    ``verifier`` refuses the record (before the blob is read)."""
+    record = find_version(policies, version)
+    if verifier is not None:
+        verifier.check_record(record)
+    return record, policies.fetch(record)
+
+
+def load_trusted(settings: Settings, policies: VersionedStore, version: int | None,
+                 actor: str = "operator@cli") -> tuple[VersionRecord, bytes]:
+    """:func:`load_version` for ``eval`` and ``export``: with signing on, a record without paramsync's valid
+    signature is refused: logged, counted, audited (``policy_signature_refused``, best effort: the only write
+    these commands make), then :class:`~shared.signing.SignatureRefused` is raised (the CLI exits 1)."""
+    record = find_version(policies, version)
+    try:
+        PolicyVerifier.from_settings(settings).check_record(record)
+    except SignatureRefused as exc:
+        source = "marker" if version is None else "history"
+        log = get_logger()
+        Refusals("admin", log).note_record(exc, record, source, command="eval/export")
+        try:
+            AuditLog(policies.store, settings.run).append(actor, "policy_signature_refused",
+                                                         record_audit_params(exc, record, source),
+                                                         "refused: not evaluated nor exported")
+        except Exception as audit_exc:  # the refusal stands either way
+            log.warning("audit_write_failed", action="policy_signature_refused", error=describe(audit_exc))
+        raise
     return record, policies.fetch(record)
 
 
@@ -300,7 +335,7 @@ def evaluate(settings: Settings, policies: VersionedStore, version: int | None, 
     """Load ``version`` (None: the published one) and run ``episodes`` episodes of ``settings.env.id`` with it."""
     if episodes < 1:
         raise EvalError(f"--episodes must be >= 1, got {episodes}")
-    record, blob = load_version(policies, version)
+    record, blob = load_trusted(settings, policies, version)
     policy = loaded_policy(settings, record, blob)
     env, video = make_env(settings.env.id, video_dir, f"{settings.run}-v{record.version}")
     try:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from services.admin.evaluate import SamplerPolicy, action_bounds, build_env, load_version, loaded_policy
+from services.admin.evaluate import SamplerPolicy, action_bounds, build_env, load_trusted, loaded_policy
 from shared.marker import VersionedStore, VersionRecord
 from shared.rl.policy_np import NumpyPolicy, validate_weights
 from shared.rl.policy_onnx import quiet_exporter
@@ -156,7 +156,7 @@ def export_version(settings: Settings, policies: VersionedStore, version: int | 
     (no such version), :class:`~services.admin.evaluate.EvalError` (the settings do not describe the blob)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    record, blob = load_version(policies, version)
+    record, blob = load_trusted(settings, policies, version)
     policy = loaded_policy(settings, record, blob)
     path = out if out is not None else Path(f"{settings.run}-v{record.version}{SUFFIX[fmt]}")
     meta = metadata(settings.run, settings.env.id, record, policy)

@@ -27,6 +27,7 @@ from shared.retry import Health, Retrier, describe, every, read_forever, stop_cl
 from shared.runtime import AuditLog, RuntimeConfig
 from shared.service import run_until_first_error
 from shared.settings import Settings
+from shared.signing import PolicyVerifier, Refusals, SignatureRefused, record_audit_params
 from shared.store import StoreError, open_store
 
 BACKLOG = Gauge("flywheel_backlog_records", "Records on <run>.samples not yet committed by the trainer group")
@@ -88,6 +89,8 @@ class AdminState:
         self.health_state = Health("admin")
         self.retry = Retrier(self.health_state, self.log)
         self._last_published: VersionRecord | None = None
+        self.verifier = PolicyVerifier.from_settings(settings)
+        self.refusals = Refusals("admin", self.log)
         self.alive_after_s = settings.paramsync.sampler_timeout_s
 
     async def start(self) -> None:
@@ -179,14 +182,29 @@ class AdminState:
         return seen is not None and now - seen.at <= self.alive_after_s
 
     async def published(self) -> VersionRecord | None:
-        """The marker's record; on a store failure, the last one read (logged), so /status stays up."""
+        """The marker's record; on a store failure, the last one read (logged), so /status stays up. A record
+        without paramsync's valid signature is refused (logged, counted, audited once): the last one trusted."""
         try:
             found = await asyncio.to_thread(self.policies.read_marker)
         except StoreError as exc:
             self.log.warning("marker_read_failed", error=str(exc))
             return self._last_published
+        if found is not None:
+            try:
+                self.verifier.check_record(found[0])
+            except SignatureRefused as exc:
+                if self.refusals.note_record(exc, found[0], "marker"):
+                    await self._audit_refusal(record_audit_params(exc, found[0], "marker"))
+                return self._last_published
         self._last_published = None if found is None else found[0]
         return self._last_published
+
+    async def _audit_refusal(self, params: dict[str, Any]) -> None:
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.audit.append, "admin", "policy_signature_refused", params,
+                                                     "refused: not shown as published"), 10)
+        except Exception as exc:  # best effort: the refusal stands, logged and counted
+            self.log.warning("audit_write_failed", action="policy_signature_refused", error=describe(exc))
 
     async def request_sync(self) -> ControlCommand:
         cmd = ControlCommand(command="sync", request_id=uuid.uuid4().hex)

@@ -16,6 +16,8 @@ which they are applied. Nothing deletes a request: they are an operator's record
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from shared.marker import VersionedStore, VersionRecord
 from shared.rl.model import ActorCritic, load_weights
 from shared.rollback import RollbackQueue, RollbackRequest, Status
@@ -23,10 +25,12 @@ from shared.rollback import RollbackQueue, RollbackRequest, Status
 __all__ = ["RollbackQueue", "RollbackRequest", "Status", "republish"]
 
 
-def republish(policies: VersionedStore, model: ActorCritic, req: RollbackRequest) -> VersionRecord:
+def republish(policies: VersionedStore, model: ActorCritic, req: RollbackRequest,
+              sign: Callable[[VersionRecord], VersionRecord] = lambda rec: rec) -> VersionRecord:
     """Publish ``req.version``'s weights as the newest version, from a pinned copy of its payload (a
     concurrent prune cannot delete the blob the new marker names). Idempotent per request: a version
     already published for this request (paramsync stopped before recording it) is returned as is.
+    ``sign`` signs the new record (paramsync's key; docs/security.md).
     Raises LookupError (refused: not kept, already current), BadPayload, WeightsError, MarkerConflict."""
     version = req.version
     current = policies.read_marker()
@@ -49,5 +53,6 @@ def republish(policies: VersionedStore, model: ActorCritic, req: RollbackRequest
                            trainer_step=target.trainer_step,
                            extra={"rollback_of": version, "lineage": new_version,
                                   "rollback_request": req.request_id})
+    record = sign(record)
     policies.publish(record, None if current is None else current[1])
     return record

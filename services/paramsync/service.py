@@ -47,6 +47,7 @@ from shared.rl.model import ActorCritic, WeightsError, load_weights
 from shared.runtime import AuditLog
 from shared.service import run_until_first_error
 from shared.settings import Settings
+from shared.signing import PolicySigner
 from shared.store import open_store
 
 SYNC_LATENCY = Histogram("flywheel_paramsync_sync_latency_seconds",
@@ -91,6 +92,8 @@ class Paramsync:
         store = open_store(settings)
         repaired = AuditLog(store, settings.run).repair_hook("paramsync", "policy", self.log)
         self.policies = VersionedStore(store, settings.run, "policy", on_repair=repaired)
+        # Signs every record it publishes and every announcement (docs/security.md); None: signing is off.
+        self.signer = PolicySigner.from_settings(settings)
         self.rollbacks = RollbackQueue(store, settings.run)
         self._rollback_wanted = asyncio.Event()
         spec = fragment_spec(settings.env.id, settings.kafka.max_message_bytes, settings.env.frame_stack)
@@ -213,8 +216,12 @@ class Paramsync:
             self.log.warning("candidate_malformed", offset=offset, reason=str(exc)[:300])
             return None
 
+    def _signed(self, record: VersionRecord) -> VersionRecord:
+        """``record`` signed with the current key (signing off: as it is)."""
+        return record if self.signer is None else self.signer.sign_record(record)
+
     async def _publish(self, msg: PolicyMessage) -> str:
-        record = msg.record()
+        record = self._signed(msg.record())
         if msg.lineage < self.lineage_required:
             self.log.info("candidate_abandoned", policy_version=msg.version, lineage=msg.lineage,
                           reason=f"trained from weights abandoned by the rollback to lineage {self.lineage_required}")
@@ -288,6 +295,7 @@ class Paramsync:
         since), only smaller weights go inline from now on and the announcement is sent without them (an
         idempotent producer may be out of sequence after a refusal: then that send fails and paramsync stops,
         to restart with a fresh producer and the topic's limit read again)."""
+        record = self._signed(record)  # the current key, even for a marker signed with one rotated out since
         await self._hold_inline(record)
         ann, inline = self.inline.announcement(record)
         try:
@@ -393,8 +401,8 @@ class Paramsync:
                 for attempt in range(3):
                     try:
                         record = await self.retry(
-                            lambda: asyncio.to_thread(republish, self.policies, self.model, req), "rollback", "store",
-                            timeout_s=60)
+                            lambda: asyncio.to_thread(republish, self.policies, self.model, req, self._signed),
+                            "rollback", "store", timeout_s=60)
                         # At once, under the lock: no candidate of the abandoned lineage slips in after it.
                         self.lineage_required = max(self.lineage_required, int(record.extra.get("lineage") or 0))
                         break

@@ -71,6 +71,7 @@ from shared.runtime import (
     runtime_values,
 )
 from shared.settings import Settings
+from shared.signing import PolicyVerifier, Refusals, SignatureRefused
 from shared.store import StoreError, open_store
 
 VERSION = Gauge("flywheel_sampler_policy_version", "Policy version the sampler acts with", ["sampler"])
@@ -121,6 +122,10 @@ class Sampler:
         self.store = store
         repaired = AuditLog(store, settings.run).repair_hook("sampler", "policy", self.log)
         self.policies = VersionedStore(store, settings.run, "policy", on_repair=repaired)
+        # Announcements and marker records must carry paramsync's signature (docs/security.md); a refusal is
+        # logged and counted once per policy (the trainer, which reads the same topic and marker, audits it).
+        self.verifier = PolicyVerifier.from_settings(settings)
+        self.refusals = Refusals("sampler", self.log)
         self.base_settings = settings
         # Runtime settings: the latest revision's overrides on this sampler's own settings; a revision
         # that does not validate here is refused, and the heartbeat reports the last one applied.
@@ -319,8 +324,17 @@ class Sampler:
         except StoreError as exc:  # the store is down or the marker unrepairable: an announcement may still come
             self.log.warning("marker_read_rejected", keeping_version=None, reason=describe(exc))
             return
-        if marker is not None:
+        if marker is not None and self._trusted(marker[0]):
             self.plan.found_behind_marker(marker[0].version, now, trigger="start")
+
+    def _trusted(self, record: VersionRecord, source: str = "marker") -> bool:
+        """``record`` (read from the store) carries paramsync's signature; a refusal is logged and counted."""
+        try:
+            self.verifier.check_record(record)
+        except SignatureRefused as exc:
+            self.refusals.note_record(exc, record, source, keeping_version=self.worker.policy_version)
+            return False
+        return True
 
     def _load_from_store(self, have: int | None) -> tuple[VersionRecord, bytes] | None:
         """The marker's version and its payload from the store when newer than ``have`` (runs in a thread).
@@ -328,6 +342,8 @@ class Sampler:
         try:
             current = self.policies.read_marker()
             if current is None or (have is not None and current[0].version <= have):
+                return None
+            if not self._trusted(current[0]):
                 return None
             POLICY_FETCHES.labels(source="store", **self._labels).inc()
             return current[0], self.policies.fetch(current[0])
@@ -403,7 +419,8 @@ class Sampler:
             self.health_state.degraded("store", f"marker read failed: {describe(exc)}")
             return
         self.health_state.recovered("store")
-        if marker is not None and self.plan.found_behind_marker(marker[0].version, time.monotonic()):
+        if marker is not None and self._trusted(marker[0]) and self.plan.found_behind_marker(marker[0].version,
+                                                                                              time.monotonic()):
             self._wake.set()
 
     # ---- operator state: pause, runtime settings --------------------------------------------
@@ -467,7 +484,14 @@ class Sampler:
         except ValueError as exc:
             self.log.warning("inbox_message_ignored", topic=rec.topic, reason=str(exc)[:200])
             return
-        if msg.type == "announce" and self.plan.announced(msg, time.monotonic()):
+        if msg.type != "announce":
+            return
+        try:
+            self.verifier.check_message(msg)
+        except SignatureRefused as exc:  # never known as a version, so never adopted nor fetched
+            self.refusals.note_message(exc, msg, offset=rec.offset, keeping_version=self.worker.policy_version)
+            return
+        if self.plan.announced(msg, time.monotonic()):
             self._wake.set()
 
     def _on_inbox(self, rec: Record) -> None:

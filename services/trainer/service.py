@@ -22,6 +22,7 @@ import hashlib
 import os
 import socket
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from aiokafka import TopicPartition
@@ -43,12 +44,19 @@ from shared.bus import Bus, Record, kafka_bus
 from shared.credits import Consumption, auto_window
 from shared.kafka import Topics, trainer_group
 from shared.logging import get_logger
-from shared.marker import VersionedStore
+from shared.marker import VersionedStore, VersionRecord
 from shared.messages import PolicyMessage
 from shared.retry import Health, Retrier, describe, is_transient, poll_or_pause, stop_clients
 from shared.rl.envs import fragment_spec
 from shared.runtime import AuditLog, RuntimeApplier, RuntimeConfig, RuntimeWatcher
 from shared.settings import Settings
+from shared.signing import (
+    PolicyVerifier,
+    Refusals,
+    SignatureRefused,
+    message_audit_params,
+    record_audit_params,
+)
 from shared.store import open_store
 
 DIGEST_EVERY = 10
@@ -84,6 +92,10 @@ class Trainer:
         self.lineage = 0  # the newest rollback the model descends from
         self.pending_rollback: PolicyMessage | None = None
         self.policies = VersionedStore(store, settings.run, "policy", on_repair=repaired("policy"))
+        # Announcements and the marker count as published only with paramsync's signature (docs/security.md):
+        # a forged version never becomes the staleness reference. Each refusal is logged, counted and audited.
+        self.verifier = PolicyVerifier.from_settings(settings)
+        self.refusals = Refusals("trainer", self.log)
         self.health_state = Health("trainer")
         self.retry = Retrier(self.health_state, self.log)
         instance = self.cfg.group_instance_id
@@ -150,7 +162,9 @@ class Trainer:
             await self._share_restore()
         await self.retry(self.producer.start, "start producer", "kafka")
         marker = await self.retry(self.publication.read_marker, "read policy marker", "store")
-        if marker is None and not self.leader:
+        if not await self.trusted(marker):
+            pass  # a forged marker: neither published nor absent (paramsync's next version moves it)
+        elif marker is None and not self.leader:
             pass  # rank 0 publishes version 0
         elif marker is None:
             c = self.learner.counters
@@ -456,6 +470,8 @@ class Trainer:
         # A deliberate fresh start trains a new model from the group's offsets, not from the run's origin.
         self.group.unseen_from_origin = not (restored is None and self.checkpoints.fresh_start_at is not None)
         marker = await self.retry(self.publication.read_marker, "read policy marker", "store")
+        if not await self.trusted(marker):
+            marker = None  # neither a rollback to follow nor a version to number after
         c = self.learner.counters
         lost = restored is None and self.checkpoints.fresh_start_at is None
         if marker is not None and lost and marker[0].version > 0:
@@ -514,13 +530,36 @@ class Trainer:
                 self.intake.seeked(tp, off)
 
     # ---- rollback ----------------------------------------------------------------------------
-    def saw_announcement(self, rec: Record) -> None:
+    async def trusted(self, marker: tuple[VersionRecord, str] | None) -> bool:
+        """False when the marker's record lacks paramsync's valid signature (logged, counted, audited once)."""
+        if marker is None:
+            return True
+        try:
+            self.verifier.check_record(marker[0])
+        except SignatureRefused as exc:
+            if self.refusals.note_record(exc, marker[0], "marker", published_version=self.intake.published):
+                await self.audit("policy_signature_refused", record_audit_params(exc, marker[0], "marker"),
+                                 "refused: not taken as published")
+            return False
+        return True
+
+    def saw_announcement(self, rec: Record) -> Awaitable[None] | None:
+        """An announcement moves the published version (the staleness reference) only when paramsync signed it;
+        a refused one returns the audit write, which the reader awaits."""
         msg = announcement(rec)
         if msg is None:
-            return
+            return None
+        try:
+            self.verifier.check_message(msg)
+        except SignatureRefused as exc:
+            if self.refusals.note_message(exc, msg, offset=rec.offset, published_version=self.intake.published):
+                return self.audit("policy_signature_refused", message_audit_params(exc, msg, offset=rec.offset),
+                                  "refused: not taken as published")
+            return None
         self.intake.saw_published(msg.version)
         if msg.rollback_of is not None and msg.lineage > self.lineage:
             self.pending_rollback = msg
+        return None
 
     def _adopt_rollback(self, msg: PolicyMessage, data: bytes) -> tuple[int, int]:
         """Continue from republished weights with a fresh optimizer; the versions between the restored one

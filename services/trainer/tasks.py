@@ -128,6 +128,8 @@ class TrainerTasks:
     async def heartbeat(self) -> None:
         t, s = self.t, self.t.stats
         c = t.learner.counters
+        if t.ranks is not None:  # a collective waiting on a rank that is gone or cut off: say so before it times out
+            t.ranks.report(t.health_state, t.log, time.monotonic())
         stall = t.stall.check(time.monotonic(), t.intake.reference)
         beat = TrainerBeat(
             id=t.id, policy_version=c.policy_version, updates=c.updates, env_steps_trained=c.env_steps_trained,
@@ -203,7 +205,7 @@ class TrainerTasks:
             t.health_state.degraded("store", f"marker read failed: {describe(exc)}")
             return False
         t.health_state.recovered("store")
-        if marker is not None:
+        if marker is not None and await t.trusted(marker):
             t.intake.saw_published(marker[0].version)
         return t.intake.published != before
 
