@@ -24,11 +24,20 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Iterable
-from typing import Any
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from shared.retry import Health
+
+T = TypeVar("T")
+STUCK_AFTER_S = 10.0
+"""A collective waiting this long (or half of ``trainer.rank_timeout_s`` when that is shorter) marks the trainer
+degraded, naming it: a peer rank gone or cut off shows within seconds, not only when the timeout ends the group.
+In lock step the ranks wait for each other at most an update or one poll, far shorter."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +76,39 @@ class Ranks:
         self.device = device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.joined = False
+        self.waiting: tuple[str, float] | None = None
+        """The collective this process is in (set from the worker thread that runs it) and since when."""
+        self._stuck_logged = False
+
+    def _collective(self, what: str, fn: Callable[[], T]) -> T:
+        self.waiting = (what, time.monotonic())
+        try:
+            return fn()
+        finally:
+            self.waiting = None
+
+    def stuck(self, now: float) -> str | None:
+        """Why the group is stuck (a collective waiting past :data:`STUCK_AFTER_S`), else None."""
+        w = self.waiting
+        if w is None or now - w[1] < min(STUCK_AFTER_S, self.timeout_s / 2):
+            return None
+        what, since = w
+        return (f"rank {self.rank}: {what} waiting {now - since:.0f} s for the other ranks (rendezvous "
+                f"{self.rendezvous}); at trainer.rank_timeout_s={self.timeout_s:g} the group stops and restarts "
+                "from its checkpoint")
+
+    def report(self, health: Health, log: Any, now: float) -> None:
+        """Mark ``health`` degraded (component ``ranks``) while :meth:`stuck`, and clear it after."""
+        why = self.stuck(now)
+        if why is not None:
+            health.degraded("ranks", why)
+            if not self._stuck_logged:
+                self._stuck_logged = True
+                log.warning("rank_collective_stuck", reason=why)
+        elif "ranks" in health.reasons:
+            waited = health.recovered("ranks")
+            self._stuck_logged = False
+            log.info("rank_collective_recovered", degraded_s=None if waited is None else round(waited, 1))
 
     @property
     def leader(self) -> bool:
@@ -78,8 +120,9 @@ class Ranks:
         host, port = parse_rendezvous(self.rendezvous)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(self.backend, init_method=f"tcp://{host}:{port}", world_size=self.world_size,
-                                rank=self.rank, timeout=datetime.timedelta(seconds=self.timeout_s))
+        self._collective("rendezvous", lambda: dist.init_process_group(
+            self.backend, init_method=f"tcp://{host}:{port}", world_size=self.world_size, rank=self.rank,
+            timeout=datetime.timedelta(seconds=self.timeout_s)))
         self.joined = True
 
     def close(self) -> None:
@@ -91,7 +134,7 @@ class Ranks:
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order (pickled: small objects only)."""
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        self._collective("all_gather", lambda: dist.all_gather_object(out, obj))
         return out
 
     def vote(self, vote: Vote) -> list[Vote]:
@@ -100,13 +143,13 @@ class Ranks:
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         box = [obj if self.leader else None]
-        dist.broadcast_object_list(box, src=0)
+        self._collective("broadcast", lambda: dist.broadcast_object_list(box, src=0))
         return box[0]
 
     # ---- the update's collectives (services.trainer.update.GradSync) -----------------------------
     def sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        self._collective("all_reduce (update statistics)", lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM))
         return [float(v) for v in t.cpu()]
 
     def average_grads(self, params: Iterable[torch.nn.Parameter], weight: float) -> None:
@@ -117,7 +160,7 @@ class Ranks:
         ps = list(params)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
         flat = torch.cat([g.reshape(-1) for g in grads]).to(torch.float32) * weight
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        self._collective("all_reduce (gradients)", lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM))
         at = 0
         for p in ps:
             n = p.numel()
