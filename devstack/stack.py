@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import yaml
+
 from devstack import forward, kafka, s3, supervisor
 from devstack import hosts as multihost
 from devstack import prometheus as prom
@@ -44,6 +46,7 @@ from devstack.services import (
     parse_key,
     proc_key,
     resolve_admin_token,
+    resolve_signing_keys,
     service_command,
     service_env,
     validate_config,
@@ -119,6 +122,7 @@ class LocalStack:
         self._trainers = trainers
         self._progress = progress
         self._token: tuple[str, str] | None = None
+        self._signing: tuple[Path, str] | None = None
         self.state = StackState(self.home)
         self.hosts = multihost.active(self.home) if hosts is None else hosts
         if self.hosts and not self._owns_infra:
@@ -189,6 +193,25 @@ class LocalStack:
         self._token = self._token or resolve_admin_token(self.home, self.env)
         return self._token[1]
 
+    @property
+    def run_name(self) -> str:
+        """The run the services run: ``run``, else ``FLYWHEEL_RUN`` (the stack's env, then the environment), else
+        the config file's ``run``, else ``default``."""
+        named = self.run or self.env.get("FLYWHEEL_RUN") or os.environ.get("FLYWHEEL_RUN")
+        if named:
+            return named
+        try:
+            data = yaml.safe_load(self.config.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            data = {}
+        return str(data.get("run") or "default") if isinstance(data, dict) else "default"
+
+    @property
+    def signing(self) -> tuple[Path, str]:
+        """(keys file, key id) of the run's policy signing key, generated once (``resolve_signing_keys``)."""
+        self._signing = self._signing or resolve_signing_keys(self.home, self.run_name)
+        return self._signing
+
     def endpoints(self, timeout_s: float = 120.0) -> InfraEndpoints:
         """Kafka + S3 endpoints; for a stack that owns its infra, starts (or reuses) it."""
         if self._infra is None:
@@ -206,7 +229,7 @@ class LocalStack:
         env = service_env(os.environ, service=service, replica=replica, port=self.port(service, replica),
                           home=self.home, config=self.config, run=self.run, store_backend=self.store_backend,
                           endpoints=self.endpoints(), admin_token=self.admin_token, overrides=self.env,
-                          log_max_bytes=self.log_max_bytes, log_backups=LOG_BACKUPS)
+                          log_max_bytes=self.log_max_bytes, log_backups=LOG_BACKUPS, signing=self.signing)
         if self.hosts:
             env["FLYWHEEL_HTTP_HOST"] = self.host(service, replica)
             if service == "trainer":
@@ -349,7 +372,7 @@ class LocalStack:
             if self.hosts:  # the hosts of samplers and ranks scaled down go too
                 multihost.prune(self.home, plan, self._progress)
             self.state.save(samplers=list(range(samplers)), trainers=self.trainers, prometheus=prometheus,
-                            config=str(self.config),
+                            config=str(self.config), signing_keys_file=str(self.signing[0]),
                             run=self.run, store_backend=self.store_backend, log_max_bytes=self.log_max_bytes,
                             ports={**self._ports, "sampler_base": self._sampler_base_port,
                                    "trainer_rank_base": self._trainer_rank_base_port,

@@ -65,7 +65,7 @@ def flywheel_home() -> Path:
 def local_settings(config: str | None) -> Any:
     """Settings for the commands that read the store and Kafka directly (verify, eval, export): the
     environment and ``--config`` as given, with the local stack's (``make up`` without Docker) endpoints,
-    store, run and config file as defaults when ``$FLYWHEEL_HOME/localstack.json`` exists and the
+    store, run, policy signing keys and config file as defaults when ``$FLYWHEEL_HOME/localstack.json`` exists and the
     environment names no store or run of its own. Raises ConfigError naming the field."""
     from shared.settings import load_settings
 
@@ -79,6 +79,9 @@ def local_settings(config: str | None) -> Any:
             defaults.update(FLYWHEEL_STORE_BACKEND="local", FLYWHEEL_STORE_LOCAL_ROOT=str(home / "store"))
         if st.get("run"):
             defaults["FLYWHEEL_RUN"] = str(st["run"])
+        if st.get("signing_keys_file") and not any(k.startswith("FLYWHEEL_SIGNING_") for k in os.environ):
+            # The stack signs its policies: eval and export verify them with its key file.
+            defaults.update(FLYWHEEL_SIGNING_ENABLED="true", FLYWHEEL_SIGNING_KEYS_FILE=str(st["signing_keys_file"]))
         if st.get("config") and config is None and not os.environ.get("FLYWHEEL_CONFIG"):
             config = str(st["config"])
         infra = home / "infra.env"
