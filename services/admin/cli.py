@@ -90,6 +90,8 @@ def local_settings(config: str | None) -> Any:
                 key, sep, value = line.partition("=")
                 if sep and not line.startswith("#"):
                     defaults[key.strip()] = value.strip()
+                    if key.strip().startswith("AWS_"):  # read by boto3 from the process environment, not settings
+                        os.environ.setdefault(key.strip(), value.strip())
     return load_settings(config, {**defaults, **os.environ})
 
 
