@@ -402,3 +402,19 @@ def test_the_local_stack_generates_a_key_per_run_and_passes_it_by_reference(tmp_
         s = load_settings(None, {k: v for k, v in e.items() if k.startswith("FLYWHEEL_SIGNING_")})
         assert startup_problem(service, s) is None
     assert "FLYWHEEL_SIGNING_KEYS_FILE" not in env("trainer", {"FLYWHEEL_SIGNING_ENABLED": "false"})
+
+
+def test_eval_and_export_on_the_local_stack_verify_with_its_keys_file(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.admin.cli import local_settings
+
+    for k in [k for k in os.environ if k.startswith(("AWS_", "FLYWHEEL_"))]:
+        monkeypatch.delenv(k)
+    path = key_file(tmp_path, f"r-1 {K1.hex()}")
+    (tmp_path / "localstack.json").write_text(json.dumps({"store_backend": "local", "run": RUN,
+                                                          "signing_keys_file": str(path)}))
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
+    signing = local_settings(None).signing
+    assert signing.enabled and signing.keys_file == path and signing.key_id is None
+    monkeypatch.setenv("FLYWHEEL_SIGNING_ENABLED", "false")  # the caller's own choice wins
+    assert not local_settings(None).signing.enabled
