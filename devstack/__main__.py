@@ -5,7 +5,8 @@
     down [--keep-infra]          stop the supervisor, the services (trainer last), Prometheus, Kafka + S3
                                  (and remove a multi-host stack's namespaces, links and rules)
     status                       every process: alive/DEAD, pid, restarts, endpoint, log
-    hosts [cut NAME [PEER...] | heal NAME | cleanup]
+    hosts [cut NAME [PEER...] [--direction both|out|in] | slow NAME [PEER...] [--delay-ms D] [--rate-kbps R]
+          | heal NAME | cleanup]
                                  the multi-host stack: NAME NETNS ADDRESS PID per part; cut / heal links
     restart SERVICE              trainer|paramsync|admin|sampler|sampler-<i>
     hold NAME / release NAME     the supervisor leaves NAME alone / looks after it again
@@ -82,10 +83,16 @@ def _parser() -> argparse.ArgumentParser:
                            "each PEER (default: every Kafka node); `heal NAME` removes those rules. `cleanup`: "
                            f"remove every {multihost.PREFIX}* namespace, link and rule left on this machine, "
                            "whoever made them (after a crash).")
-    hosts.add_argument("action", nargs="?", choices=["list", "cut", "heal", "cleanup"], default="list")
+    hosts.add_argument("action", nargs="?", choices=["list", "cut", "slow", "heal", "cleanup"], default="list")
     hosts.add_argument("name", nargs="?", help="the part: kafka, kafka-<i>, s3, trainer, trainer-<r>, paramsync, "
                        "admin, sampler-<i>")
     hosts.add_argument("peers", nargs="*", help="cut: the parts to cut NAME from (default: every Kafka node)")
+    hosts.add_argument("--direction", choices=multihost.DIRECTIONS, default="both",
+                       help="cut: both ways (default); out: NAME's packets to the peers are dropped, theirs still "
+                            "arrive; in: the peers' packets to NAME are dropped, NAME's still arrive")
+    hosts.add_argument("--delay-ms", type=float, default=100.0, help="slow: delay added each way (default 100)")
+    hosts.add_argument("--rate-kbps", type=float, default=0.0,
+                       help="slow: kB/s a direction per connection (default 0: no cap)")
     restart = sub.add_parser("restart", parents=[common], help="stop and start a service, wait until healthy")
     restart.add_argument("service", help="trainer, paramsync, admin, sampler (every replica) or sampler-<i>")
     for name, what in (("hold", "leave NAME alone: do not restart it"), ("release", "restart NAME again if it dies")):
@@ -187,7 +194,7 @@ def _hosts(args: argparse.Namespace, home: Path) -> int:
         removed = multihost.teardown(home, _out, force=True)
         _out("removed" if removed else f"nothing to remove: no {multihost.PREFIX}* namespace, link or rule")
         return 0
-    if args.action in ("cut", "heal"):
+    if args.action in ("cut", "slow", "heal"):
         if not args.name:
             raise StackError(f"{args.action} needs the part's name, e.g. `{PROG} hosts {args.action} trainer`")
         try:
@@ -199,11 +206,20 @@ def _hosts(args: argparse.Namespace, home: Path) -> int:
             peers = args.peers or [n for n in recorded if multihost.parse_part(n)[0] == "kafka"]
             if not peers:
                 raise StackError(f"no multi-host stack in {home} to cut {args.name} from: name the peers")
-            addrs = multihost.cut(args.name, peers)
+            if args.action == "slow":
+                addrs = multihost.slow(args.name, peers, args.delay_ms, args.rate_kbps,
+                                       home / "logs" / f"slowlink-{args.name}.log")
+                cap = f", {args.rate_kbps:g} kB/s a direction" if args.rate_kbps else ""
+                _out(f"{args.name}: links to {', '.join(peers)} ({', '.join(addrs)}) slowed by {args.delay_ms:g} ms "
+                     f"each way{cap} (new connections; open ones were reset); `{PROG} hosts heal {args.name}` "
+                     "restores them")
+                return 0
+            addrs = multihost.cut(args.name, peers, args.direction)
         except ValueError as exc:
             raise StackError(str(exc)) from None
-        _out(f"{args.name} ({multihost.netns_name(args.name)}) cut from {', '.join(peers)} ({', '.join(addrs)}); "
-             f"`{PROG} hosts heal {args.name}` restores it")
+        how = {"both": "cut from", "out": "cannot send to (one way)", "in": "hears nothing from (one way)"}
+        _out(f"{args.name} ({multihost.netns_name(args.name)}) {how[args.direction]} {', '.join(peers)} "
+             f"({', '.join(addrs)}); `{PROG} hosts heal {args.name}` restores it")
         return 0
     if not multihost.active(home):
         _out(f"no multi-host stack in {home} (start one with `{PROG} up --hosts`, or `make up HOSTS=1`)")

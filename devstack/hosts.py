@@ -181,14 +181,26 @@ def host_commands(h: Host, *, netns_exists: bool = False, veth_exists: bool = Fa
     return cmds
 
 
-def cut_commands(netns: str, peers: Iterable[str], action: str = "-A") -> list[list[str]]:
-    """DROP every packet between ``netns`` and each address of ``peers`` (both ways), inside ``netns``;
-    ``action`` ``-D`` deletes the same rules."""
+DIRECTIONS = ("both", "out", "in")
+"""How :func:`cut` drops: ``both`` every packet between the host and the peer; ``out`` only what the host sends
+(the peer's packets still arrive); ``in`` only what the peer sends (the host's packets still arrive: the peer
+receives and acts on its requests, and the host never sees a reply). A one-way cut breaks a TCP connection in
+both directions, but not alike: with ``in`` the peer applies what the host asked (a write, a commit) and the
+host, hearing nothing, retries it."""
+
+
+def cut_commands(netns: str, peers: Iterable[str], action: str = "-A", direction: str = "both") -> list[list[str]]:
+    """DROP the packets between ``netns`` and each address of ``peers`` (``direction``: see :data:`DIRECTIONS`),
+    inside ``netns``; ``action`` ``-D`` deletes the same rules."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction {direction!r}: one of {', '.join(DIRECTIONS)}")
     tag = ["-m", "comment", "--comment", CUT_COMMENT, "-j", "DROP"]
     cmds = []
     for peer in peers:
-        cmds.append(["ip", "netns", "exec", netns, "iptables", "-w", action, "OUTPUT", "-d", peer, *tag])
-        cmds.append(["ip", "netns", "exec", netns, "iptables", "-w", action, "INPUT", "-s", peer, *tag])
+        if direction in ("both", "out"):
+            cmds.append(["ip", "netns", "exec", netns, "iptables", "-w", action, "OUTPUT", "-d", peer, *tag])
+        if direction in ("both", "in"):
+            cmds.append(["ip", "netns", "exec", netns, "iptables", "-w", action, "INPUT", "-s", peer, *tag])
     return cmds
 
 
@@ -524,26 +536,80 @@ def _alive(pid: int) -> bool:
 
 
 # ---- cutting links ----------------------------------------------------------------------------------
-def cut(name: str, peers: Iterable[str]) -> list[str]:
-    """Inside ``name``'s namespace, DROP everything to and from each of ``peers`` (part names); returns their
-    addresses. :func:`heal` undoes it."""
+def cut(name: str, peers: Iterable[str], direction: str = "both") -> list[str]:
+    """Inside ``name``'s namespace, DROP everything to and from each of ``peers`` (part names; ``direction``
+    ``out`` / ``in``: one way only, see :data:`DIRECTIONS`); returns their addresses. :func:`heal` undoes it."""
     h = host(name)
     addrs = [address(p) for p in peers]
-    for cmd in cut_commands(h.netns, addrs, "-A"):
+    for cmd in cut_commands(h.netns, addrs, "-A", direction):
         run(cmd)
     return addrs
 
 
+SLOW_PORT = 15999
+"""The slow-link proxy's port inside a slowed part's namespace (``devstack.slowlink``)."""
+
+
+def slow_commands(netns: str, peers: Sequence[str], port: int = SLOW_PORT) -> list[list[str]]:
+    """The commands of :func:`slow`: new connections to ``peers`` REDIRECTed to the proxy, then the sockets already
+    connected to them destroyed (``ss -K``: the process sees its connection aborted at once and reconnects,
+    through the proxy)."""
+    from devstack.slowlink import redirect_commands
+
+    return [*redirect_commands(netns, peers, port),
+            *(["ip", "netns", "exec", netns, "ss", "-K", "dst", peer] for peer in peers)]
+
+
+def slow(name: str, peers: Iterable[str], delay_ms: float, rate_kbps: float, log: Path) -> list[str]:
+    """Make ``name``'s links to ``peers`` slow: a ``devstack.slowlink`` proxy in its namespace adds ``delay_ms``
+    each way and caps each connection at ``rate_kbps`` kB/s a direction; its open connections to them are aborted
+    and reopened through it. :func:`heal` undoes it. Returns the peers' addresses."""
+    h = host(name)
+    addrs = [address(p) for p in peers]
+    with log.open("ab") as out:
+        subprocess.Popen(["ip", "netns", "exec", h.netns, _python(), "-m", "devstack.slowlink", "--port",
+                          str(SLOW_PORT), "--delay-ms", str(delay_ms), "--rate-kbps", str(rate_kbps)],
+                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 20
+    probe = f"import socket; socket.create_connection(('127.0.0.1', {SLOW_PORT}), timeout=1).close()"
+    while run(["ip", "netns", "exec", h.netns, _python(), "-c", probe], check=False).returncode != 0:
+        if time.monotonic() > deadline:
+            raise StackError(f"the slow-link proxy in {h.netns} did not listen on {SLOW_PORT} (see {log})")
+        time.sleep(0.3)
+    for cmd in slow_commands(h.netns, addrs):
+        run(cmd, check=cmd[-3:-1] != ["-K", "dst"])  # ss may find nothing to abort
+    return addrs
+
+
+def _python() -> str:
+    import sys
+
+    return sys.executable
+
+
 def heal(name: str) -> int:
-    """Remove every :func:`cut` rule inside ``name``'s namespace; the number removed."""
+    """Remove every :func:`cut` and :func:`slow` rule inside ``name``'s namespace and stop its slow-link proxy;
+    the number of rules removed."""
+    from devstack.slowlink import SLOW_COMMENT
+
     h = host(name)
     prefix = ["ip", "netns", "exec", h.netns]
     n = 0
-    for chain in ("OUTPUT", "INPUT"):
-        rules = run([*prefix, "iptables", "-w", "-S", chain]).stdout.splitlines()
-        for cmd in delete_rule_commands(rules, CUT_COMMENT, prefix):
-            run(cmd)
-            n += 1
+    for table, chains, comment in ((None, ("OUTPUT", "INPUT"), CUT_COMMENT), ("nat", ("OUTPUT",), SLOW_COMMENT)):
+        t = ["-t", table] if table else []
+        for chain in chains:
+            rules = run([*prefix, "iptables", "-w", *t, "-S", chain]).stdout.splitlines()
+            for cmd in delete_rule_commands(rules, comment, prefix):
+                run(cmd[:cmd.index("-D")] + t + cmd[cmd.index("-D"):])
+                n += 1
+    for pid in (int(p) for p in run(["ip", "netns", "pids", h.netns], check=False).stdout.split() if p.isdigit()):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"devstack.slowlink" in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
     return n
 
 

@@ -119,6 +119,16 @@ def test_cut_drops_both_ways_inside_the_namespace_and_heal_deletes_the_same_rule
     assert [c[6] for c in mh.cut_commands("fw-trainer-0", ["10.77.0.11"], "-D")] == ["-D", "-D"]
 
 
+def test_a_one_way_cut_drops_one_chain_only() -> None:
+    out = mh.cut_commands("fw-trainer-0", ["10.77.0.11", "10.77.0.12"], direction="out")
+    assert [(c[7], c[8], c[9]) for c in out] == [("OUTPUT", "-d", "10.77.0.11"), ("OUTPUT", "-d", "10.77.0.12")]
+    into = mh.cut_commands("fw-trainer-0", ["10.77.0.11"], "-D", direction="in")
+    assert [(c[6], c[7], c[8], c[9]) for c in into] == [("-D", "INPUT", "-s", "10.77.0.11")]
+    assert all(c[-4:] == ["--comment", "flywheel-cut", "-j", "DROP"] for c in out + into)  # heal finds them
+    with pytest.raises(ValueError, match="direction"):
+        mh.cut_commands("fw-trainer-0", ["10.77.0.11"], direction="sideways")
+
+
 def test_rules_are_deleted_by_their_comment_only() -> None:
     rules = ["-P FORWARD DROP",
              "-A FORWARD -j DOCKER-USER",
