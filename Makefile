@@ -34,7 +34,7 @@ help:
 	@echo "make test-mutation  mutation testing of the trust core (hours; ONLY=name for one file) -> docs/reliability-mutation.md"
 	@echo "make bench     the benchmark suite (ONLY=name for one figure) -> docs/benchmarks.md"
 	@echo "make lint      ruff + mypy --strict on shared/, services/ and devstack/"
-	@echo "make k8s-check build every deploy/k8s overlay (kustomize, in-process) and check it (needs Go)"
+	@echo "make k8s-check build every deploy/k8s overlay (kustomize, in-process) and check it, Strimzi objects against Strimzi's CRDs and Kafka ACLs against shared/acl.py (needs Go)"
 	@echo "make infra-up / infra-down   just Kafka + S3 as local processes"
 
 $(STAMP): pyproject.toml
@@ -104,20 +104,28 @@ lint: install
 	$(PY) -m ruff check shared services devstack tests bench
 	$(PY) -m mypy
 
-# Kubernetes manifests: tools/k8s-check builds each overlay with kustomize's Go API and decodes every
-# object strictly into the k8s.io/api types, then applies the project's rules (docs/kubernetes.md).
+# Kubernetes manifests: tools/k8s-check builds each overlay with kustomize's Go API, decodes every
+# object strictly into the k8s.io/api types, validates Strimzi's against Strimzi's own CRD schemas
+# (tools/k8s-check/crds, pinned), then applies the project's rules (docs/kubernetes.md). Before it,
+# the cluster overlay's generated Kafka users, ACLs and topics must be the generator's output, and
+# every KafkaUser is held to what shared/acl.py grants its role (a policy written fresh each time).
 # The binary is rebuilt only when its sources change; tests/unit/test_k8s_check.py runs this target.
 K8S_CHECK := .flywheel/bin/k8s-check
 K8S_OVERLAYS := deploy/k8s/overlays/local deploy/k8s/overlays/gpu deploy/k8s/overlays/cluster
+K8S_GENERATED := deploy/k8s/overlays/cluster
+K8S_ACL_POLICY := .flywheel/k8s-acl-policy.json
 
-$(K8S_CHECK): tools/k8s-check/go.mod tools/k8s-check/go.sum $(wildcard tools/k8s-check/*.go)
+$(K8S_CHECK): tools/k8s-check/go.mod tools/k8s-check/go.sum $(wildcard tools/k8s-check/*.go) $(wildcard tools/k8s-check/crds/*.yaml)
 	@command -v go >/dev/null || { echo "make k8s-check needs Go on PATH (https://go.dev/dl/)" >&2; exit 1; }
 	@mkdir -p $(dir $@)
 	cd tools/k8s-check && GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false" \
 		go build -trimpath -o ../../$@.$$$$.partial . && mv ../../$@.$$$$.partial ../../$@
 
 k8s-check: $(K8S_CHECK)
-	$(K8S_CHECK) $(K8S_OVERLAYS)
+	@test -x $(PY) || { echo "make k8s-check needs the virtualenv (make install)" >&2; exit 1; }
+	$(PY) -m shared.k8s_acl check $(K8S_GENERATED)
+	$(PY) -m shared.k8s_acl policy --out $(K8S_ACL_POLICY)
+	$(K8S_CHECK) -acl-policy $(K8S_ACL_POLICY) $(K8S_OVERLAYS)
 
 clean:
 	rm -rf .pytest_cache build *.egg-info

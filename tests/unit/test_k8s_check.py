@@ -11,6 +11,11 @@ runs reuse the binary (make rebuilds it only when tools/k8s-check changes).
 The other tests read what the overlays deploy (`k8s-check -dump`): the settings every container gets
 are ones the services accept (shared.settings.load_settings), the cluster overlay's KafkaTopics are
 exactly the topics the services would create, and each role reads only its own credentials.
+
+Strimzi's objects are validated against Strimzi's own CRDs (tools/k8s-check/crds, pinned). The cluster
+overlay's KafkaUsers, ACLs and KafkaTopics are generated from shared/acl.py and shared/kafka.py
+(`python -m shared.k8s_acl`): `make k8s-check` refuses a hand-edited copy, and any KafkaUser granted more
+than shared/acl.py grants its role, however the overlay grants it (the last tests, through make itself).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from typing import Any
 import pytest
 import yaml
 
+from shared.acl import role_acls
+from shared.k8s_acl import strimzi_acls
 from shared.kafka import topic_specs
 from shared.settings import load_settings
 
@@ -33,6 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 OVERLAYS = ("local", "gpu", "cluster")
 BINARY = REPO / ".flywheel" / "bin" / "k8s-check"
+POLICY = REPO / ".flywheel" / "k8s-acl-policy.json"  # written from shared/acl.py by make k8s-check
 ROLES = ("sampler", "trainer", "paramsync", "admin")
 POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
 BUILD_TIMEOUT_S = 560  # a cold Go cache downloads kustomize and k8s.io/api and compiles them
@@ -62,8 +70,8 @@ def test_make_k8s_check_passes_on_every_overlay(checker: Path) -> None:
 
 
 def _dump(checker: Path, overlay: str) -> list[Doc]:
-    proc = subprocess.run([str(checker), "-dump", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
-                          timeout=120, check=False)
+    proc = subprocess.run([str(checker), "-acl-policy", str(POLICY), "-dump", str(K8S / "overlays" / overlay)],
+                          capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -166,6 +174,20 @@ def _admin(change: Callable[[Doc], None]) -> Callable[[Path], None]:
     return lambda root: _edit(root, ADMIN, "Deployment", "flywheel-admin", change)
 
 
+USERS, TOPICS = "overlays/cluster/users.yaml", "overlays/cluster/topics.yaml"
+POLICY_TOPIC_WRITE = {"resource": {"type": "topic", "name": "cartpole.policy", "patternType": "literal"},
+                      "operations": ["Write"]}
+
+
+def _sampler_writes_policy(user: Doc) -> None:
+    user["spec"]["authorization"]["acls"].append(POLICY_TOPIC_WRITE)
+
+
+def _kafka_authorization(change: Callable[[Doc], None]) -> Callable[[Path], None]:
+    return lambda root: _edit(root, CLUSTER_KAFKA, "Kafka", "flywheel",
+                              lambda d: change(d["spec"]["kafka"]["authorization"]))
+
+
 def _kafka_listener(change: Callable[[Doc], None]) -> Callable[[Path], None]:
     return lambda root: _edit(root, CLUSTER_KAFKA, "Kafka", "flywheel",
                               lambda d: change(d["spec"]["kafka"]["listeners"][0]))
@@ -224,8 +246,26 @@ BROKEN = [
            "2 replicas of services.trainer without FLYWHEEL_TRAINER_WORLD_SIZE: each pod would train alone",
            _trainer(_two_replicas_without_world_size)),
     Broken("strimzi-enum", "cluster", "strict-decode", "Kafka/flywheel/flywheel",
-           'type "internel": not a Strimzi listener type',
+           "spec.kafka.listeners[0].type in body should be one of [internal route",
            _kafka_listener(lambda listener: listener.update(type="internel"))),
+    # Strimzi's CRD schema, not the checker's own structs: an ACL operation Strimzi does not know.
+    Broken("strimzi-schema-acl-operation", "cluster", "strict-decode", "KafkaUser/flywheel/flywheel-sampler",
+           "spec.authorization.acls[0].operations[0] in body should be one of [Read Write Create Delete",
+           lambda root: _edit(root, USERS, "KafkaUser", "flywheel-sampler",
+                              lambda d: d["spec"]["authorization"]["acls"][0].update(operations=["Writ"]))),
+    Broken("strimzi-schema-topic-partitions", "cluster", "strict-decode", "KafkaTopic/flywheel/cartpole.policy",
+           "spec.partitions in body should be greater than or equal to 1",
+           lambda root: _edit(root, TOPICS, "KafkaTopic", "cartpole.policy", lambda d: d["spec"].update(partitions=0))),
+    Broken("acl-sampler-writes-policy", "cluster", "acl-policy", "KafkaUser/flywheel/flywheel-sampler",
+           'role sampler (run cartpole) may Write topic "cartpole.policy" (literal), which shared/acl.py does not '
+           "grant it", lambda root: _edit(root, USERS, "KafkaUser", "flywheel-sampler", _sampler_writes_policy)),
+    Broken("acl-sampler-super-user", "cluster", "acl-policy", "Kafka/flywheel/flywheel",
+           '"User:flywheel-sampler" makes role sampler a super user',
+           _kafka_authorization(lambda a: a.update(superUsers=["User:flywheel-sampler"]))),
+    Broken("acl-user-not-a-role", "cluster", "acl-policy", "KafkaUser/flywheel/flywheel-sampler2",
+           'KafkaUser "flywheel-sampler2" is not a role of shared/acl.py',
+           lambda root: _edit(root, USERS, "KafkaUser", "flywheel-sampler",
+                              lambda d: d["metadata"].update(name="flywheel-sampler2"))),
 ]
 
 
@@ -234,10 +274,11 @@ def test_a_broken_copy_is_refused_naming_the_rule(checker: Path, tmp_path: Path,
     root = tmp_path / "k8s"
     shutil.copytree(K8S, root)
     overlay = str(root / "overlays" / broken.overlay)
-    intact = subprocess.run([str(checker), overlay], capture_output=True, text=True, timeout=120, check=False)
+    command = [str(checker), "-acl-policy", str(POLICY), overlay]
+    intact = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert intact.returncode == 0, f"the unbroken copy must pass:\n{intact.stderr}"
     broken.breakage(root)
-    proc = subprocess.run([str(checker), overlay], capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     findings = proc.stderr.strip().splitlines()
     assert findings, "refused without a finding"
@@ -392,13 +433,16 @@ def test_cluster_topics_are_the_ones_the_services_create(checker: Path) -> None:
     [env] = [d["data"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("flywheel-env")]
     settings = load_settings(REPO / env["FLYWHEEL_CONFIG"].removeprefix("/app/"),
                              environ={"FLYWHEEL_KAFKA_REPLICATION_FACTOR": env["FLYWHEEL_KAFKA_REPLICATION_FACTOR"]})
-    declared = {d["metadata"]["name"]: (d["spec"]["partitions"], d["spec"]["replicas"], d["spec"].get("config", {}))
+    declared = {d["spec"]["topicName"]: (d["spec"]["partitions"], d["spec"]["replicas"], d["spec"].get("config", {}))
                 for d in docs if d["kind"] == "KafkaTopic"}
     wanted = {t.name: (t.num_partitions, t.replication_factor, dict(t.topic_configs)) for t in topic_specs(settings)}
     assert declared == wanted
-    prefix = f"{settings.run}."
-    for user in (d for d in docs if d["kind"] == "KafkaUser"):
-        assert {acl["resource"]["name"] for acl in user["spec"]["authorization"]["acls"]} == {prefix}
+    # Each role's KafkaUser has exactly the ACLs shared/acl.py grants it for the run the pods use.
+    users = {d["metadata"]["name"]: d for d in docs if d["kind"] == "KafkaUser"}
+    assert env["FLYWHEEL_RUN"] == settings.run == "cartpole"
+    for role, acls in role_acls(settings.run).items():
+        assert users.pop(f"flywheel-{role}")["spec"]["authorization"]["acls"] == strimzi_acls(acls), role
+    assert not users
 
 
 def test_local_minio_policy_is_the_compose_one() -> None:
@@ -417,3 +461,85 @@ def test_sampler_autoscaler_metric_is_served_by_the_adapter_rules(checker: Path)
     series = rule["seriesQuery"].split("{")[0]
     # The counter the sampler exports.
     assert f'"{series}"' in (REPO / "services" / "sampler" / "service.py").read_text()
+
+
+# ---- the cluster overlay's Kafka users, ACLs and topics: generated, and held to shared/acl.py ---------------
+
+def _make_k8s_check(root: Path) -> subprocess.CompletedProcess[str]:
+    """`make k8s-check` on the cluster overlay of the copy ``root`` (generated-file check, policy, checker)."""
+    overlay = root / "overlays" / "cluster"
+    return subprocess.run(["make", "--no-print-directory", "k8s-check", f"K8S_OVERLAYS={overlay}",
+                           f"K8S_GENERATED={overlay}"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          check=False)
+
+
+def _copy(tmp_path: Path) -> Path:
+    root = tmp_path / "k8s"
+    shutil.copytree(K8S, root)
+    return root
+
+
+def test_make_k8s_check_refuses_an_overlay_where_the_sampler_may_write_the_policy_topic(
+        checker: Path, tmp_path: Path) -> None:
+    """The generated users.yaml untouched, the cluster overlay patches Write on <run>.policy into the sampler's
+    KafkaUser: make k8s-check fails, naming the user, the role, the operation and the topic."""
+    root = _copy(tmp_path)
+    assert _make_k8s_check(root).returncode == 0, "the unbroken copy must pass"
+    (root / "overlays" / "cluster" / "sampler-acl.yaml").write_text(yaml.safe_dump(
+        [{"op": "add", "path": "/spec/authorization/acls/-", "value": POLICY_TOPIC_WRITE}]))
+    kustomization = root / "overlays" / "cluster" / "kustomization.yaml"
+    k = yaml.safe_load(kustomization.read_text())
+    k["patches"].append({"path": "sampler-acl.yaml", "target": {"kind": "KafkaUser", "name": "flywheel-sampler"}})
+    kustomization.write_text(yaml.safe_dump(k, sort_keys=False))
+    proc = _make_k8s_check(root)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    findings = [line for line in proc.stderr.splitlines() if line.startswith("k8s-check: ")]
+    assert len(findings) == 1, proc.stderr
+    assert (": KafkaUser/flywheel/flywheel-sampler: [acl-policy] spec.authorization.acls[7]: role sampler "
+            '(run cartpole) may Write topic "cartpole.policy" (literal), which shared/acl.py does not grant it'
+            in findings[0]), findings
+
+
+def test_make_k8s_check_refuses_a_hand_edited_generated_file(checker: Path, tmp_path: Path) -> None:
+    """Edited in users.yaml itself, the same grant is refused before the checker runs: the file is not the
+    generator's output, and the message says how to regenerate it."""
+    root = _copy(tmp_path)
+    _edit(root, USERS, "KafkaUser", "flywheel-sampler", _sampler_writes_policy)
+    proc = _make_k8s_check(root)
+    assert proc.returncode != 0
+    assert f"{root}/overlays/cluster/users.yaml differs from the generator's output" in proc.stderr, proc.stderr
+    again = "regenerate it: python -m shared.k8s_acl generate --config configs/cartpole.yaml --run cartpole"
+    assert again in proc.stderr
+
+
+def test_another_run_is_generated_with_no_cartpole_left(checker: Path, tmp_path: Path) -> None:
+    """`generate --run NAME` rewrites the users, ACLs, topics and FLYWHEEL_RUN for that run; make k8s-check passes
+    on it, and nothing in the overlay's Kafka objects or its ConfigMap names cartpole any more."""
+    root = _copy(tmp_path)
+    overlay = root / "overlays" / "cluster"
+    subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "shared.k8s_acl", "generate", "--run", "exp-7",
+                    "--out", str(overlay)], cwd=REPO, check=True, capture_output=True, timeout=60)
+    proc = _make_k8s_check(root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    dump = subprocess.run([str(checker), "-acl-policy", str(POLICY), "-dump", str(overlay)], capture_output=True,
+                          text=True, timeout=120, check=True)
+    docs = [json.loads(line) for line in dump.stdout.splitlines() if line.startswith("{")]
+    kafka_objects = [d for d in docs if d["kind"] in ("KafkaUser", "KafkaTopic")]
+    assert len(kafka_objects) == len(ROLES) + 6
+    assert "cartpole" not in json.dumps(kafka_objects)
+    assert {d["spec"]["topicName"] for d in kafka_objects if d["kind"] == "KafkaTopic"} == {
+        "exp-7.samples", "exp-7.samples.dlq", "exp-7.policy", "exp-7.control", "exp-7.heartbeats", "exp-7.credits"}
+    [env] = [d["data"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("flywheel-env")]
+    assert env["FLYWHEEL_RUN"] == "exp-7"
+
+
+def test_the_policy_is_shared_acl_py() -> None:
+    """What k8s-check holds KafkaUsers to is role_acls, for any run: the sampler reads the policy topic only."""
+    from shared.k8s_acl import policy
+
+    p = policy()
+    assert set(p["roles"]) == set(ROLES)
+    sampler = {(g["resource"], g["name"], g["operation"]) for g in p["roles"]["sampler"]}
+    assert ("topic", "{run}.policy", "Read") in sampler and ("topic", "{run}.policy", "Write") not in sampler
+    for role, acls in role_acls("{run}").items():
+        assert len(p["roles"][role]) == len(acls), role

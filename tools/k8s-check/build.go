@@ -9,7 +9,7 @@ import (
 )
 
 // object is one resource of a build: its raw JSON, as kustomize emitted it, and, once decoded,
-// the typed value (a k8s.io/api struct or a Strimzi struct). typed is nil when decoding failed.
+// the typed value (a k8s.io/api struct, or a *strimziObject valid against Strimzi's CRD). typed is nil when decoding failed.
 type object struct {
 	kind, namespace, name string
 	raw                   []byte
@@ -43,8 +43,8 @@ func build(dir string) ([]object, error) {
 	return out, nil
 }
 
-// decode sets o.typed, strictly: an unknown or duplicated field, or a kind without a Go type
-// here, is an error.
+// decode sets o.typed, strictly: an unknown or duplicated field, a kind without a Go type here, or
+// a Strimzi object its CRD schema refuses, is an error.
 func decode(o *object) error {
 	if typed, ok, err := decodeStrimzi(o.raw); ok {
 		if err != nil {

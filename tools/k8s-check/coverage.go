@@ -109,9 +109,11 @@ func coverage(objs []object) []finding {
 			if !found {
 				out = append(out, finding{o.ref(), ruleRefs, fmt.Sprintf("selector %s matches no workload of the build", sel)})
 			}
-		case *KafkaTopic, *KafkaUser, *KafkaNodePool:
-			var meta metav1.Object = t.(metav1.Object)
-			cluster := meta.GetLabels()["strimzi.io/cluster"]
+		case *strimziObject:
+			if t.Kind == "Kafka" {
+				continue
+			}
+			cluster := t.Labels["strimzi.io/cluster"]
 			if !present[o.namespace+"/Kafka/"+cluster] {
 				out = append(out, finding{o.ref(), ruleRefs, fmt.Sprintf("label strimzi.io/cluster=%q names no Kafka of the build", cluster)})
 			}

@@ -89,6 +89,11 @@ func check(objs []object) []finding {
 			out = append(out, finding{o.ref(), ruleSecrets, fmt.Sprintf(
 				"a Secret with inline data in the manifests; create it out of band (or annotate %s: \"true\" for local development credentials)", devOnlySecret)})
 		}
+		if so, ok := o.typed.(*strimziObject); ok {
+			for _, msg := range strimziConfigRules(so) {
+				out = append(out, finding{o.ref(), ruleStrimziCfg, msg})
+			}
+		}
 		if cm, ok := o.typed.(*corev1.ConfigMap); ok {
 			for key := range cm.Data {
 				if secretName.MatchString(key) {
@@ -98,6 +103,7 @@ func check(objs []object) []finding {
 		}
 	}
 	out = append(out, rankRules(objs)...)
+	out = append(out, aclRules(objs, policy)...)
 	return append(out, coverage(objs)...)
 }
 

@@ -1,284 +1,236 @@
 package main
 
-// Strimzi's custom resources (kafka.strimzi.io/v1beta2) are not in k8s.io/api. The structs below
-// hold the fields Flywheel's overlays use, typed and named after Strimzi's API reference
-// (https://strimzi.io/docs/operators/latest/configuring.html, "Schema properties"); decoding is
-// strict, so a misspelt or unsupported field is refused. They are a subset written from the
-// documentation, not generated from Strimzi's CRD OpenAPI schema: a field Strimzi accepts but the
-// structs lack is refused too (add it here, from the reference, when an overlay needs it).
+// Strimzi's custom resources (kafka.strimzi.io) are not in k8s.io/api. They are validated against
+// Strimzi's own published CRDs, vendored unchanged in crds/ from the operator repository at a
+// pinned release (crds/README.md names the commit and each file's hash), the way the API server
+// validates a custom resource:
+//
+//   - the object against the served version's openAPIV3Schema, with kube-openapi's validator (the
+//     one the API server's CRD validation is built on): types, enumerations, required fields,
+//     minimums and patterns;
+//   - unknown fields refused (kubectl's strict field validation): a field that the schema does not
+//     declare, where the schema neither allows additionalProperties nor sets
+//     x-kubernetes-preserve-unknown-fields;
+//   - metadata decoded strictly into ObjectMeta, its name a DNS-1123 subdomain.
+//
+// Not evaluated: the CRDs' CEL rules (x-kubernetes-validations; the four CRDs have six, none about
+// a field the overlays set), and what only the operator checks when it reconciles. One such check
+// is kept as a rule of its own: the Kafka options Strimzi sets itself and refuses in
+// spec.kafka.config (rule "strimzi-config", from Strimzi's documentation).
 
 import (
+	"embed"
 	"encoding/json"
 	"fmt"
-	"regexp"
+	"path"
+	"sort"
 	"strings"
 
-	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/kube-openapi/pkg/validation/spec"
+	"k8s.io/kube-openapi/pkg/validation/strfmt"
+	"k8s.io/kube-openapi/pkg/validation/validate"
 	sigsjson "sigs.k8s.io/json"
+	"sigs.k8s.io/yaml"
 )
 
-const strimziAPIVersion = "kafka.strimzi.io/v1beta2"
-
-// Kafka is a Strimzi-managed Kafka cluster (KRaft, brokers and controllers from KafkaNodePools).
-type Kafka struct {
-	metav1.TypeMeta   `json:",inline"`
-	metav1.ObjectMeta `json:"metadata"`
-	Spec              struct {
-		Kafka struct {
-			Version         string          `json:"version,omitempty"`
-			MetadataVersion string          `json:"metadataVersion,omitempty"`
-			Listeners       []KafkaListener `json:"listeners"`
-			Authorization   *struct {
-				Type       string   `json:"type"`
-				SuperUsers []string `json:"superUsers,omitempty"`
-			} `json:"authorization,omitempty"`
-			Config map[string]json.RawMessage `json:"config,omitempty"`
-		} `json:"kafka"`
-		EntityOperator *struct {
-			TopicOperator *struct {
-				Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
-			} `json:"topicOperator,omitempty"`
-			UserOperator *struct {
-				Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
-			} `json:"userOperator,omitempty"`
-		} `json:"entityOperator,omitempty"`
-	} `json:"spec"`
-}
-
-// KafkaListener is one entry of Kafka.spec.kafka.listeners.
-type KafkaListener struct {
-	Name           string `json:"name"`
-	Port           int    `json:"port"`
-	Type           string `json:"type"`
-	TLS            bool   `json:"tls"`
-	Authentication *struct {
-		Type string `json:"type"`
-	} `json:"authentication,omitempty"`
-}
-
-// KafkaNodePool is a group of Kafka nodes with the same roles and storage.
-type KafkaNodePool struct {
-	metav1.TypeMeta   `json:",inline"`
-	metav1.ObjectMeta `json:"metadata"`
-	Spec              struct {
-		Replicas  int                          `json:"replicas"`
-		Roles     []string                     `json:"roles"`
-		Storage   KafkaStorage                 `json:"storage"`
-		Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
-	} `json:"spec"`
-}
-
-// KafkaStorage is ephemeral, persistent-claim, or jbod of volumes.
-type KafkaStorage struct {
-	Type          string         `json:"type"`
-	ID            *int           `json:"id,omitempty"`
-	Size          string         `json:"size,omitempty"`
-	Class         string         `json:"class,omitempty"`
-	DeleteClaim   *bool          `json:"deleteClaim,omitempty"`
-	KRaftMetadata string         `json:"kraftMetadata,omitempty"`
-	Volumes       []KafkaStorage `json:"volumes,omitempty"`
-}
-
-// KafkaTopic is a topic managed by the topic operator.
-type KafkaTopic struct {
-	metav1.TypeMeta   `json:",inline"`
-	metav1.ObjectMeta `json:"metadata"`
-	Spec              struct {
-		TopicName  string            `json:"topicName,omitempty"`
-		Partitions int               `json:"partitions"`
-		Replicas   int               `json:"replicas"`
-		Config     map[string]string `json:"config,omitempty"`
-	} `json:"spec"`
-}
-
-// KafkaUser is a client identity (the user operator writes its credentials into a Secret of the
-// same name) with simple-authorizer ACLs.
-type KafkaUser struct {
-	metav1.TypeMeta   `json:",inline"`
-	metav1.ObjectMeta `json:"metadata"`
-	Spec              struct {
-		Authentication struct {
-			Type string `json:"type"`
-		} `json:"authentication"`
-		Authorization *struct {
-			Type string     `json:"type"`
-			ACLs []KafkaACL `json:"acls"`
-		} `json:"authorization,omitempty"`
-	} `json:"spec"`
-}
-
-// KafkaACL is one ACL rule of a KafkaUser.
-type KafkaACL struct {
-	Resource struct {
-		Type        string `json:"type"`
-		Name        string `json:"name,omitempty"`
-		PatternType string `json:"patternType,omitempty"`
-	} `json:"resource"`
-	Operations []string `json:"operations"`
-	Host       string   `json:"host,omitempty"`
-	Type       string   `json:"type,omitempty"`
-}
-
-// Allowed values, from Strimzi's API reference.
-var (
-	listenerTypes     = set("internal", "route", "loadbalancer", "nodeport", "ingress", "cluster-ip")
-	listenerAuthTypes = set("tls", "scram-sha-512", "oauth", "custom")
-	authorizerTypes   = set("simple", "opa", "keycloak", "custom")
-	nodeRoles         = set("controller", "broker")
-	storageTypes      = set("ephemeral", "persistent-claim", "jbod")
-	userAuthTypes     = set("tls", "tls-external", "scram-sha-512")
-	aclResourceTypes  = set("topic", "group", "cluster", "transactionalId")
-	aclPatternTypes   = set("", "literal", "prefix")
-	aclTypes          = set("", "allow", "deny")
-	aclOperations     = set("Read", "Write", "Create", "Delete", "Alter", "Describe", "ClusterAction",
-		"AlterConfigs", "DescribeConfigs", "IdempotentWrite", "All")
-	listenerName = regexp.MustCompile(`^[a-z0-9]{1,11}$`)
-	// Kafka options that Strimzi sets itself and refuses in spec.kafka.config.
-	forbiddenConfigPrefixes = []string{"listeners", "advertised.", "broker.", "listener.", "host.name",
-		"port", "inter.broker.listener.name", "sasl.", "ssl.", "security.", "password.", "log.dir",
-		"zookeeper.", "authorizer.", "super.user", "node.id", "process.roles", "controller.",
-		"metadata.log.dir"}
+const (
+	strimziGroup     = "kafka.strimzi.io"
+	ruleStrimziCfg   = "strimzi-config"
+	preserveUnknown  = "x-kubernetes-preserve-unknown-fields"
+	embeddedResource = "x-kubernetes-embedded-resource"
 )
 
-func set(values ...string) map[string]bool {
-	m := map[string]bool{}
-	for _, v := range values {
-		m[v] = true
+//go:embed crds/*.yaml
+var crdFiles embed.FS
+
+// strimziObject is a decoded Strimzi resource: its metadata (typed) and the whole object as
+// generic JSON, already valid against its CRD's schema.
+type strimziObject struct {
+	Kind string
+	metav1.ObjectMeta
+	Object map[string]any
+}
+
+// crdSchemas maps "apiVersion/kind" (kafka.strimzi.io/v1/KafkaUser) to the served version's schema.
+var crdSchemas = func() map[string]*spec.Schema {
+	out := map[string]*spec.Schema{}
+	entries, err := crdFiles.ReadDir("crds")
+	if err != nil {
+		panic(err)
 	}
-	return m
+	for _, e := range entries {
+		if path.Ext(e.Name()) != ".yaml" {
+			continue
+		}
+		raw, err := crdFiles.ReadFile("crds/" + e.Name())
+		if err != nil {
+			panic(err)
+		}
+		var crd struct {
+			Spec struct {
+				Group string `json:"group"`
+				Names struct {
+					Kind string `json:"kind"`
+				} `json:"names"`
+				Versions []struct {
+					Name   string `json:"name"`
+					Served bool   `json:"served"`
+					Schema struct {
+						OpenAPIV3Schema json.RawMessage `json:"openAPIV3Schema"`
+					} `json:"schema"`
+				} `json:"versions"`
+			} `json:"spec"`
+		}
+		if err := yaml.Unmarshal(raw, &crd); err != nil {
+			panic(fmt.Sprintf("crds/%s: %v", e.Name(), err))
+		}
+		for _, v := range crd.Spec.Versions {
+			if !v.Served {
+				continue
+			}
+			s := &spec.Schema{}
+			if err := json.Unmarshal(v.Schema.OpenAPIV3Schema, s); err != nil {
+				panic(fmt.Sprintf("crds/%s %s: %v", e.Name(), v.Name, err))
+			}
+			out[crd.Spec.Group+"/"+v.Name+"/"+crd.Spec.Names.Kind] = s
+		}
+	}
+	return out
+}()
+
+// servedStrimzi lists the apiVersion/kind pairs the vendored CRDs serve, for messages.
+func servedStrimzi() string {
+	var keys []string
+	for k := range crdSchemas {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return strings.Join(keys, ", ")
 }
 
-// decodeStrimzi decodes raw when it is a kafka.strimzi.io object (ok=true), strictly, and checks
-// the enumerations and constraints of the fields above.
+// decodeStrimzi validates raw when it is a kafka.strimzi.io object (ok=true) against its CRD.
 func decodeStrimzi(raw []byte) (typed any, ok bool, err error) {
 	var tm metav1.TypeMeta
-	if err := json.Unmarshal(raw, &tm); err != nil || !strings.HasPrefix(tm.APIVersion, "kafka.strimzi.io/") {
+	if err := json.Unmarshal(raw, &tm); err != nil || !strings.HasPrefix(tm.APIVersion, strimziGroup+"/") {
 		return nil, false, nil
 	}
-	if tm.APIVersion != strimziAPIVersion {
-		return nil, true, fmt.Errorf("apiVersion %q: the checker knows %s only", tm.APIVersion, strimziAPIVersion)
+	schema := crdSchemas[tm.APIVersion+"/"+tm.Kind]
+	if schema == nil {
+		return nil, true, fmt.Errorf("%s %s is not served by the vendored Strimzi CRDs (tools/k8s-check/crds: %s)",
+			tm.APIVersion, tm.Kind, servedStrimzi())
 	}
-	switch tm.Kind {
-	case "Kafka":
-		typed = &Kafka{}
-	case "KafkaNodePool":
-		typed = &KafkaNodePool{}
-	case "KafkaTopic":
-		typed = &KafkaTopic{}
-	case "KafkaUser":
-		typed = &KafkaUser{}
-	default:
-		return nil, true, fmt.Errorf("no Strimzi type for kind %q in the checker", tm.Kind)
-	}
-	strict, err := sigsjson.UnmarshalStrict(raw, typed)
-	if err != nil {
+	var obj map[string]any
+	if err := json.Unmarshal(raw, &obj); err != nil {
 		return nil, true, err
 	}
-	if len(strict) > 0 {
-		return nil, true, fmt.Errorf("strict decoding error: %v", strict)
-	}
-	return typed, true, validateStrimzi(typed)
-}
-
-func validateStrimzi(typed any) error {
 	var problems []string
-	bad := func(format string, args ...any) { problems = append(problems, fmt.Sprintf(format, args...)) }
-	switch o := typed.(type) {
-	case *Kafka:
-		if len(o.Spec.Kafka.Listeners) == 0 {
-			bad("spec.kafka.listeners: at least one listener is required")
+	var meta metav1.ObjectMeta
+	if m, has := obj["metadata"]; has {
+		metaRaw, _ := json.Marshal(m)
+		strict, err := sigsjson.UnmarshalStrict(metaRaw, &meta)
+		if err != nil {
+			problems = append(problems, "metadata: "+err.Error())
 		}
-		for i, l := range o.Spec.Kafka.Listeners {
-			if !listenerName.MatchString(l.Name) {
-				bad("spec.kafka.listeners[%d].name %q: lower-case letters and digits, at most 11", i, l.Name)
-			}
-			if l.Port < 9092 || l.Port == 9404 || l.Port == 9999 {
-				bad("spec.kafka.listeners[%d].port %d: 9092 or above, not 9404 or 9999", i, l.Port)
-			}
-			if !listenerTypes[l.Type] {
-				bad("spec.kafka.listeners[%d].type %q: not a Strimzi listener type", i, l.Type)
-			}
-			if l.Authentication != nil && !listenerAuthTypes[l.Authentication.Type] {
-				bad("spec.kafka.listeners[%d].authentication.type %q: not a Strimzi listener authentication", i, l.Authentication.Type)
-			}
-		}
-		if a := o.Spec.Kafka.Authorization; a != nil && !authorizerTypes[a.Type] {
-			bad("spec.kafka.authorization.type %q: not a Strimzi authorization type", a.Type)
-		}
-		for key := range o.Spec.Kafka.Config {
-			for _, p := range forbiddenConfigPrefixes {
-				if strings.HasPrefix(key, p) {
-					bad("spec.kafka.config[%q]: Strimzi manages this option itself", key)
-				}
-			}
-		}
-	case *KafkaNodePool:
-		if o.Spec.Replicas < 1 {
-			bad("spec.replicas %d: at least 1", o.Spec.Replicas)
-		}
-		if len(o.Spec.Roles) == 0 {
-			bad("spec.roles: at least one of controller, broker")
-		}
-		for _, r := range o.Spec.Roles {
-			if !nodeRoles[r] {
-				bad("spec.roles: %q is not controller or broker", r)
-			}
-		}
-		validateStorage("spec.storage", o.Spec.Storage, bad)
-	case *KafkaTopic:
-		if o.Spec.Partitions < 1 || o.Spec.Replicas < 1 {
-			bad("spec.partitions and spec.replicas: at least 1 (got %d, %d)", o.Spec.Partitions, o.Spec.Replicas)
-		}
-	case *KafkaUser:
-		if !userAuthTypes[o.Spec.Authentication.Type] {
-			bad("spec.authentication.type %q: not a Strimzi user authentication", o.Spec.Authentication.Type)
-		}
-		if a := o.Spec.Authorization; a != nil {
-			if a.Type != "simple" {
-				bad("spec.authorization.type %q: KafkaUser ACLs need type simple", a.Type)
-			}
-			for i, acl := range a.ACLs {
-				if !aclResourceTypes[acl.Resource.Type] || !aclPatternTypes[acl.Resource.PatternType] || !aclTypes[acl.Type] {
-					bad("spec.authorization.acls[%d]: resource type %q, patternType %q, type %q", i,
-						acl.Resource.Type, acl.Resource.PatternType, acl.Type)
-				}
-				if acl.Resource.Type != "cluster" && acl.Resource.Name == "" {
-					bad("spec.authorization.acls[%d].resource.name: required for %s", i, acl.Resource.Type)
-				}
-				if len(acl.Operations) == 0 {
-					bad("spec.authorization.acls[%d].operations: at least one", i)
-				}
-				for _, op := range acl.Operations {
-					if !aclOperations[op] {
-						bad("spec.authorization.acls[%d].operations: %q is not a Kafka ACL operation", i, op)
-					}
-				}
-			}
+		for _, e := range strict {
+			problems = append(problems, "metadata: "+e.Error())
 		}
 	}
+	for _, msg := range validation.IsDNS1123Subdomain(meta.Name) {
+		problems = append(problems, fmt.Sprintf("metadata.name %q: %s", meta.Name, msg))
+	}
+	result := validate.NewSchemaValidator(schema, nil, "", strfmt.Default).Validate(obj)
+	for _, e := range result.Errors {
+		problems = append(problems, e.Error())
+	}
+	rest := map[string]any{}
+	for k, v := range obj {
+		if k != "metadata" && k != "apiVersion" && k != "kind" {
+			rest[k] = v
+		}
+	}
+	walkSchema("", rest, schema, &problems) // unknown fields, as the API server's strict field validation
 	if len(problems) > 0 {
-		return fmt.Errorf("%s", strings.Join(problems, "; "))
+		sort.Strings(problems)
+		return nil, true, fmt.Errorf("%s (schema: Strimzi's CRD for %s %s)", strings.Join(problems, "; "), tm.APIVersion, tm.Kind)
 	}
-	return nil
+	return &strimziObject{Kind: tm.Kind, ObjectMeta: meta, Object: obj}, true, nil
 }
 
-func validateStorage(path string, s KafkaStorage, bad func(string, ...any)) {
-	if !storageTypes[s.Type] {
-		bad("%s.type %q: ephemeral, persistent-claim or jbod", path, s.Type)
+// walkSchema reports every field of value (at path at) that schema s does not declare, where s
+// neither allows additionalProperties nor preserves unknown fields.
+func walkSchema(at string, value any, s *spec.Schema, problems *[]string) {
+	if b, _ := s.Extensions[preserveUnknown].(bool); b {
+		return
 	}
-	if s.Type == "persistent-claim" && s.Size == "" {
-		bad("%s.size: required for persistent-claim", path)
+	if b, _ := s.Extensions[embeddedResource].(bool); b {
+		return
 	}
-	if s.Type == "jbod" {
-		if len(s.Volumes) == 0 {
-			bad("%s.volumes: jbod needs at least one volume", path)
-		}
-		for i, v := range s.Volumes {
-			if v.Type == "jbod" {
-				bad("%s.volumes[%d]: jbod cannot nest", path, i)
+	switch v := value.(type) {
+	case map[string]any:
+		for k, child := range v {
+			childAt := k
+			if at != "" {
+				childAt = at + "." + k
 			}
-			validateStorage(fmt.Sprintf("%s.volumes[%d]", path, i), v, bad)
+			if p, has := s.Properties[k]; has {
+				walkSchema(childAt, child, &p, problems)
+				continue
+			}
+			switch {
+			case s.AdditionalProperties != nil && s.AdditionalProperties.Schema != nil:
+				walkSchema(childAt, child, s.AdditionalProperties.Schema, problems)
+			case s.AdditionalProperties != nil && s.AdditionalProperties.Allows:
+			case len(s.Properties) == 0 && !s.Type.Contains("object"):
+				// not an object in the schema: the type check reports it
+			default:
+				*problems = append(*problems, fmt.Sprintf("unknown field %q", childAt))
+			}
+		}
+	case []any:
+		if s.Items == nil || s.Items.Schema == nil {
+			return
+		}
+		for i, item := range v {
+			walkSchema(fmt.Sprintf("%s[%d]", at, i), item, s.Items.Schema, problems)
 		}
 	}
+}
+
+// Kafka options that Strimzi sets itself and refuses in spec.kafka.config (Strimzi's documentation,
+// "Kafka broker configuration"; not in the CRD schema, which lets the field hold any map).
+var forbiddenConfigPrefixes = []string{"listeners", "advertised.", "broker.", "listener.", "host.name",
+	"port", "inter.broker.listener.name", "sasl.", "ssl.", "security.", "password.", "log.dir",
+	"zookeeper.", "authorizer.", "super.user", "node.id", "process.roles", "controller.",
+	"metadata.log.dir"}
+
+// strimziConfigRules returns the spec.kafka.config keys of a Kafka that Strimzi manages itself.
+func strimziConfigRules(o *strimziObject) []string {
+	if o.Kind != "Kafka" {
+		return nil
+	}
+	var out []string
+	for key := range nested(o.Object, "spec", "kafka", "config") {
+		for _, p := range forbiddenConfigPrefixes {
+			if strings.HasPrefix(key, p) {
+				out = append(out, fmt.Sprintf("spec.kafka.config[%q]: Strimzi manages this option itself", key))
+				break
+			}
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+// nested returns the object at keys under m, or nil.
+func nested(m map[string]any, keys ...string) map[string]any {
+	for _, k := range keys {
+		next, ok := m[k].(map[string]any)
+		if !ok {
+			return nil
+		}
+		m = next
+	}
+	return m
 }
