@@ -4,8 +4,9 @@
 - :class:`RecordSource`: pull records of one topic as a member of a consumer group, with
   rebalance callbacks, commits of chosen offsets, seek and position (the trainer, paramsync's candidates).
 - :class:`Publisher`: send a record and wait for the acknowledgement, or send without waiting.
-- :class:`TopicTail`: read what is appended to partition 0 of one or more topics from now on, or from
-  ``history`` records before the end (announcements, control commands, credit grants, heartbeats).
+- :class:`TopicTail`: read what is appended to partition 0 (or the partitions named) of one or more topics
+  from now on, or from ``history`` records before the end (announcements, control commands, credit grants,
+  heartbeats).
 - :class:`LagReader`: a consumer group's lag per partition of a topic (end offset - committed).
 
 A :class:`Bus` bundles them, plus ``create_topics`` (the run's topics, idempotent). :func:`kafka_bus`
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -81,8 +82,9 @@ class Publisher(Protocol):
                             headers: Headers | None = None) -> Any: ...
 
     async def send(self, topic: str, value: bytes | None, key: bytes | None = None,
-                   headers: Headers | None = None) -> Any:
-        """Queue a record; returns a future of its acknowledgement (``.partition``, ``.offset``)."""
+                   headers: Headers | None = None, partition: int | None = None) -> Any:
+        """Queue a record (on ``partition``, or where the partitioner puts it); returns a future of its
+        acknowledgement (``.partition``, ``.offset``)."""
         ...
 
     async def stop(self) -> None:
@@ -102,9 +104,11 @@ class TopicTail(Protocol):
 
 
 class TailFactory(Protocol):
-    def __call__(self, *topics: str, history: int = 0) -> TopicTail:
-        """A tail of partition 0 of each topic (all of a run's tailed topics have one), from its end, or
-        from ``history`` records before the end (no further back than the log start)."""
+    def __call__(self, *topics: str, history: int = 0, partitions: Mapping[str, Sequence[int]] | None = None
+                 ) -> TopicTail:
+        """A tail of partition 0 of each topic (all of a run's tailed topics have one; ``partitions``
+        names others per topic: a sampler's own credits partition), from its end, or from ``history``
+        records before the end (no further back than the log start)."""
         ...
 
 
@@ -132,6 +136,10 @@ class Bus:
     """A new lag reader (long-lived connections: start it once, ask it every second)."""
     create_topics: Callable[[], Awaitable[object]]
     """Create the run's topics if absent (idempotent, safe when several services race)."""
+
+
+def _tail_partitions(topics: Sequence[str], partitions: Mapping[str, Sequence[int]] | None) -> list[TopicPartition]:
+    return [TopicPartition(t, p) for t in topics for p in (partitions or {}).get(t, (0,))]
 
 
 # ---- Kafka ------------------------------------------------------------------------------------
@@ -214,9 +222,10 @@ class NoSource:
 class KafkaTail:
     """A :class:`TopicTail` on a group-less consumer (it commits nothing)."""
 
-    def __init__(self, consumer: Any, topics: Sequence[str], history: int = 0) -> None:
+    def __init__(self, consumer: Any, topics: Sequence[str], history: int = 0,
+                 partitions: Mapping[str, Sequence[int]] | None = None) -> None:
         self.consumer = consumer
-        self.tps = [TopicPartition(t, 0) for t in topics]
+        self.tps = _tail_partitions(topics, partitions)
         self.history = history
         self._started = False
 
@@ -246,8 +255,8 @@ def kafka_bus(settings: Any, group: str | None = None, group_instance_id: str | 
     idempotent producer, group-less tails and lag readers; every client from ``shared.kafka``."""
     from shared.kafka import LagProbe, ensure_topics, make_consumer, make_producer
 
-    def tail(*topics: str, history: int = 0) -> TopicTail:
-        return KafkaTail(make_consumer(settings, group_id=None), topics, history)
+    def tail(*topics: str, history: int = 0, partitions: Mapping[str, Sequence[int]] | None = None) -> TopicTail:
+        return KafkaTail(make_consumer(settings, group_id=None), topics, history, partitions)
 
     source: RecordSource = NoSource() if group is None else KafkaSource(
         make_consumer(settings, group_id=group, group_instance_id=group_instance_id))
@@ -283,6 +292,8 @@ class MemoryBus:
                partition: int | None = None) -> Record:
         if topic not in self.partitions:
             self.create(topic)
+        if partition is not None and partition >= self.partitions[topic]:
+            self.create(topic, partition + 1)
         n = self.partitions[topic]
         tp = TopicPartition(topic, partition if partition is not None else sum(len(self.logs[TopicPartition(
             topic, i)]) for i in range(n)) % n)
@@ -294,8 +305,9 @@ class MemoryBus:
     def records(self, topic: str) -> list[Record]:
         return [r for tp, log in sorted(self.logs.items()) if tp.topic == topic for r in log]
 
-    def tail(self, *topics: str, history: int = 0) -> MemoryTail:
-        return MemoryTail(self, topics, history)
+    def tail(self, *topics: str, history: int = 0, partitions: Mapping[str, Sequence[int]] | None = None
+             ) -> MemoryTail:
+        return MemoryTail(self, topics, history, partitions)
 
     def lag_reader(self) -> MemoryLag:
         return MemoryLag(self)
@@ -401,9 +413,9 @@ class MemoryPublisher:
         return rec
 
     async def send(self, topic: str, value: bytes | None, key: bytes | None = None,
-                   headers: Headers | None = None) -> asyncio.Future[Record]:
+                   headers: Headers | None = None, partition: int | None = None) -> asyncio.Future[Record]:
         fut: asyncio.Future[Record] = asyncio.get_running_loop().create_future()
-        fut.set_result(self.bus.append(topic, value, key, headers))
+        fut.set_result(self.bus.append(topic, value, key, headers, partition))
         return fut
 
     async def stop(self) -> None:
@@ -411,16 +423,18 @@ class MemoryPublisher:
 
 
 class MemoryTail:
-    """Partition 0 of each topic, from its end (or ``history`` records before it) at :meth:`start`."""
+    """Partition 0 (or those named) of each topic, from its end (or ``history`` records before it) at
+    :meth:`start`."""
 
-    def __init__(self, bus: MemoryBus, topics: Sequence[str], history: int = 0) -> None:
-        self.bus, self.tps, self.history = bus, [TopicPartition(t, 0) for t in topics], history
+    def __init__(self, bus: MemoryBus, topics: Sequence[str], history: int = 0,
+                 partitions: Mapping[str, Sequence[int]] | None = None) -> None:
+        self.bus, self.tps, self.history = bus, _tail_partitions(topics, partitions), history
         self.pos: dict[TopicPartition, int] = {}
 
     async def start(self) -> None:
         for tp in self.tps:
-            if tp.topic not in self.bus.partitions:
-                self.bus.create(tp.topic)
+            if tp.topic not in self.bus.partitions or tp.partition >= self.bus.partitions[tp.topic]:
+                self.bus.create(tp.topic, max(tp.partition + 1, self.bus.partitions.get(tp.topic, 1)))
             self.pos[tp] = max(0, len(self.bus.logs[tp]) - max(0, self.history))
 
     async def poll(self, timeout_ms: int) -> list[Record]:

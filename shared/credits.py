@@ -3,38 +3,60 @@
 Why: a sampler that pauses on a measured backlog overshoots (it makes a fragment in ~10 ms and reads
 the backlog every 0.2 s), so the trainer trains long stretches on data from one old version and the
 lag at training time exceeds ``trainer.max_staleness``. With credits a sampler knows how
-many of its fragments the trainer has not consumed yet, and sends only while that is below its window.
+many of its fragments the trainer has not consumed yet, and sends only while that is below what it was granted.
 
 - Every fragment a sampler sends carries ``sampler-seq: <incarnation>.<n>``: ``n`` counts from 1 in
   this sampler process, ``incarnation`` is random per process (a restarted sampler with the same id
   starts a new count).
 - The trainer (:class:`Consumption`) notes the highest ``n`` it has consumed per sampler process and
-  sends a :class:`shared.messages.CreditGrant` on ``<run>.credits`` whenever that moves (and every
-  second, so a lost grant heals): the consumed counts and the *window*, the fragments each live sampler
-  may have in flight: ``trainer.flow_window`` (default: two versions' worth of batches) split evenly
-  over the samplers consumed from recently (at least one each).
-- A sampler (:class:`CreditGate`) sends while ``sent - consumed - lost < window``; otherwise it waits
-  for the next grant (still adopting policies and sending heartbeats).
+  sends grants (:class:`shared.messages.CreditGrant`) on ``<run>.credits`` whenever that moves (and every
+  second, so a lost grant heals). The topic has ``kafka.credits_partitions`` partitions; a sampler
+  belongs to shard :func:`shard_of` (crc32 of its id), and partition ``s`` carries only shard ``s``'s
+  grant: the consumed counts of that shard's samplers. A sampler reads only its own partition, so what
+  it reads per grant is O(samplers per shard), not O(samplers).
+- While the live samplers are no more than ``trainer.flow_window`` (default: two versions' worth of
+  batches), the grant's *window* is that total split evenly over them: each may have ``window``
+  fragments in flight (sent, not consumed).
+- With more live samplers than the window they **take turns** (a fractional window): the grant's window
+  is 0 and ``limits`` gives the samplers holding a turn an absolute limit, the count (lost sends not
+  counted) up to which that sampler process may have sent. The trainer keeps the credits outstanding,
+  ``sum(max(0, limit - consumed))``, at most ``flow_window`` and hands a freed credit to the live sampler
+  that waited longest (round robin). A sampler holding a credit that it has not used for
+  ``live_after_s`` (dead, paused, cut off) gives it back: the trainer stops counting it and moves on.
+  A sampler process the trainer has not consumed from yet (not in its grant) may have one fragment in
+  flight, to make itself known, whatever the window: a swarm that starts at once overshoots by one each.
+- A sampler (:class:`CreditGate`) sends while ``sent - consumed - lost`` is below its window (or below
+  ``limit - consumed`` when taking turns); otherwise it waits for the next grant (still adopting
+  policies and sending heartbeats).
 
 The count is the highest ``n`` consumed, not a set: a sampler's fragments spread over partitions, so one
 still waiting on a slower partition counts as consumed once a later one was. In steady state that is
 the skew between partitions (a fragment or two); while a partition has no consumer (a rebalance) the
 sampler may overshoot by what sits there, and the batch-time staleness check still bounds the lag.
 
-So the fragments in flight across all samplers stay at about ``flow_window``, the trainer's backlog at
-about ``flow_window / batch_fragments`` updates, and the lag at training time near that: within the
-bound by construction rather than by dropping. A trainer that is down grants nothing, so samplers stop
-after one window instead of filling Kafka with fragments that would only be dropped as stale.
+So the fragments in flight across all samplers stay at about ``flow_window`` whatever the number of
+samplers, the trainer's backlog at about ``flow_window / batch_fragments`` updates, and the lag at
+training time near that: within the bound by construction rather than by dropping. A trainer that is
+down grants nothing, so samplers stop after their window (or their turn) instead of filling Kafka with
+fragments that would only be dropped as stale.
+
+Data-parallel ranks each consume part of every sampler's fragments and each send grants; a sampler keeps
+the highest consumed count any of them reported. Only the rank that ``allocates`` (rank 0) decides
+windows and turns; it folds the other ranks' consumed counts in (:meth:`Consumption.merge`), read from
+their grants, so its count of outstanding credits covers what every rank consumed.
 """
 
 from __future__ import annotations
 
 import uuid
+import zlib
 
 from shared.messages import CreditGrant
 from shared.settings import Settings
 
 H_SAMPLER_SEQ = "sampler-seq"
+TURN = 1
+"""Credits one turn gives a sampler when samplers take turns (the smallest share: the freshest data)."""
 
 
 def auto_window(settings: Settings) -> int:
@@ -47,6 +69,18 @@ def auto_window(settings: Settings) -> int:
         return t.flow_window
     # Every rank of a data-parallel trainer forms its own batch of batch_fragments per update.
     return t.batch_fragments * t.world_size * t.publish_every * min(2, max(1, t.max_staleness))
+
+
+def shard_of(sampler_id: str, shards: int) -> int:
+    """The credits partition of ``sampler_id``: crc32 of the id (stable across processes and Python
+    versions, unlike ``hash``), modulo ``shards``. The trainer writes a sampler's grant there and the
+    sampler reads only that partition."""
+    return zlib.crc32(sampler_id.encode()) % max(1, shards)
+
+
+def sampler_of(key: str) -> str:
+    """The sampler id of a ``"<sampler id>/<incarnation>"`` key (an id may itself contain ``/``)."""
+    return key.rpartition("/")[0]
 
 
 def new_incarnation() -> str:
@@ -68,15 +102,26 @@ def parse_seq(value: str | None) -> tuple[str, int] | None:
 
 
 class Consumption:
-    """The trainer's side: the highest sequence number consumed per sampler process; the grant."""
+    """The trainer's side: the highest sequence number consumed per sampler process; the grants."""
 
-    def __init__(self, total_window: int, live_after_s: float = 10.0, forget_after_s: float = 600.0) -> None:
+    def __init__(self, total_window: int, live_after_s: float = 10.0, forget_after_s: float = 600.0,
+                 shards: int = 1, allocates: bool = True) -> None:
         self.total_window = total_window
         self.live_after_s = live_after_s
         self.forget_after_s = forget_after_s
+        self.shards = max(1, shards)
+        self.allocates = allocates
+        """False on a data-parallel rank other than rank 0: its grants carry consumed counts only."""
         self._consumed: dict[str, int] = {}  # "<sampler>/<incarnation>" -> highest n
         self._seen: dict[str, float] = {}  # key -> when last consumed from
         self._sampler_seen: dict[str, float] = {}  # sampler id -> when last consumed from
+        self._newest: dict[str, str] = {}  # sampler id -> the key of its newest incarnation
+        # Turns: per key the limit last granted, when a turn was last given, and the order of turns.
+        self._limit: dict[str, int] = {}
+        self._given_at: dict[str, float] = {}
+        self._reclaimed: set[str] = set()  # credits of these keys are no longer counted (silent too long)
+        self._order: dict[str, None] = {}  # keys, the one that waited longest first
+        self._turns = False  # the last grants said: take turns
         self.changed = False
 
     def saw(self, sampler_id: str, seq_header: str | None, now: float) -> None:
@@ -85,29 +130,122 @@ class Consumption:
         seq = parse_seq(seq_header)
         if seq is None:
             return
-        key = f"{sampler_id}/{seq[0]}"
+        self._advance(sampler_id, f"{sampler_id}/{seq[0]}", seq[1], now)
+
+    def merge(self, grant: CreditGrant, now: float) -> None:
+        """Another rank's grant: its consumed counts count as consumed here (liveness too, when they moved)."""
+        for key, n in grant.consumed.items():
+            if n > self._consumed.get(key, 0):
+                self._sampler_seen[sampler_of(key)] = now
+                self._advance(sampler_of(key), key, n, now)
+
+    def _advance(self, sampler_id: str, key: str, n: int, now: float) -> None:
         self._seen[key] = now
-        if seq[1] > self._consumed.get(key, 0):
-            self._consumed[key] = seq[1]
+        if self._newest.get(sampler_id) != key and key not in self._consumed:
+            self._newest[sampler_id] = key  # a new incarnation (a restart): the old one gets no more turns
+        self._order.setdefault(key, None)
+        if n > self._consumed.get(key, 0):
+            self._consumed[key] = n
+            self._reclaimed.discard(key)  # it is sending again: what it holds counts again
             self.changed = True
 
     def live(self, now: float) -> int:
         return sum(1 for t in self._sampler_seen.values() if now - t <= self.live_after_s)
 
+    def contenders(self, now: float) -> int:
+        """The live samplers; while taking turns also those waiting for one (a sampler waiting its turn is
+        not consumed from, yet it is there): every sampler remembered, unless the credit it last held was
+        reclaimed and it has not been heard from since."""
+        live = {s for s, t in self._sampler_seen.items() if now - t <= self.live_after_s}
+        if self._turns:
+            live.update(sid for sid, key in self._newest.items() if key not in self._reclaimed and sid in
+                        self._sampler_seen)
+        return len(live)
+
     def window(self, now: float) -> int:
         """The total split over the live samplers; when none consumed recently (a trainer back from a
-        pause), over every sampler it still remembers, so they do not each get the whole window."""
-        return max(1, self.total_window // max(1, self.live(now) or len(self._sampler_seen)))
+        pause), over every sampler it still remembers, so they do not each get the whole window.
+        0 when the samplers are more than the total: they take turns (:meth:`outstanding`)."""
+        n = self.contenders(now) or len(self._sampler_seen)
+        if self.allocates and n > self.total_window:
+            return 0
+        return max(1, self.total_window // max(1, n))
 
-    def grant(self, trainer_id: str, now: float) -> CreditGrant:
+    def outstanding(self, now: float) -> int:
+        """Credits handed out in turns and not consumed yet (those of silent samplers no longer count)."""
+        return sum(self._held(k) for k in self._limit if k not in self._reclaimed)
+
+    def _held(self, key: str) -> int:
+        return max(0, self._limit[key] - self._consumed.get(key, 0))
+
+    def _take_turns(self, now: float) -> None:
+        """Reclaim the credits of samplers silent for ``live_after_s``, then give the free credits, one
+        turn each, to the samplers that waited longest."""
+        for key in self._limit:
+            if key not in self._reclaimed and self._held(key) > 0 and \
+                    now - max(self._given_at.get(key, 0.0), self._seen.get(key, 0.0)) > self.live_after_s:
+                self._reclaimed.add(key)
+        free = self.total_window - self.outstanding(now)
+        if free <= 0:
+            return
+        for key in list(self._order):
+            if free <= 0:
+                break
+            sid = sampler_of(key)
+            if self._newest.get(sid) != key or now - self._sampler_seen.get(sid, -1e18) > self.forget_after_s:
+                continue  # an old incarnation, or a sampler about to be forgotten
+            if key in self._limit and key not in self._reclaimed and self._held(key) > 0:
+                continue  # still holds a turn
+            if key in self._reclaimed and self._seen.get(key, 0.0) <= self._given_at.get(key, 0.0) and \
+                    now - self._given_at.get(key, 0.0) <= 6 * self.live_after_s:
+                continue  # did not use its last turn: it waits a while before it is tried again
+            self._limit[key] = max(self._limit.get(key, 0), self._consumed.get(key, 0)) + TURN
+            self._given_at[key] = now
+            self._reclaimed.discard(key)
+            del self._order[key]
+            self._order[key] = None  # to the back of the queue
+            free -= TURN
+
+    def _forget(self, now: float) -> None:
         for key in [k for k, t in self._seen.items() if now - t > self.forget_after_s]:
             del self._seen[key]
             self._consumed.pop(key, None)  # a key seen only with n = 0 never got a count
+            for d in (self._limit, self._given_at, self._order):
+                d.pop(key, None)
+            self._reclaimed.discard(key)
+            if self._newest.get(sampler_of(key)) == key:
+                del self._newest[sampler_of(key)]
         for sid in [s for s, t in self._sampler_seen.items() if now - t > self.forget_after_s]:
             del self._sampler_seen[sid]
+
+    def grants(self, trainer_id: str, now: float) -> list[CreditGrant]:
+        """One grant per shard (to be sent on credits partition ``grant.shard``): the consumed counts and
+        limits of that shard's samplers only, and the window."""
+        self._forget(now)
         self.changed = False
-        return CreditGrant(trainer=trainer_id, window=self.window(now), consumed=dict(self._consumed),
-                           live_samplers=self.live(now))
+        window = self.window(now)
+        self._turns = self.allocates and window == 0
+        if self._turns:
+            self._take_turns(now)
+        live = self.live(now)
+        out = [CreditGrant(trainer=trainer_id, window=window, consumed={}, live_samplers=live, shard=s,
+                           shards=self.shards, allocates=self.allocates) for s in range(self.shards)]
+        for key, n in self._consumed.items():
+            out[shard_of(sampler_of(key), self.shards)].consumed[key] = n
+        if self.allocates and window == 0:
+            for key, limit in self._limit.items():
+                if key not in self._reclaimed and self._held(key) > 0:  # a used-up limit says nothing new
+                    out[shard_of(sampler_of(key), self.shards)].limits[key] = limit
+        return out
+
+    def grant(self, trainer_id: str, now: float) -> CreditGrant:
+        """All shards in one grant (one shard, or a test's view of everything)."""
+        gs = self.grants(trainer_id, now)
+        g = gs[0]
+        for other in gs[1:]:
+            g.consumed.update(other.consumed)
+            g.limits.update(other.limits)
+        return g
 
 
 class CreditGate:
@@ -119,6 +257,10 @@ class CreditGate:
         self.sent = 0
         self.consumed = 0
         self.window = initial_window
+        self.limit: int | None = None  # taking turns: the count up to which it may have sent
+        self.turns = False  # the last allocating grant said: take turns
+        self.known = False  # the last allocating grant knew this sampler process
+        self._allocated = False  # an allocating grant came (before one: ``initial_window``)
         self.granted_at: float | None = None
         self._lost: set[int] = set()  # sent but never acknowledged by Kafka: they will never be consumed
 
@@ -131,16 +273,37 @@ class CreditGate:
             self._lost.add(n)
 
     def grant(self, g: CreditGrant, now: float) -> None:
-        self.window = max(1, g.window)
         self.granted_at = now
         n = g.consumed.get(self.key)
         if n is not None and n > self.consumed:  # monotonic: a restarted trainer re-reading old records
             self.consumed = n
             self._lost = {m for m in self._lost if m > n}
+        if not g.allocates:  # another rank's counts: what it consumed counts, the window is rank 0's
+            return
+        self._allocated = True
+        self.turns = g.window <= 0
+        self.window = max(1, g.window)
+        self.known = n is not None or self.key in g.limits
+        limit = g.limits.get(self.key)
+        if limit is not None and (self.limit is None or limit > self.limit):  # monotonic, as consumed
+            self.limit = limit
 
     @property
     def in_flight(self) -> int:
         return max(0, self.sent - self.consumed - len(self._lost))
 
+    @property
+    def allowed(self) -> int:
+        """Fragments it may have in flight now: one while the trainer has not consumed from this process
+        yet (to make itself known: a window or a turn is for samplers the trainer counts), then its window,
+        or while taking turns what its limit leaves."""
+        if not self._allocated:
+            return self.window
+        if not self.known:
+            return 1
+        if not self.turns:
+            return self.window
+        return 0 if self.limit is None else max(0, self.limit - self.consumed)
+
     def open(self) -> bool:
-        return self.in_flight < self.window
+        return self.in_flight < self.allowed

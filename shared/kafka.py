@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.conn import collect_hosts, create_conn
-from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+from aiokafka.errors import InvalidPartitionsError, KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 from aiokafka.helpers import create_ssl_context
 
 from shared.logging import get_logger
@@ -183,15 +183,19 @@ def topic_specs(settings: Settings, brokers: int | None = None) -> list[NewTopic
                                 "max.message.bytes": big, **policy_segments(int(big)), **isr}),
         NewTopic(t.control, 1, rf, topic_configs={"retention.ms": str(24 * 3600 * 1000), **isr}),
         NewTopic(t.heartbeats, 1, rf, topic_configs={"retention.ms": str(k.heartbeats_retention_ms), **isr}),
-        # Flow-control grants: only the newest matters, and readers start at the end.
-        NewTopic(t.credits, 1, rf, topic_configs={"retention.ms": str(k.heartbeats_retention_ms), **isr}),
+        # Flow-control grants: only the newest matters, and readers start at the end. One partition per
+        # shard of samplers (shared.credits.shard_of): each sampler reads only its own.
+        NewTopic(t.credits, k.credits_partitions, rf,
+                 topic_configs={"retention.ms": str(k.heartbeats_retention_ms), **isr}),
     ]
 
 
 async def ensure_topics(settings: Settings) -> Topics:
     """Create the run's topics if absent (idempotent; safe when several services race), replicated for the
     cluster's size (:func:`topic_specs` with the brokers the cluster's metadata lists now). Topics that exist are
-    left as they are."""
+    left as they are, except the credits topic: with fewer partitions than ``kafka.credits_partitions`` it is
+    grown (grants for a shard it lacks would have nowhere to go); where that is refused, a ``ValueError`` says
+    what to change."""
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap,
                                 request_timeout_ms=settings.kafka.request_timeout_ms, **client_security(settings))
     await admin.start()
@@ -208,9 +212,31 @@ async def ensure_topics(settings: Settings) -> Topics:
                          replication_factor=spec.replication_factor, brokers=brokers)
             except TopicAlreadyExistsError:
                 pass
+        await _grow_credits(admin, settings)
     finally:
         await admin.close()
     return Topics.for_run(settings.run)
+
+
+async def _grow_credits(admin: AIOKafkaAdminClient, settings: Settings) -> None:
+    topic, wanted = Topics.for_run(settings.run).credits, settings.kafka.credits_partitions
+    have = 0
+    for desc in await admin.describe_topics([topic]):
+        if desc.get("topic") == topic and not desc.get("error_code"):
+            have = len(desc.get("partitions") or [])
+    if have == 0 or have >= wanted:
+        return
+    try:
+        await admin.create_partitions({topic: NewPartitions(wanted)})
+        log.info("topic_partitions_raised", topic=topic, partitions=wanted, were=have)
+    except InvalidPartitionsError:  # another service raised them first
+        return
+    except KafkaError as exc:
+        if exc.retriable or isinstance(exc, KafkaConnectionError):
+            raise
+        raise ValueError(f"{topic} has {have} partitions but kafka.credits_partitions is {wanted}, and raising them "
+                         f"failed ({exc!r}): raise the topic's partitions or set kafka.credits_partitions: {have}"
+                         ) from exc
 
 
 def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:

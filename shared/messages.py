@@ -130,15 +130,26 @@ class ControlCommand(_Msg):
 
 
 class CreditGrant(_Msg):
-    """The trainer's flow-control grant on ``<run>.credits`` (shared.credits): how far it has consumed
-    each sampler's fragments and how many each may have in flight beyond that."""
+    """The trainer's flow-control grant on partition ``shard`` of ``<run>.credits`` (shared.credits): how
+    far it has consumed the fragments of that shard's samplers and how many each may have in flight
+    beyond that."""
 
     type: Literal["credits"] = "credits"
     trainer: str
     window: int
-    """Fragments each sampler may have sent but not yet consumed by the trainer."""
+    """Fragments each sampler may have sent but not yet consumed by the trainer; 0: the samplers take
+    turns, and only those in ``limits`` may send."""
     consumed: dict[str, int]
-    """``"<sampler id>/<incarnation>"`` -> the highest sequence number consumed of that sampler process."""
+    """``"<sampler id>/<incarnation>"`` -> the highest sequence number consumed of that sampler process
+    (this shard's samplers only)."""
+    limits: dict[str, int] = Field(default_factory=dict)
+    """Taking turns (``window`` 0): per sampler process holding a turn, the count of fragments (lost sends
+    not counted) up to which it may have sent."""
+    shard: int = 0
+    """The credits partition this grant is for: its samplers are those with ``shard_of(id, shards)``."""
+    shards: int = 1
+    allocates: bool = True
+    """False from a data-parallel rank other than rank 0: only its consumed counts count."""
     live_samplers: int = 0
     sent_at: float = Field(default_factory=time.time)
 

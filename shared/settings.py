@@ -53,6 +53,12 @@ class KafkaSettings(_Section):
     """Comma-separated bootstrap servers of the Kafka cluster."""
     samples_partitions: int = Field(4, ge=1, le=1024)
     """Partitions of ``<run>.samples``; at least the number of samplers keeps them fair."""
+    credits_partitions: int = Field(1, ge=1, le=1024)
+    """Partitions of ``<run>.credits``: the trainer writes one grant per partition holding only the
+    samplers hashed to it, and each sampler reads only its own (shared.credits). Size it so a partition
+    holds a bounded number of samplers, e.g. samplers / 16 (64 for 1,000 samplers): a sampler then reads
+    O(16) counts per grant whatever the swarm's size. Raising it on a running cluster grows the topic
+    (where the client may alter it); every service of a run must use the same value."""
     replication_factor: int = Field(1, ge=1, le=16)
     """Replication factor of every run topic (1 on a single broker)."""
     samples_retention_ms: int = Field(6 * 3600 * 1000, ge=60_000)

@@ -45,7 +45,7 @@ from services.sampler.backlog import BacklogGate
 from services.sampler.rollout import RolloutWorker
 from services.sampler.sender import FragmentSender
 from shared.bus import Bus, Record, kafka_bus
-from shared.credits import CreditGate
+from shared.credits import CreditGate, shard_of
 from shared.kafka import Topics
 from shared.logging import get_logger
 from shared.marker import BadPayload, VersionedStore, VersionRecord
@@ -138,7 +138,10 @@ class Sampler:
         self.bus = bus or kafka_bus(settings)
         self.producer = self.bus.publisher
         # Commands and grants from now on; announcements from a few records back (the newest may carry weights).
-        self.inbox = self.bus.tail(self.topics.control, self.topics.credits)
+        # Grants: only this sampler's own credits partition (shared.credits.shard_of), whatever the swarm's size.
+        self.credits_partition = shard_of(self.id, settings.kafka.credits_partitions)
+        self.inbox = self.bus.tail(self.topics.control, self.topics.credits,
+                                   partitions={self.topics.credits: (self.credits_partition,)})
         self.announcements = self.bus.tail(self.topics.policy, history=POLICY_HISTORY)
         # Always measured: max_backlog can be turned on at run time (PATCH /config).
         self.lag_probe = self.bus.lag()
@@ -271,7 +274,8 @@ class Sampler:
         if not self._credits_on() or self.credits.open():
             return
         waited_from = self._credit_wait_since = time.monotonic()
-        self.log.debug("credit_wait", in_flight=self.credits.in_flight, window=self.credits.window)
+        self.log.debug("credit_wait", in_flight=self.credits.in_flight, window=self.credits.allowed,
+                       turns=self.credits.turns)
         # A wait longer than a Kafka request's timeout is no longer flow control: the trainer (or the brokers
         # its grants come through) is away. Say so until a grant opens the window again.
         degraded_after = self.settings.kafka.request_timeout_ms / 1000
@@ -530,7 +534,7 @@ class Sampler:
             policy_version=self.worker.policy_version,
             adopted_at=self.adopted_at, paused_since=self._paused_since,
             max_backlog=self.settings.sampler.max_backlog,
-            credits_window=self.credits.window if self._credits_on() else None,
+            credits_window=self.credits.allowed if self._credits_on() else None,
             credits_in_flight=self.credits.in_flight if self._credits_on() else None,
             credit_wait_s=round(self.credit_wait_s + (time.monotonic() - self._credit_wait_since
                                                       if self._credit_wait_since is not None else 0.0), 3),

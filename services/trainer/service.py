@@ -122,7 +122,13 @@ class Trainer:
         self.intake = Intake(max_staleness=self.cfg.max_staleness, batch_timeout_s=self.cfg.batch_timeout_s,
                              strategy=strategy)
         self.stall = StallWatch(self.cfg.stall_after_s, time.monotonic())
-        self.consumption = Consumption(auto_window(settings), live_after_s=settings.paramsync.sampler_timeout_s)
+        shards = settings.kafka.credits_partitions
+        self.consumption = Consumption(auto_window(settings), live_after_s=settings.paramsync.sampler_timeout_s,
+                                       shards=shards, allocates=self.leader)
+        # Data-parallel ranks: rank 0 decides windows and turns, so it reads what the other ranks consumed
+        # from their grants (every credits partition; O(samplers) per second in all, one reader).
+        self.rank_grants = (bus.tail(self.topics.credits, partitions={self.topics.credits: range(shards)})
+                            if self.ranks is not None and self.leader else None)
         self.stats = m.TrainerStats()
         # A strategy that waits for every live sampler (sync) learns who is live from their heartbeats.
         self.beats = bus.tail(self.topics.heartbeats) if strategy.needs_live_samplers else None
@@ -177,6 +183,8 @@ class Trainer:
         await self.retry(self.announcements.start, "start announcement reader", "kafka")
         if self.beats is not None:
             await self.retry(self.beats.start, "start heartbeat reader", "kafka")
+        if self.rank_grants is not None:
+            await self.retry(self.rank_grants.start, "start rank grant reader", "kafka")
         self._started = True
 
     async def run(self, stop_event: asyncio.Event) -> None:
@@ -354,6 +362,8 @@ class Trainer:
             clients: list[Any] = [self.source, self.announcements, self.producer]
             if self.beats is not None:
                 clients.append(self.beats)
+            if self.rank_grants is not None:
+                clients.append(self.rank_grants)
             await stop_clients(clients, self.log)
             if self.leader:
                 await self.tasks.release_lease()

@@ -20,7 +20,7 @@ from shared.credits import auto_window
 from shared.fragment import Fragment
 from shared.logging import fragment_fields
 from shared.marker import BadPayload
-from shared.messages import SamplerBeat, TrainerBeat, parse_heartbeat
+from shared.messages import CreditGrant, SamplerBeat, TrainerBeat, parse_heartbeat
 from shared.retry import describe, every, is_transient, read_forever
 from shared.runtime import runtime_values
 from shared.settings import Settings
@@ -71,6 +71,9 @@ class TrainerTasks:
                 ("trainer-rollback-guard", every(lambda: GUARD_CHECK_S, self.guard_check, name="rollback-guard",
                                                  log=t.log, stop_event=stop)),
             ]
+        if t.rank_grants is not None:
+            jobs.append(("trainer-rank-grants", read_forever(t.rank_grants, self.saw_rank_grant, name="rank-grants",
+                                                             log=t.log)))
         self._tasks = [asyncio.create_task(job, name=name) for name, job in jobs]
 
     def raise_if_ended(self) -> None:
@@ -112,18 +115,32 @@ class TrainerTasks:
 
     # ---- flow control and heartbeats ------------------------------------------------------------
     async def grant(self) -> None:
-        """Tell the samplers how far their fragments are consumed (shared.credits); never waits for an ack."""
+        """Tell the samplers how far their fragments are consumed (shared.credits): one grant per credits
+        partition, holding that shard's samplers only; never waits for an ack."""
         t = self.t
-        grant = t.consumption.grant(t.id, time.monotonic())
+        grants = t.consumption.grants(t.id, time.monotonic())
+        for grant in grants:
+            try:
+                await t.producer.send(t.topics.credits, grant.to_bytes(), key=b"credits", partition=grant.shard)
+            except Exception as exc:  # the next grant carries the same counts
+                if not is_transient(exc):
+                    raise
+                t.log.debug("credit_grant_failed", error=describe(exc), shard=grant.shard)
+                return
+            m.GRANTS.inc()
+        m.CREDIT_WINDOW.set(grants[0].window)
+        m.CREDITS_OUTSTANDING.set(t.consumption.outstanding(time.monotonic()))
+
+    def saw_rank_grant(self, rec: Any) -> None:
+        """Rank 0: another rank's grant; what it consumed counts in rank 0's windows and turns."""
+        t = self.t
         try:
-            await t.producer.send(t.topics.credits, grant.to_bytes(), key=b"credits")
-        except Exception as exc:  # the next grant carries the same counts
-            if not is_transient(exc):
-                raise
-            t.log.debug("credit_grant_failed", error=describe(exc))
+            grant = CreditGrant.model_validate_json(rec.value or b"")
+        except ValueError as exc:
+            t.log.warning("credit_grant_ignored", reason=str(exc)[:200])
             return
-        m.GRANTS.inc()
-        m.CREDIT_WINDOW.set(grant.window)
+        if grant.trainer != t.id and not grant.allocates:
+            t.consumption.merge(grant, time.monotonic())
 
     async def heartbeat(self) -> None:
         t, s = self.t, self.t.stats

@@ -56,7 +56,10 @@ SAMPLER_LAG = Gauge("flywheel_trainer_sampler_staleness_versions",
 SAMPLER_DROPPED = Gauge("flywheel_trainer_sampler_dropped_fraction",
                         "Per sampler: its fragments dropped as stale / (trained + dropped)", ["sampler"])
 GRANTS = Counter("flywheel_trainer_credit_grants_total", "Flow-control grants sent to the samplers")
-CREDIT_WINDOW = Gauge("flywheel_trainer_credit_window", "Fragments each live sampler may have in flight")
+CREDIT_WINDOW = Gauge("flywheel_trainer_credit_window",
+                      "Fragments each live sampler may have in flight (0: the samplers take turns)")
+CREDITS_OUTSTANDING = Gauge("flywheel_trainer_credits_outstanding",
+                            "Credits handed out in turns and not consumed yet (at most the flow window)")
 AUTO_ROLLBACKS = Counter("flywheel_trainer_auto_rollbacks_total",
                          "Rollbacks the guard made by itself after a collapse", ["reason"])
 GUARD_EXHAUSTED = Gauge("flywheel_trainer_guard_exhausted",

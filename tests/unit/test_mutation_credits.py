@@ -103,7 +103,15 @@ def test_the_window_is_an_integer_share_and_at_least_one() -> None:
     small = Consumption(total_window=3)
     for s in ("a", "b", "c", "d"):
         small.saw(s, f"{s}.1", now=0.0)
-    assert small.window(now=0.0) == 1
+    assert small.window(now=0.0) == 0  # more samplers than credits: they take turns (test_credit_turns.py)
+    three = Consumption(total_window=3)
+    for s in ("a", "b", "c"):
+        three.saw(s, f"{s}.1", now=0.0)
+    assert three.window(now=0.0) == 1  # as many as credits: one each, no turns
+    rank = Consumption(total_window=3, allocates=False)  # a rank other than 0 decides nothing: at least one
+    for s in ("a", "b", "c", "d"):
+        rank.saw(s, f"{s}.1", now=0.0)
+    assert rank.window(now=0.0) == 1
     one = Consumption(total_window=1)
     one.saw("a", "a.1", now=0.0)
     assert one.window(now=0.0) == 1
