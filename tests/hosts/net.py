@@ -330,22 +330,24 @@ class Net:
         trained at two different offsets (a fragment resent after a cut trained twice); and no
         ``records_lost_before_training`` in any rank's log."""
         topic = f"{self.run_name()}.samples"
+        # The samplers' acknowledgements first, the topic after: the samplers keep producing meanwhile, and a write
+        # acknowledged (and logged) before the topic is read must be on it; one logged after the read may not be yet.
+        sampler_events = [e for log in sorted(self.logs.glob("sampler-*.log")) for e in read_events(log)]
         on_topic = asyncio.run(read_topic(self.bootstrap_str(), topic))
         by_id: dict[str, list[tuple[int, int]]] = defaultdict(list)
         for key, headers in on_topic.items():
             if headers.get("sample-id"):
                 by_id[headers["sample-id"]].append(key)
         acked, failed, lost_acked = 0, 0, []
-        for log in sorted(self.logs.glob("sampler-*.log")):
-            for e in read_events(log):
-                if e.get("event") == "fragment_send_failed":
-                    failed += 1
-                if e.get("event") != "fragment_produced" or e.get("partition") is None:
-                    continue
-                acked += 1
-                key = (int(e["partition"]), int(e["offset"]))
-                if on_topic.get(key, {}).get("sample-id") != e.get("sample_id"):
-                    lost_acked.append((key, e.get("sample_id")))
+        for e in sampler_events:
+            if e.get("event") == "fragment_send_failed":
+                failed += 1
+            if e.get("event") != "fragment_produced" or e.get("partition") is None:
+                continue
+            acked += 1
+            key = (int(e["partition"]), int(e["offset"]))
+            if on_topic.get(key, {}).get("sample-id") != e.get("sample_id"):
+                lost_acked.append((key, e.get("sample_id")))
         trained: dict[tuple[int, int], int] = defaultdict(int)
         lost_before = 0
         for log in (self.logs / "trainer.log", *sorted(self.logs.glob("trainer-*.log"))):
