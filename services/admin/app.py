@@ -13,7 +13,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from pydantic import BaseModel, Field
 
 from services.admin.deps import State, require_token
-from services.admin.errors import declare_errors
+from services.admin.errors import allow_all_methods, declare_errors
 from services.admin.ops import router as ops_router
 from services.admin.pages import mount_pages
 from services.admin.state import SAMPLER_FORGET_S, AdminState
@@ -264,4 +264,5 @@ def create_app(state: AdminState) -> FastAPI:
     app.include_router(ops_router)
     mount_pages(app)
     declare_errors(app)
+    allow_all_methods(app)
     return app

@@ -13,8 +13,9 @@ from typing import Annotated, Any, Literal
 
 from aiokafka.errors import KafkaError
 from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from services.admin.config_body import body_schema, check_types
 from services.admin.deps import State, actor, require_token
 from services.admin.rollbacks import new_request_id
 from shared.marker import VersionRecord
@@ -29,9 +30,21 @@ ROLLBACK_WAIT_S = 5.0
 """How long ``POST /policy/rollback`` waits for paramsync to apply the request before answering pending."""
 
 
+def integral(value: Any) -> Any:
+    """JSON has one kind of number: ``3.0`` is the integer 3, as JSON Schema's ``integer`` says (schemathesis
+    sent ``{"revision": 71452.0}``, valid by the schema, and got a 422). ``3.5``, ``"3"`` and ``true`` are not."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+WholeNumber = Annotated[int, BeforeValidator(integral)]
+"""An ``integer`` in the schema: a JSON number without a fractional part, never a string or a boolean."""
+
+
 class _Body(BaseModel):
     # strict: JSON's true is not the revision 1 nor "3" the version 3 (schemathesis found `{"revision": false}`
-    # accepted); an unknown field is an error, not ignored.
+    # accepted); an unknown field is an error, not ignored. Integer fields are WholeNumber (3.0 is 3).
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
@@ -64,7 +77,7 @@ class Versions(BaseModel):
 
 
 class RollbackRequest(_Body):
-    version: int = Field(ge=0, description="A kept version whose weights become the newest version")
+    version: WholeNumber = Field(ge=0, description="A kept version whose weights become the newest version")
 
 
 class RollbackAccepted(BaseModel):
@@ -112,7 +125,7 @@ class ConfigHistory(BaseModel):
 
 
 class RevertRequest(_Body):
-    revision: int = Field(ge=0, description="0: the values of the config file the services started with")
+    revision: WholeNumber = Field(ge=0, description="0: the values of the config file the services started with")
 
 
 class AuditEntryView(BaseModel):
@@ -311,8 +324,8 @@ async def get_config(s: State) -> ConfigView:
 async def _write_config(s: State, request: Request, values: dict[str, Any], reverted_from: int | None) -> ConfigChange:
     try:
         rev = await _store(s, "config", s.runtime_config.write, s.settings, values, actor(request), reverted_from)
-    except ConfigError as exc:
-        raise HTTPException(status_code=422, detail=str(exc)) from None
+    except ConfigError as exc:  # each value matches its schema; together with the other settings they do not
+        raise HTTPException(status_code=409, detail=f"conflicts with the other settings: {exc}") from None
     try:
         await s.command(ControlCommand(command="config", request_id=uuid.uuid4().hex, version=rev.revision))
     except (KafkaError, TimeoutError) as exc:  # stored: services still pick it up by polling
@@ -328,17 +341,25 @@ async def _write_config(s: State, request: Request, values: dict[str, Any], reve
 
 
 @router.patch("/config", response_model=ConfigChange, dependencies=[Depends(require_token)],
-              responses={**AUTH, 422: {"description": "A value is invalid or not a runtime setting (names it)"},
+              responses={**AUTH, 422: {"description": "A key is not a runtime setting, or a value does not match its "
+                                                 "schema (names it)"},
+                         409: {"description": "The values together with the other settings do not validate "
+                                            "(e.g. trainer.guard.drop not above trainer.guard.hold_tolerance)"},
                          503: {"description": "Object store down"}})
 async def patch_config(s: State, request: Request,
                        values: Annotated[dict[str, Any], Body(min_length=1, description="At least one setting",
-                                                              examples=[{"trainer.learning_rate": 0.0005}])]
+                                                              examples=[{"trainer.learning_rate": 0.0005}],
+                                                              json_schema_extra=body_schema())]
                        ) -> ConfigChange:
     """Change runtime settings, validated like the config file; the services apply the new revision
     within a few seconds. Keys: sampler.max_backlog, sampler.sync_interval_s, trainer.learning_rate,
     trainer.learning_rate_end, trainer.clip_coef_end, trainer.max_staleness, trainer.target_kl, trainer.publish_every,
-    trainer.flow_window (``shared.runtime.RUNTIME_KEYS``)."""
-    return await _write_config(s, request, values, None)
+    trainer.flow_window, trainer.guard.* (``shared.runtime.RUNTIME_KEYS``); each typed in the schema."""
+    try:
+        typed = check_types(values)
+    except ConfigError as exc:
+        raise HTTPException(status_code=422, detail=str(exc)) from None
+    return await _write_config(s, request, typed, None)
 
 
 @router.get("/config/history", response_model=ConfigHistory, responses={503: {"description": "Object store down"}})
@@ -348,7 +369,9 @@ async def config_history(s: State) -> ConfigHistory:
 
 
 @router.post("/config/revert", response_model=ConfigChange, dependencies=[Depends(require_token)],
-             responses={**AUTH, 404: {"description": "No such revision"}, 503: {"description": "Object store down"}})
+             responses={**AUTH, 404: {"description": "No such revision"},
+                        409: {"description": "The revision does not validate with the current settings"},
+                        503: {"description": "Object store down"}})
 async def config_revert(s: State, request: Request, body: RevertRequest) -> ConfigChange:
     """Make revision ``revision``'s settings current again, as a new revision."""
     if body.revision == 0:  # no overrides: every service on its own settings
@@ -375,7 +398,9 @@ async def status_history(s: State) -> dict[str, Any]:
     return {"points": list(s.history)}
 
 
-SAMPLE_ID_PATTERN = "^[0-9A-Za-z]{1,64}$"
+SAMPLE_ID_PATTERN = "^[0-9A-Za-z._-]{1,128}$"
+"""A sample id is 32 hex digits; any id-like token is looked up (a sampler id such as ``sampler-1`` or
+``host-41-ab12`` is not found: 404, not 422; schemathesis's stateful phase sent one from ``GET /status``)."""
 
 
 @router.get("/trace/{sample_id}", responses={404: {"description": "Not found, or the logs are not reachable"}})
