@@ -30,7 +30,7 @@ help:
 	@echo "make test      all tests (brings test Kafka + S3 up itself when no endpoints are given)"
 	@echo "make test-unit fast tests only"
 	@echo "make test-faults  the whole fault-injection suite (~10 min) -> docs/reliability.md"
-	@echo "make test-partitions  the multi-host stack in network namespaces and a cut of rank 0 from the brokers (root, ~6 min)"
+	@echo "make test-partitions  the partition nemesis on the multi-host stack (network namespaces, root, ~16 min) -> docs/reliability-network.md"
 	@echo "make test-mutation  mutation testing of the trust core (hours; ONLY=name for one file) -> docs/reliability-mutation.md"
 	@echo "make bench     the benchmark suite (ONLY=name for one figure) -> docs/benchmarks.md"
 	@echo "make lint      ruff + mypy --strict on shared/, services/ and devstack/"
