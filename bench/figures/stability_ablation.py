@@ -35,7 +35,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "adv-floor": {"advantage_std_floor": FLOOR},
     "separate-clip": {"separate_grad_clip": True},
     "mask": {"objective": "decoupled", "behaviour_weight_mode": "mask"},  # the weight exists only there
-    "clip-constant": {"clip_coef_end": None},  # no clip-range schedule (configs/cartpole.yaml before session 6)
+    "clip-constant": {"clip_coef_end": None},  # no clip-range schedule (configs/cartpole.yaml before `deaba9d`)
     "anneal-120k": {"anneal_env_steps": 120_000},  # the same floor, reached sooner
     "no-kl-stop": {"target_kl": None},  # every update runs all its epochs; the clip schedule is the only brake
     "kl-0.05": {"target_kl": 0.05},
