@@ -3,8 +3,10 @@
 is read from when it is assigned.
 
 Explicit inputs only (a record source, a publisher, settings, a health object): it never calls back
-into the trainer. The trainer serialises it with the update: the revoke path
-(:meth:`ConsumerGroup.revoked`) runs under the trainer's update lock.
+into the trainer. The trainer serialises it with the update: its revoke callback
+(:meth:`Trainer._on_revoke <services.trainer.service.Trainer._on_revoke>`) marks the partitions
+:attr:`~ConsumerGroup.revoking`, then calls :meth:`ConsumerGroup.commit` under the trainer's update lock
+and :meth:`ConsumerGroup.forget` after it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """The trainer service: pull fragments, validate, batch, update, *then* commit offsets.
 
-A short loop over parts that never call back into it (docs/architecture.md, "The trainer"):
+A short loop over parts built from explicit inputs (docs/architecture.md, "The trainer"):
 :class:`~services.trainer.group.ConsumerGroup` (ownership, the ledger of outcomes, commits,
 dead-lettering), :class:`~services.trainer.publication.Publication` (candidates, deferral, resend),
 :class:`~services.trainer.checkpoints.Checkpoints` (write, restore, fallback) and
 :mod:`~services.trainer.telemetry` (metrics, lag, heartbeats), with the pure rules in ``intake.py``,
 ``ledger.py``, ``learner.py`` and ``guard.py``. This class keeps the loop, the update lock, revoke
-handling and rollback following; periodic work runs as named tasks (``shared.retry.every``).
+handling and rollback following; periodic work runs as named tasks (``shared.retry.every``) in
+:class:`~services.trainer.tasks.TrainerTasks`, which, unlike the other parts, holds this trainer and reaches
+into its state (its settings, ``_update_lock``, ``_settle``, ``_after_update``, ``_stop``).
 
 Every consumed record ends in exactly one typed outcome (trained, dropped as stale, dead-lettered),
 counted and logged once with the fragment's identity, and folded into the ledger the checkpoint stores
