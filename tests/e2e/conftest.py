@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,3 +45,17 @@ def status(stack: LocalStack) -> dict[str, Any]:
 def log_events(path: Path, event: str | None = None) -> list[dict[str, Any]]:
     """The JSON records of a service's log (rotated copies included), optionally one event's."""
     return [e for e in read_events(path) if event is None or e.get("event") == event]
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float, what: str, interval: float = 1.0) -> Any:
+    """``check()``'s first truthy value, polled every ``interval`` s; fails naming ``what`` (and the last value)
+    after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}; last: {last!r}")
+

@@ -18,21 +18,10 @@ from safetensors.numpy import save as st_save
 
 from shared.fragment import Fragment, encode_fragment
 from shared.kafka import Topics
-from tests.e2e.conftest import log_events, status
+from tests.e2e.conftest import log_events, status, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kafka, pytest.mark.s3, pytest.mark.timeout(900)]
 SOLVE_GUARD_S = 600
-
-
-def _wait(pred: Any, timeout_s: float, what: str, interval: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
 
 
 def test_closed_loop_learns_and_can_be_operated(make_stack: Any, run_name: str, kafka_bootstrap: str) -> None:
@@ -47,7 +36,7 @@ def test_closed_loop_learns_and_can_be_operated(make_stack: Any, run_name: str, 
         return s if er["count"] >= 100 and er["mean"] is not None and er["mean"] >= 475 else None
 
     first = status(stack)
-    s = _wait(solved, SOLVE_GUARD_S, "CartPole-v1 last-100 mean >= 475", interval=2.0)
+    s = wait_until(solved, SOLVE_GUARD_S, "CartPole-v1 last-100 mean >= 475", interval=2.0)
     wall = time.monotonic() - t0
     print(f"\nSOLVED: mean {s['episode_return']['mean']:.1f} after {wall:.0f}s wall, "
           f"{s['trainer']['samples_trained']} env steps trained, policy v{s['policy']['version']}, "
@@ -84,7 +73,7 @@ def test_closed_loop_learns_and_can_be_operated(make_stack: Any, run_name: str, 
     published_at_restart = status(stack)["policy"]["version"]
     stack.start("sampler", 1)
     stack.wait_healthy("sampler", 1)
-    _wait(lambda: [e for e in log_events(log1)[before:] if e["event"] == "fragment_produced"], 60,
+    wait_until(lambda: [e for e in log_events(log1)[before:] if e["event"] == "fragment_produced"], 60,
           "the restarted sampler's first fragment")
     after = log_events(log1)[before:]
     first_produce = next(i for i, e in enumerate(after) if e["event"] == "fragment_produced")
@@ -101,7 +90,7 @@ def test_closed_loop_learns_and_can_be_operated(make_stack: Any, run_name: str, 
     reasons = asyncio.run(_inject_bad_records(kafka_bootstrap, run_name))
     assert reasons == {"garbage": "undecodable", "schema": "unknown_schema", "shape": "bad_shape",
                        "nan": "non_finite"}, reasons
-    _wait(lambda: status(stack)["trainer"]["updates"] > updates_before + 5, 60, "training to go on")
+    wait_until(lambda: status(stack)["trainer"]["updates"] > updates_before + 5, 60, "training to go on")
     dead = log_events(stack.log_path("trainer"), "fragment_dead_lettered")
     assert {e["reason"] for e in dead} >= {"undecodable", "unknown_schema", "bad_shape", "non_finite"}
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 
 from devstack import LocalStack
 from shared.kafka import Topics, trainer_group
-from tests.e2e.conftest import log_events, status
+from tests.e2e.conftest import log_events, status, wait_until
 from tests.faults.accounting import committed, read_topic
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kafka, pytest.mark.s3, pytest.mark.timeout(600)]
@@ -42,21 +41,11 @@ async def _delete_records(bootstrap: str, tp: TopicPartition, before: int) -> in
         await admin.close()
 
 
-def _wait(what: str, check: Any, timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-
-
 def test_records_deleted_before_training_are_reported_and_fail_verify(make_stack: Any, run_name: str,
                                                                        kafka_bootstrap: str) -> None:
     stack = make_stack(18300, env={"FLYWHEEL_TRAINER_CHECKPOINT_EVERY": "5"})
     stack.up(samplers=2, prometheus=False)
-    _wait("10 updates", lambda: status(stack)["trainer"]["updates"] >= 10, 120)
+    wait_until(lambda: status(stack)["trainer"]["updates"] >= 10, 120, "10 updates")
     code, out = _verify(stack)
     assert code == 0, f"an untouched run must verify:\n{out}"
 
@@ -72,7 +61,7 @@ def test_records_deleted_before_training_are_reported_and_fail_verify(make_stack
         ready = [(p, frontier.get(p, 0), end) for p, end in sorted(ends.items()) if end - frontier.get(p, 0) >= 2]
         return ready[0] if ready else None
 
-    part, lo, end = _wait("2 untrained records on a partition", untrained, 90)
+    part, lo, end = wait_until(untrained, 90, "2 untrained records on a partition")
     hi = lo + 2  # the oldest two untrained records of that partition leave the log
     assert asyncio.run(_delete_records(kafka_bootstrap, TopicPartition(topic, part), hi)) == hi
 
@@ -80,17 +69,16 @@ def test_records_deleted_before_training_are_reported_and_fail_verify(make_stack
     before = len(log_events(log))
     stack.start("trainer")
     stack.wait_healthy("trainer", timeout_s=90)
-    lost = _wait("records_lost_before_training in the trainer's log",
-                 lambda: [e for e in log_events(log)[before:] if e["event"] == "records_lost_before_training"], 90)
+    lost = wait_until(lambda: [e for e in log_events(log)[before:] if e["event"] == "records_lost_before_training"],
+                      90, "records_lost_before_training in the trainer's log")
     assert len(lost) == 1, lost
     assert (lost[0]["partition"], lost[0]["from_offset"], lost[0]["to_offset"], lost[0]["count"]) == (part, lo, hi, 2)
     assert lost[0]["level"] == "error"
     # It trains on, and the next checkpoint carries the loss.
     at = status(stack)["trainer"]["updates"]
-    _wait("5 more updates", lambda: status(stack)["trainer"]["updates"] >= at + 5, 120)
-    _wait("a checkpoint after the loss",
-          lambda: [e for e in log_events(log)[before:] if e["event"] == "checkpoint_written"
-                   and e["offsets"].get(f"{topic}:{part}", 0) > hi], 120)
+    wait_until(lambda: status(stack)["trainer"]["updates"] >= at + 5, 120, "5 more updates")
+    wait_until(lambda: [e for e in log_events(log)[before:] if e["event"] == "checkpoint_written"
+                        and e["offsets"].get(f"{topic}:{part}", 0) > hi], 120, "a checkpoint after the loss")
 
     metrics = httpx.get(f"http://127.0.0.1:{stack.port('trainer')}/metrics", timeout=10).text
     assert "flywheel_trainer_records_lost_total 2.0" in metrics, \

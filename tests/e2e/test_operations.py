@@ -13,7 +13,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from shared.kafka import Topics
 from shared.marker import VersionedStore
-from tests.e2e.conftest import log_events, status
+from tests.e2e.conftest import log_events, status, wait_until
 from tests.faults.conftest import s3_store
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kafka, pytest.mark.s3, pytest.mark.timeout(600)]
@@ -68,13 +68,7 @@ async def _pause_while_watching(bootstrap: str, topic: str, pause: Callable[[], 
 
 
 def _wait(pred: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+    return wait_until(pred, timeout_s, what, interval=0.1)
 
 
 def test_pause_config_and_rollback_on_the_real_stack(make_stack: Any, run_name: str, kafka_bootstrap: str) -> None:

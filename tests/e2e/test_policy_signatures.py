@@ -18,7 +18,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from devstack import LocalStack
 from shared.kafka import Topics
-from tests.e2e.conftest import log_events, status
+from tests.e2e.conftest import log_events, status, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kafka, pytest.mark.s3, pytest.mark.timeout(600)]
 WATCH_S = 30.0
@@ -60,16 +60,6 @@ async def _write_back(bootstrap: str, topic: str, value: bytes, headers: list[tu
         await producer.stop()
 
 
-def _wait(what: str, check: Any, timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-
-
 def _sampler_versions(st: dict[str, Any]) -> dict[str, int | None]:
     return {s["id"]: s["policy_version"] for s in st["samplers"] if s["alive"]}
 
@@ -80,9 +70,9 @@ def test_a_copied_announcement_with_its_version_raised_is_refused_everywhere(mak
     assert stack.service_env("paramsync")["FLYWHEEL_SIGNING_KEY_ID"], "the local stack signs its policies"
     assert stack.service_env("sampler")["FLYWHEEL_SIGNING_ENABLED"] == "true"
     stack.up(samplers=2, prometheus=False)
-    _wait("5 updates and both samplers acting on a policy",
-          lambda: (st := status(stack))["trainer"]["updates"] >= 5 and len(_sampler_versions(st)) == 2
-          and all(v is not None for v in _sampler_versions(st).values()), 180)
+    wait_until(lambda: (st := status(stack))["trainer"]["updates"] >= 5 and len(_sampler_versions(st)) == 2
+               and all(v is not None for v in _sampler_versions(st).values()), 180,
+               "5 updates and both samplers acting on a policy")
 
     topic = Topics.for_run(run_name).policy
     value, headers, ann = asyncio.run(_newest_announcement(kafka_bootstrap, topic))
