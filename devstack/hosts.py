@@ -31,6 +31,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from devstack.config import StackError
+from devstack.slowlink import SLOW_COMMENT, redirect_commands
 
 PREFIX = "fw-"
 """Every namespace and link this module makes starts with it (and nothing else on the machine should)."""
@@ -204,13 +206,16 @@ def cut_commands(netns: str, peers: Iterable[str], action: str = "-A", direction
     return cmds
 
 
-def delete_rule_commands(rules: Iterable[str], comment: str, prefix: Sequence[str] = ()) -> list[list[str]]:
-    """``iptables -D`` for each line of ``iptables -S`` output that carries ``--comment <comment>``."""
+def delete_rule_commands(rules: Iterable[str], comment: str, prefix: Sequence[str] = (),
+                         table: str | None = None) -> list[list[str]]:
+    """``iptables [-t table] -D`` for each line of ``iptables [-t table] -S`` output that carries
+    ``--comment <comment>``."""
+    t = ["-t", table] if table else []
     out = []
     for line in rules:
         args = shlex.split(line)
         if len(args) > 2 and args[0] == "-A" and _comment(args) == comment:
-            out.append([*prefix, "iptables", "-w", "-D", *args[1:]])
+            out.append([*prefix, "iptables", "-w", *t, "-D", *args[1:]])
     return out
 
 
@@ -554,8 +559,6 @@ def slow_commands(netns: str, peers: Sequence[str], port: int = SLOW_PORT) -> li
     """The commands of :func:`slow`: new connections to ``peers`` REDIRECTed to the proxy, then the sockets already
     connected to them destroyed (``ss -K``: the process sees its connection aborted at once and reconnects,
     through the proxy)."""
-    from devstack.slowlink import redirect_commands
-
     return [*redirect_commands(netns, peers, port),
             *(["ip", "netns", "exec", netns, "ss", "-K", "dst", peer] for peer in peers)]
 
@@ -567,12 +570,12 @@ def slow(name: str, peers: Iterable[str], delay_ms: float, rate_kbps: float, log
     h = host(name)
     addrs = [address(p) for p in peers]
     with log.open("ab") as out:
-        subprocess.Popen(["ip", "netns", "exec", h.netns, _python(), "-m", "devstack.slowlink", "--port",
+        subprocess.Popen(["ip", "netns", "exec", h.netns, sys.executable, "-m", "devstack.slowlink", "--port",
                           str(SLOW_PORT), "--delay-ms", str(delay_ms), "--rate-kbps", str(rate_kbps)],
                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 20
     probe = f"import socket; socket.create_connection(('127.0.0.1', {SLOW_PORT}), timeout=1).close()"
-    while run(["ip", "netns", "exec", h.netns, _python(), "-c", probe], check=False).returncode != 0:
+    while run(["ip", "netns", "exec", h.netns, sys.executable, "-c", probe], check=False).returncode != 0:
         if time.monotonic() > deadline:
             raise StackError(f"the slow-link proxy in {h.netns} did not listen on {SLOW_PORT} (see {log})")
         time.sleep(0.3)
@@ -581,17 +584,9 @@ def slow(name: str, peers: Iterable[str], delay_ms: float, rate_kbps: float, log
     return addrs
 
 
-def _python() -> str:
-    import sys
-
-    return sys.executable
-
-
 def heal(name: str) -> int:
     """Remove every :func:`cut` and :func:`slow` rule inside ``name``'s namespace and stop its slow-link proxy;
     the number of rules removed."""
-    from devstack.slowlink import SLOW_COMMENT
-
     h = host(name)
     prefix = ["ip", "netns", "exec", h.netns]
     n = 0
@@ -599,8 +594,8 @@ def heal(name: str) -> int:
         t = ["-t", table] if table else []
         for chain in chains:
             rules = run([*prefix, "iptables", "-w", *t, "-S", chain]).stdout.splitlines()
-            for cmd in delete_rule_commands(rules, comment, prefix):
-                run(cmd[:cmd.index("-D")] + t + cmd[cmd.index("-D"):])
+            for cmd in delete_rule_commands(rules, comment, prefix, table):
+                run(cmd)
                 n += 1
     for pid in (int(p) for p in run(["ip", "netns", "pids", h.netns], check=False).stdout.split() if p.isdigit()):
         try:

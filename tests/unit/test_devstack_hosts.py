@@ -138,6 +138,10 @@ def test_rules_are_deleted_by_their_comment_only() -> None:
         ["iptables", "-w", "-D", "FORWARD", "-i", "fw-br0", "-o", "fw-br0", "-m", "comment", "--comment",
          "flywheel-hosts", "-j", "ACCEPT"]]
     assert mh.delete_rule_commands(rules, "flywheel-cut", ["ip", "netns", "exec", "fw-x"]) == []
+    nat = ["-A OUTPUT -p tcp -d 10.77.0.11 -m comment --comment flywheel-slow -j REDIRECT --to-ports 15999"]
+    assert mh.delete_rule_commands(nat, "flywheel-slow", ["ip", "netns", "exec", "fw-x"], "nat") == [
+        ["ip", "netns", "exec", "fw-x", "iptables", "-w", "-t", "nat", "-D", "OUTPUT", "-p", "tcp", "-d", "10.77.0.11",
+         "-m", "comment", "--comment", "flywheel-slow", "-j", "REDIRECT", "--to-ports", "15999"]]
 
 
 # ---- the clean-up plan --------------------------------------------------------------------------------
