@@ -170,9 +170,9 @@ class OnnxPolicy:
             def forward(self, obs: torch.Tensor) -> torch.Tensor:
                 return self.model.log_probs(obs)
 
-        self._proto: onnx.ModelProto = export_graph(LogProbs().eval(), example)
+        proto = export_graph(LogProbs().eval(), example)
         keys = {_PREFIX + k: k for k in self.shapes}
-        self._initializers = {init.name: keys[init.name] for init in self._proto.graph.initializer if init.name in keys}
+        self._initializers = {init.name: keys[init.name] for init in proto.graph.initializer if init.name in keys}
         # Every weight the actor reads must be an initializer we can overwrite, or a new version would act with
         # the export's weights: refuse here, at start-up, instead.
         actor = {id(p) for p in model.actor_parameters()}
@@ -185,7 +185,7 @@ class OnnxPolicy:
         # it, and drops it: writing them into one long-lived proto (CopyFrom on its initializers) kept about one
         # blob of memory per adopted version, without bound (protobuf's arena is freed only with the message): 20
         # adoptions of a 46.5 MB policy grew a sampler from 905 to 1,708 MiB (docs/scaling.md, policy fan-out).
-        self._model_bytes = self._proto.SerializeToString()
+        self._model_bytes = proto.SerializeToString()
         self._session: onnxruntime.InferenceSession | None = None
 
     @classmethod
