@@ -124,10 +124,11 @@ def _git(*args: str) -> str:
 
 
 def commit_label() -> str:
-    """``git rev-parse --short HEAD``, plus `` + uncommitted changes`` when the tree differs from it (this
-    report itself aside: the previous run's rewrite is not a change to the code under test)."""
+    """``git rev-parse --short HEAD``, plus `` + uncommitted changes`` when the tree differs from it (the reports
+    the suites write aside: a previous run's rewrite is not a change to the code under test)."""
     head = _git("rev-parse", "--short", "HEAD")
-    dirty = _git("status", "--porcelain", "--", ".", ":(exclude)docs/reliability.md")
+    dirty = _git("status", "--porcelain", "--", ".", ":(exclude)docs/reliability.md",
+                 ":(exclude)docs/reliability-network.md")
     return head + (" + uncommitted changes" if dirty else "")
 
 

@@ -113,7 +113,7 @@ class Net:
         self.home = home
         self.logs = home / "logs"
         self.rows: list[NetRow] = []
-        self.kafka = [n for n in ("kafka", "kafka-2", "kafka-3")]
+        self.kafka = mh.kafka_names(3)
         self._bootstrap: list[tuple[str, int]] | None = None
 
     # ---- what the operator sees ------------------------------------------------------------------
@@ -368,7 +368,7 @@ class Net:
 async def _leaders(bootstrap: str, topic: str) -> dict[int, tuple[str, list[str]]]:
     from aiokafka.admin import AIOKafkaAdminClient
 
-    by_address = {mh.address(n): n for n in ("kafka", "kafka-2", "kafka-3")}
+    by_address = {mh.address(n): n for n in mh.kafka_names(3)}
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
     await admin.start()
     try:

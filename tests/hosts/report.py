@@ -3,29 +3,14 @@
 from __future__ import annotations
 
 import platform
-import subprocess
 import time
 from pathlib import Path
 
 from devstack.config import REPO_ROOT
+from tests.faults.report import commit_label
 from tests.hosts.net import NetRow
 
 PATH = REPO_ROOT / "docs" / "reliability-network.md"
-
-
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
-
-
-def commit_label() -> str:
-    head = _git("rev-parse", "--short", "HEAD")
-    dirty = _git("status", "--porcelain", "--", ".", ":(exclude)docs/reliability-network.md",
-                 ":(exclude)docs/reliability.md")
-    return head + (" + uncommitted changes" if dirty else "")
 
 
 def _cell(text: str) -> str:
