@@ -23,6 +23,7 @@ from bench.figures import (
     solve,
     stability,
     stability_ablation,
+    swarm,
     sync_inline,
     sync_latency,
 )
@@ -31,5 +32,5 @@ FIGURES: dict[str, ModuleType] = {
     m.NAME: m for m in (pipeline, async_vs_sync, scaling, sync_latency, solve, stability, stability_ablation,
                         async_sync_return, forced_staleness, pendulum, recovery, service_efficiency,
                         learner_scaling, actor_learner, peers, sync_inline, sampler_inference,
-                        peers_minatar, peers_mujoco, peers_pong)
+                        peers_minatar, peers_mujoco, peers_pong, swarm)
 }

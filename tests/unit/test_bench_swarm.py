@@ -1,0 +1,87 @@
+"""The swarm figure's accounting (bench/figures/swarm.py) and its client's adoption record (bench/swarm_client.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from bench.figures.swarm import credits_read, histogram, histogram_window, partitions_for, sync_latencies
+from bench.swarm_client import Adoptions, identity_ids, synthetic_fragment
+from shared.credits import shard_of
+from shared.fragment import decode_fragment, encode_fragment
+from shared.rl.envs import fragment_spec
+from shared.settings import load_settings
+
+
+def test_partitions_old_one_new_per_sixteen() -> None:
+    assert partitions_for("old", 1000) == 1
+    assert partitions_for("new", 1000) == 62
+    assert partitions_for("new", 256) == 16
+    assert partitions_for("new", 8) == 1
+
+
+def test_credits_read_one_partition_every_sampler_reads_all() -> None:
+    ids = identity_ids(0, 10)
+    r = credits_read({0: 500.0}, ids, 1)
+    assert r["per_sampler_mean"] == 500.0
+    assert r["per_sampler_max"] == 500.0
+    assert r["fleet"] == 5000.0
+
+
+def test_credits_read_each_sampler_reads_its_own_partition() -> None:
+    ids = identity_ids(0, 40)
+    parts = 4
+    per_part = {p: 100.0 * (p + 1) for p in range(parts)}
+    readers = [shard_of(i, parts) for i in ids]
+    r = credits_read(per_part, ids, parts)
+    assert math.isclose(r["fleet"], sum(per_part[p] for p in readers))
+    assert math.isclose(r["per_sampler_mean"], r["fleet"] / len(ids))
+    assert r["per_sampler_max"] == max(per_part[p] for p in set(readers))
+
+
+def test_adoptions_count_skipped_versions_as_reached() -> None:
+    a = Adoptions()
+    a.note(None, 3, 10.0)  # first policy: acts on 3 (versions before it are not counted)
+    a.note(3, 5, 11.0)  # skipped to 5: now on 4 and 5 as well
+    a.note(None, 5, 12.0)  # a second identity, straight to 5
+    d = a.as_dict()
+    assert sorted(d) == ["3", "4", "5"]
+    assert d["3"] == [1, 10.0, 10.0]
+    assert d["5"] == [2, 11.0, 12.0]
+
+
+def test_sync_latencies_need_every_identity() -> None:
+    published = {4: 100.0, 5: 101.0, 6: 200.0}
+    procs = [{"4": [2, 100.1, 100.3], "5": [2, 101.2, 101.5]}, {"4": [1, 100.2, 100.4], "5": [0, 0, 0]}]
+    lat, missed = sync_latencies(published, procs, identities=3, t0=99.0, t1=150.0)
+    assert len(lat) == 1 and math.isclose(lat[0], 0.4)
+    assert missed == 1  # version 5 reached 2 of 3; version 6 is outside the window
+
+
+def test_histogram_window_mean_and_max_bucket() -> None:
+    def page(counts: list[int], total: float) -> str:
+        lines = ["# HELP h x", "# TYPE h histogram"]
+        cum = 0
+        for le, c in zip(["0.0", "1.0", "2.0", "4.0", "+Inf"], counts, strict=True):
+            cum += c
+            lines.append(f'h_bucket{{le="{le}"}} {cum}')
+        lines += [f"h_sum {total}", f"h_count {cum}"]
+        return "\n".join(lines) + "\n"
+
+    a = histogram(page([1, 0, 0, 0, 0], 0.0), "h")
+    b = histogram(page([1, 2, 3, 0, 0], 8.0), "h")  # 2 at lag 1 and 3 at lag 2 since a
+    w = histogram_window(a, b)
+    assert w["n"] == 5
+    assert math.isclose(w["mean"], 8.0 / 5)
+    assert w["max_le"] == 2.0
+    assert math.isnan(histogram_window(b, b)["mean"])
+
+
+def test_synthetic_fragment_decodes_as_cartpole() -> None:
+    settings = load_settings("configs/cartpole.yaml")
+    frag = synthetic_fragment(settings, "swarm-7", 3, np.random.default_rng(0))
+    headers, payload = encode_fragment(frag)
+    back = decode_fragment(headers, payload, fragment_spec("CartPole-v1", max_bytes=1 << 20))
+    assert back.sampler_id == "swarm-7" and back.policy_version == 3
+    assert back.steps == settings.env.fragment_steps * settings.env.num_envs
