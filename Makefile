@@ -27,7 +27,7 @@ help:
 	@echo "make up        run the whole stack (docker compose if a Docker engine answers, else local processes)"
 	@echo "make down      stop it"
 	@echo "make status    what runs (local stack), with restart counts"
-	@echo "make test      all tests (brings test Kafka + S3 up itself when no endpoints are given)"
+	@echo "make test      all tests (brings test Kafka + S3 up itself when no endpoints are given, and stops them after; FLYWHEEL_TEST_INFRA_REUSE=1 keeps them)"
 	@echo "make test-unit fast tests only"
 	@echo "make test-faults  the whole fault-injection suite (~10 min) -> docs/reliability.md"
 	@echo "make test-partitions  the partition nemesis on the multi-host stack (network namespaces, root, ~16 min) -> docs/reliability-network.md"

@@ -25,7 +25,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -226,6 +226,22 @@ def read_environ(pid: int) -> dict[str, str] | None:
         return None
     pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
     return {k: v for k, _, v in pairs}
+
+
+def marked(key: str, value: str, *, exclude: Iterable[int] = ()) -> list[int]:
+    """Live processes (zombies left out) started with ``key=value`` in their environment, apart from ``exclude``.
+
+    An environment is inherited, so a variable set in a parent marks every process it starts, theirs too,
+    including those that detached into a session of their own and were re-parented to init."""
+    skip = set(exclude)
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in skip:
+            continue
+        pid = int(entry.name)
+        if (read_environ(pid) or {}).get(key) == value and is_running(pid):
+            found.append(pid)
+    return sorted(found)
 
 
 def proc_state(pid: int) -> str | None:

@@ -5,9 +5,15 @@ Where the endpoints come from, in order:
    ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``);
 2. testcontainers (``apache/kafka`` and MinIO) when a Docker engine answers;
 3. the local process stack of ``devstack`` (Kafka + S3 only) in ``.flywheel/test-infra`` on ports 19092/19093/19000,
-   apart from a ``make up`` stack; it is left running after the session so the next one starts fast.
+   apart from a ``make up`` stack. It stops at the end of the session, unless ``FLYWHEEL_TEST_INFRA_REUSE=1``
+   asks to keep it for the next one (which then starts in seconds) or another test session still uses it
+   (the last one out stops it).
 Whatever the source, the fixture checks the endpoint really works (a produce/consume round trip, an
 S3 put/get) before any test uses it, and fails the tests that need it with the reason otherwise.
+
+A test session leaves no process behind: every process it starts inherits ``FLYWHEEL_TEST_SESSION`` (a
+random value per session), and at the end any still running with this session's value (apart from the test
+infra kept for reuse) is named, stopped, and fails the session.
 """
 
 from __future__ import annotations
@@ -35,12 +41,22 @@ from devstack import (
     ensure_up,
     run_coro,
 )
+from devstack import infra as test_infra
 from devstack import kafka as infra_kafka
 from devstack import s3 as infra_s3
+from devstack.procs import file_lock, is_running, marked, read_cmdline, terminate
 
 KAFKA_IMAGE = "apache/kafka:4.1.1"
 MINIO_IMAGE = "minio/minio:RELEASE.2025-09-07T16-13-09Z"
 READY_TIMEOUT_S = 120.0
+REUSE_VAR = "FLYWHEEL_TEST_INFRA_REUSE"
+"""Set to 1 to keep the test Kafka + S3 running after the session (the next session reuses them)."""
+SESSION_MARK = "FLYWHEEL_TEST_SESSION"
+"""Every process a test session starts inherits this variable with the session's own value."""
+LEFTOVER_GRACE_S = 15.0
+"""How long processes stopped in teardown may take to exit before they count as left behind."""
+BY_DESIGN = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+"""Helpers of Python's multiprocessing that exit with the interpreter that started them."""
 
 
 @dataclass(frozen=True)
@@ -124,20 +140,92 @@ def docker_available() -> bool:
     return _docker_engine_answers()
 
 
+def _reuse_infra() -> bool:
+    return os.environ.get(REUSE_VAR, "").strip().lower() in ("1", "true", "yes")
+
+
+def _test_sessions_using_infra() -> list[int]:
+    """The live test sessions (pytest processes) registered as users of the test infra; stale entries removed."""
+    users = TEST_HOME / "users"
+    live = []
+    for entry in users.glob("*") if users.is_dir() else []:
+        pid = int(entry.name) if entry.name.isdigit() else 0
+        if pid and is_running(pid) and any("pytest" in arg for arg in read_cmdline(pid) or []):
+            live.append(pid)
+        else:
+            entry.unlink(missing_ok=True)
+    return live
+
+
 @pytest.fixture(scope="session")
-def local_infra(request: pytest.FixtureRequest) -> InfraEndpoints:
-    """The Docker-free stack in .flywheel/test-infra (started or reused; left running)."""
+def local_infra(request: pytest.FixtureRequest) -> Iterator[InfraEndpoints]:
+    """The Docker-free stack in .flywheel/test-infra: started (or reused), then stopped at the end of the session
+    unless ``FLYWHEEL_TEST_INFRA_REUSE=1`` or another live test session uses it."""
+    show = _show(request)
+    me = TEST_HOME / "users" / str(os.getpid())
+    with file_lock(TEST_HOME / ".users.lock"):
+        me.parent.mkdir(parents=True, exist_ok=True)
+        me.touch()
     try:
-        return ensure_up(
-            TEST_HOME,
-            kafka_port=TEST_KAFKA_PORT,
-            controller_port=TEST_CONTROLLER_PORT,
-            s3_port=TEST_S3_PORT,
-            timeout_s=READY_TIMEOUT_S,
-            progress=_show(request),
-        )
-    except InfraError as exc:
-        pytest.fail(f"the local test infrastructure did not come up:\n{exc}", pytrace=False)
+        try:
+            ep = ensure_up(
+                TEST_HOME,
+                kafka_port=TEST_KAFKA_PORT,
+                controller_port=TEST_CONTROLLER_PORT,
+                s3_port=TEST_S3_PORT,
+                timeout_s=READY_TIMEOUT_S,
+                progress=show,
+            )
+        except InfraError as exc:
+            pytest.fail(f"the local test infrastructure did not come up:\n{exc}", pytrace=False)
+        yield ep
+    finally:
+        with file_lock(TEST_HOME / ".users.lock"):
+            me.unlink(missing_ok=True)
+            others = _test_sessions_using_infra()
+            if _reuse_infra():
+                show(f"left running for the next session ({REUSE_VAR}=1); stop it with "
+                     f"`python -m devstack infra-down --home {TEST_HOME}`")
+            elif others:
+                show(f"left running: test session(s) {others} still use it (the last one out stops it)")
+            else:
+                test_infra.down(TEST_HOME, progress=show)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ[SESSION_MARK] = uuid.uuid4().hex  # a session of its own, also for pytest run by a test
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail a session that leaves a process behind, naming it (and stop it, so the machine is clean)."""
+    mark = os.environ.get(SESSION_MARK)
+    if mark is None:
+        return
+    keep = {os.getpid()}
+    if _reuse_infra():
+        keep |= {s.pid for s in test_infra.status(TEST_HOME) if s.alive and s.pid}
+
+    def leftovers() -> list[int]:
+        return [pid for pid in marked(SESSION_MARK, mark, exclude=keep)
+                if not any(name in arg for arg in read_cmdline(pid) or [] for name in BY_DESIGN)]
+
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while (left := leftovers()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not left:
+        return
+    described = [f"  pid {pid}: {' '.join(read_cmdline(pid) or ['?'])[:300]}" for pid in left]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    text = "\n".join([f"\nthis test session left {len(left)} process(es) behind (stopped now):", *described])
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_line(text, red=True, bold=True)
+    else:
+        print(text, flush=True)
+    for pid in left:
+        terminate(pid, 5.0)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
