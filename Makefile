@@ -48,7 +48,7 @@ install: $(STAMP)
 up: install
 	@if [ -n "$(HOSTS_FLAG)" ]; then \
 		echo "HOSTS=$(HOSTS): local processes, each part in a network namespace of its own (docs/local-stack.md)"; \
-		$(PY) -m devstack up --hosts --samplers $(SAMPLERS) --brokers $(BROKERS) --trainers $(TRAINERS) --config $(CONFIG); \
+		$(PY) -m devstack up --hosts --install-extras --samplers $(SAMPLERS) --brokers $(BROKERS) --trainers $(TRAINERS) --config $(CONFIG); \
 	elif docker info >/dev/null 2>&1; then \
 		export FLYWHEEL_ADMIN_TOKEN=$${FLYWHEEL_ADMIN_TOKEN:-$$($(PY) -c 'import secrets; print(secrets.token_hex(32))')}; \
 		echo "Docker engine found: docker compose up (admin token: $$FLYWHEEL_ADMIN_TOKEN)"; \
@@ -58,7 +58,7 @@ up: install
 		docker compose up -d --build --scale sampler=$(SAMPLERS) && docker compose ps; \
 	else \
 		echo "No Docker engine: running the same stack as local processes."; \
-		$(PY) -m devstack up --samplers $(SAMPLERS) --brokers $(BROKERS) --trainers $(TRAINERS) --config $(CONFIG); \
+		$(PY) -m devstack up --install-extras --samplers $(SAMPLERS) --brokers $(BROKERS) --trainers $(TRAINERS) --config $(CONFIG); \
 	fi
 
 down: install

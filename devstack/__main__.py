@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--store", choices=["local", "s3"],
                     help="object store: local = <home>/store, kept across down/up (default); "
                     "s3 = the local S3 server (moto: in memory, lost on down)")
+    up.add_argument("--install-extras", action="store_true",
+                    help="install the project's extra that the config's env needs (minatar, atari, mujoco) when it "
+                    "is missing, before any service starts (make up passes it); without it a missing one is refused")
     up.add_argument("--no-prometheus", action="store_true", help="do not run Prometheus")
     up.add_argument("--no-supervise", action="store_true", help="no supervisor: nothing is restarted")
     up.add_argument("--log-max-mb", type=float,
@@ -140,7 +143,8 @@ def _up(args: argparse.Namespace, home: Path) -> int:
         _out(f"note: {', '.join(changed)} changed since the last up; processes already running keep the old "
              "settings (down, then up, to apply them everywhere)")
     try:
-        stack.up(samplers=samplers, timeout_s=args.timeout, prometheus=not args.no_prometheus, trainers=args.trainers)
+        stack.up(samplers=samplers, timeout_s=args.timeout, prometheus=not args.no_prometheus, trainers=args.trainers,
+                 install_extras=args.install_extras)
     except StackError as exc:
         raise StackError(f"{exc}\n(what did start is still running: see `{PROG} status`, "
                          f"stop it with `{PROG} down`)") from None

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import secrets
+import shlex
 import stat
+import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from devstack.config import InfraEndpoints, StackError
+from shared.rl.envs import EnvPackageMissing, install_command, missing_extra
 from shared.settings import ConfigError, load_settings
 
 HOST = "127.0.0.1"
@@ -113,12 +117,29 @@ def service_env(
     return env
 
 
-def validate_config(config: Path, env: Mapping[str, str]) -> None:
-    """Load the settings a service would see, before starting any (no torch import: well under 1 s)."""
+def validate_config(config: Path, env: Mapping[str, str], *, install_extras: bool = False,
+                    progress: Callable[[str], None] = print) -> None:
+    """Load the settings a service would see, before starting any (no torch import), and check that the env
+    can be made here: a package its id needs (:func:`shared.rl.envs.env_extra`) that is missing is installed
+    with ``install_extras`` (the project's extra, into this interpreter's environment), else refused in one line
+    naming the package and the command."""
     try:
-        load_settings(config, environ=env)
+        settings = load_settings(config, environ=env)
     except ConfigError as exc:
         raise StackError(str(exc)) from None
+    env_id = settings.env.id
+    missing = missing_extra(env_id)
+    if missing is not None and install_extras:
+        command = install_command(missing[0])
+        progress(f"{env_id} needs the '{missing[0]}' extra; installing it: {command}")
+        done = subprocess.run(shlex.split(command), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise StackError(f"installing the '{missing[0]}' extra for {env_id} failed (exit {done.returncode}): "
+                             f"{command}\n{(done.stdout + done.stderr)[-2000:]}")
+        importlib.invalidate_caches()
+        missing = missing_extra(env_id)
+    if missing is not None:
+        raise StackError(str(EnvPackageMissing(env_id, *missing)))
 
 
 def resolve_admin_token(home: Path, env: Mapping[str, str]) -> tuple[str, str]:

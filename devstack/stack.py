@@ -335,9 +335,10 @@ class LocalStack:
 
     # ---- the whole stack -----------------------------------------------------------------
     def up(self, samplers: int = 2, timeout_s: float = 120.0, prometheus: bool = True,
-           trainers: int | None = None) -> None:
+           trainers: int | None = None, install_extras: bool = False) -> None:
         """Infra (if needed), admin token, the trainer (``trainers`` ranks), paramsync, admin, ``samplers``
-        samplers, the supervisor; wait for all, then Prometheus.
+        samplers, the supervisor; wait for all, then Prometheus. Before any service starts the config is loaded
+        and the env checked (``install_extras``: the package its id needs is installed when missing).
 
         Running processes are reused; samplers beyond ``samplers`` are stopped (scaling down). A different
         number of trainer ranks re-forms the group: the running ranks stop together (rank 0 writes the last
@@ -364,7 +365,8 @@ class LocalStack:
                 multihost.ensure_network(self.home, plan, self._progress)
             self.endpoints(timeout_s)
             self._progress(f"admin token: {self.admin_token_source}")
-            validate_config(self.config, self.service_env("trainer"))
+            validate_config(self.config, self.service_env("trainer"), install_extras=install_extras,
+                            progress=self._progress)
             for replica in self.state.samplers():
                 if replica >= samplers:
                     self.stop("sampler", replica)

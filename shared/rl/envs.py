@@ -7,7 +7,10 @@ uint8 Box observations are image frames: samplers send them as uint8 (booleans b
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -60,26 +63,62 @@ class OverlappedLogNormalLatency(gym.vector.VectorWrapper):
 
 MINATAR_PREFIX = "MinAtar/"
 ATARI_PREFIX = "ALE/"
+MUJOCO_ENTRY_POINT = "gymnasium.envs.mujoco"
+
+
+class EnvPackageMissing(RuntimeError):
+    """The package an env id needs is not installed; the message names it and the command that installs it."""
+
+    def __init__(self, env_id: str, extra: str, module: str) -> None:
+        self.env_id, self.extra, self.module = env_id, extra, module
+        super().__init__(f"env {env_id} needs the Python package {module!r}, which is not installed: "
+                         f"{install_command(extra)} (or make up CONFIG=..., which installs it)")
+
+
+def install_command(extra: str) -> str:
+    """The command that installs the project's ``extra`` into this interpreter's environment."""
+    repo = Path(__file__).resolve().parents[2]
+    where = f"-e '{repo}[{extra}]'" if (repo / "pyproject.toml").is_file() else f"'flywheel[{extra}]'"
+    return f"{sys.executable} -m pip install {where}"
+
+
+def env_extra(env_id: str) -> tuple[str, str] | None:
+    """(the project's extra, the module it provides) that ``env_id`` needs, or None when gymnasium alone makes it:
+    ``minatar`` for ``MinAtar/`` ids, ``atari`` for ``ALE/`` ids, ``mujoco`` for gymnasium's MuJoCo envs."""
+    if env_id.startswith(MINATAR_PREFIX):
+        return "minatar", "minatar"
+    if env_id.startswith(ATARI_PREFIX):
+        return "atari", "ale_py"
+    spec = gym.registry.get(env_id)
+    if spec is not None and isinstance(spec.entry_point, str) and spec.entry_point.startswith(MUJOCO_ENTRY_POINT):
+        return "mujoco", "mujoco"
+    return None
+
+
+def missing_extra(env_id: str) -> tuple[str, str] | None:
+    """:func:`env_extra` when its module cannot be imported here, else None (nothing is imported to find out)."""
+    need = env_extra(env_id)
+    return need if need is not None and importlib.util.find_spec(need[1]) is None else None
 
 
 def register_image_envs(env_id: str) -> None:
-    """Register the MinAtar or ALE env ids when ``env_id`` is one of them and its package is installed
-    (idempotent). Only the package ``env_id`` needs is imported: MinAtar's imports matplotlib and seaborn,
-    seconds of every service's start-up that a CartPole run must not pay."""
-    if env_id.startswith(MINATAR_PREFIX) and env_id not in gym.registry:
-        try:
-            import minatar.gym
-        except ImportError:
-            pass
-        else:
-            minatar.gym.register_envs()
-    if env_id.startswith(ATARI_PREFIX) and env_id not in gym.registry:
-        try:
-            import ale_py
-        except ImportError:
-            pass
-        else:
-            gym.register_envs(ale_py)
+    """Register the MinAtar or ALE env ids when ``env_id`` is one of them (idempotent); raises
+    :class:`EnvPackageMissing` when its package is not installed. Only the package ``env_id`` needs is
+    imported: MinAtar's imports matplotlib and seaborn, seconds of every service's start-up that a CartPole
+    run must not pay."""
+    if env_id in gym.registry or not env_id.startswith((MINATAR_PREFIX, ATARI_PREFIX)):
+        return
+    missing = missing_extra(env_id)
+    if missing is not None:
+        raise EnvPackageMissing(env_id, *missing)
+    if env_id.startswith(MINATAR_PREFIX):
+        import minatar.gym
+
+        minatar.gym.register_envs()
+    else:
+        import ale_py
+
+        gym.register_envs(ale_py)
 
 
 def env_options(env_id: str) -> tuple[dict[str, Any], list[Any]]:
