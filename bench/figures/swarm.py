@@ -62,7 +62,13 @@ COLLECT_S = 0.02
 
 
 def partitions_for(design: str, samplers: int) -> int:
-    return 1 if design == "old" else max(1, samplers // SAMPLERS_PER_SHARD)
+    """1 (old); new: samplers / 16 rounded up to a power of two (16 for 256, 64 for 1,000, as docs/scaling.md)."""
+    if design == "old":
+        return 1
+    parts = 1
+    while parts * SAMPLERS_PER_SHARD < samplers:
+        parts *= 2
+    return parts
 
 
 # ---- pure accounting (unit-tested) -------------------------------------------------------------
@@ -227,13 +233,14 @@ def mapped(pid: int, needle: str) -> bool | None:
 
 def import_probe(inference: str) -> dict[str, Any]:
     """A sampler's RolloutWorker built with ``sampler.inference`` = ``inference`` in a fresh interpreter: whether
-    torch / onnxruntime were imported, and the process's RSS."""
-    code = ("import sys, resource; from shared.settings import load_settings; "
+    torch / onnxruntime were imported, and the process's RSS (VmRSS: ``ru_maxrss`` keeps the bench's own peak
+    across exec)."""
+    code = ("import sys; from shared.settings import load_settings; "
             "from services.sampler.rollout import RolloutWorker; s = load_settings(); "
             "w = RolloutWorker.from_settings(s, 'probe', 1); "
             "print({'policy': type(w.policy).__name__, 'torch': 'torch' in sys.modules, "
             "'onnxruntime': 'onnxruntime' in sys.modules, "
-            "'max_rss_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})")
+            "'rss_mib': [int(x.split()[1]) for x in open('/proc/self/status') if x.startswith('VmRSS:')][0] / 1024})")
     env = {**os.environ, "FLYWHEEL_CONFIG": str(REPO_ROOT / "configs" / "cartpole.yaml"),
            "FLYWHEEL_SAMPLER_INFERENCE": inference}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180,
@@ -325,6 +332,7 @@ def measure(ctx: Context, samplers: int, design: str, warmup_s: float, window_s:
             sampler["cpu_cores"] = cores.get("sampler", float("nan"))
             published = {int(e["policy_version"]): e["_t"] for e in st.events("paramsync", "policy_published",
                                                                                since=w0 - 60)}
+            sent = {int(e["policy_version"]): e["_t"] for e in st.events("trainer", "candidate_sent", since=w0 - 60)}
             synced = [float(e["latency_s"]) for e in st.events("paramsync", "policy_synced", since=w0)
                       if e["_t"] <= w1]
         finally:
@@ -347,7 +355,9 @@ def measure(ctx: Context, samplers: int, design: str, warmup_s: float, window_s:
     credit_parts = {p: b / dt for (t, p), b in reader.bytes.items() if t == topics.credits}
     policy_bps = sum(b for (t, _), b in reader.bytes.items() if t == topics.policy) / dt
     reads = credits_read(credit_parts, ids, parts)
-    lat, missed = sync_latencies(published, [r.get("adoptions", {}) for r in results], samplers, w0, w1 - 5.0)
+    adoptions = [r.get("adoptions", {}) for r in results]
+    lat, missed = sync_latencies(published, adoptions, samplers, w0, w1 - 5.0)
+    lat_sent, _ = sync_latencies(sent, adoptions, samplers, w0, w1 - 5.0)
     stale = histogram_window(histogram(page0, "flywheel_trainer_fragment_staleness_versions"),
                              histogram(page1, "flywheel_trainer_fragment_staleness_versions"))
     other = max(0.0, cores["machine"] - sum(v for k, v in cores.items() if k != "machine"))
@@ -361,6 +371,8 @@ def measure(ctx: Context, samplers: int, design: str, warmup_s: float, window_s:
         "policy_bps_fleet": policy_bps * len(ids), "reader_error": reader.error,
         "sync_s": {"p50": percentile(lat, 0.5), "p99": percentile(lat, 0.99), "max": max(lat, default=float("nan")),
                    "versions": len(lat), "versions_not_reached": missed},
+        "from_trainer_send_s": {"p50": percentile(lat_sent, 0.5), "p99": percentile(lat_sent, 0.99),
+                                "versions": len(lat_sent)},
         "paramsync_synced_s": {"p50": percentile(synced, 0.5), "p99": percentile(synced, 0.99), "n": len(synced)},
         "lag": stale,
         "updates_per_s": (_counter(page1, "flywheel_trainer_updates_total")
@@ -437,6 +449,7 @@ def run(ctx: Context) -> FigureResult:
                 f"| {_f(r['credits_bps_fleet'] / 1e6, 2)} | {_f(r['policy_bps'])} ({_f(r['policy_records_per_s'], 1)}"
                 f" rec/s) | {_f(c.get('brokers'), 2)} | {_f(r['sync_s']['p50'], 3)} / {_f(r['sync_s']['p99'], 3)} "
                 f"({r['sync_s']['versions']}, {r['sync_s']['versions_not_reached']} missed) "
+                f"| {_f(r['from_trainer_send_s']['p50'], 3)} / {_f(r['from_trainer_send_s']['p99'], 3)} "
                 f"| {_f(r['paramsync_synced_s']['p50'], 3)} / {_f(r['paramsync_synced_s']['p99'], 3)} "
                 f"| {_f(r['lag']['mean'], 2)} / <= {_f(r['lag']['max_le'])} (max_staleness {r['max_staleness']}) "
                 f"| {_f(c.get('trainer'), 2)} ({_f(100 * r['trainer_share_of_busy'])}% of busy) "
@@ -453,10 +466,11 @@ def run(ctx: Context) -> FigureResult:
         "",
         "| identities | design (credits partitions) | credits B/s written | credits B/s read per sampler "
         "| credits MB/s read by all samplers | policy B/s (each sampler reads all) | broker CPU (cores, 3 JVMs) "
-        "| sync p50 / p99 s (versions, missed) | paramsync's `policy_synced` p50 / p99 s "
+        "| sync p50 / p99 s (versions, missed) | from the trainer's send p50 / p99 s "
+        "| paramsync's `policy_synced` p50 / p99 s "
         "| lag at training time: mean / max bucket | trainer cores (share of busy CPU) | updates/s "
         "| swarm cores | paramsync cores | machine busy cores | load 1m |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         "One real sampler process (`python -m services.sampler`, `sampler.inference: auto`) beside the swarm, over "
@@ -482,8 +496,9 @@ def run(ctx: Context) -> FigureResult:
         "`bench/swarm_client.py`), so the broker served each partition 4 times, not once per identity: broker CPU "
         "here does not include the per-reader fan-out a real swarm would cost. Broker CPU: the 3 JVMs' utime + "
         "stime from /proc over the window. Sync latency: from paramsync's `policy_published` log line (after the "
-        "announcement is sent) to the last identity adopting that version or a newer one (the clients' wall "
-        "clocks, same machine), for versions published in the window but its last 5 s; paramsync's own "
+        "announcement is sent; an identity may adopt a few ms before that line, counted as 0) to the last identity "
+        "adopting that version or a newer one (the clients' wall clocks, same machine), for versions published in "
+        "the window but its last 5 s; the same from the trainer's `candidate_sent` line; paramsync's own "
         "`policy_synced.latency_s` (candidate received -> heartbeat of the last live sampler) beside it. Lag at "
         "training time: the trainer's `flywheel_trainer_fragment_staleness_versions` histogram over the window "
         "(mean; max as the smallest bucket bound holding every observation).")

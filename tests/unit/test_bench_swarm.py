@@ -16,7 +16,7 @@ from shared.settings import load_settings
 
 def test_partitions_old_one_new_per_sixteen() -> None:
     assert partitions_for("old", 1000) == 1
-    assert partitions_for("new", 1000) == 62
+    assert partitions_for("new", 1000) == 64
     assert partitions_for("new", 256) == 16
     assert partitions_for("new", 8) == 1
 
