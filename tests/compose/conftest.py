@@ -1,0 +1,127 @@
+"""The compose stack for real (make test-compose): docker-compose.yml as shipped, on the test engine that
+tools/compose/engine.sh starts on its own socket, with the images tools/compose/build.sh built. Nothing here
+starts or stops the engine; the Makefile target does, around pytest."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("FLYWHEEL_COMPOSE_CACHE", "/var/cache/flywheel-compose"))
+TEST_SOCKET = "unix:///run/flywheel-test-docker.sock"
+PROJECT = "flywheel-compose-test"
+ADMIN = "http://127.0.0.1:8080"
+ACL_OVERRIDE = "deploy/kafka/compose.acl.yml"
+# Every service but Grafana, whose image has no stand-in (docs/local-stack.md, "Stand-in images"); the
+# dependencies (kafka, minio, minio-init) come with them.
+SERVICES = ["kafka", "minio", "minio-init", "prometheus", "trainer", "paramsync", "admin", "sampler"]
+ACL_INIT = ["kafka-users", "kafka-init", "minio-roles-init"]
+
+# Collected only under `make test-compose` (which starts the test engine and builds the images first), never
+# by `make test`.
+collect_ignore_glob = [] if os.environ.get("FLYWHEEL_TEST_COMPOSE") == "1" else ["test_*.py"]
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float, what: str, interval: float = 2.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except (httpx.HTTPError, subprocess.SubprocessError, KeyError, TypeError, ValueError) as exc:
+            last = repr(exc)
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}; last: {str(last)[-1500:]}")
+
+
+class Compose:
+    """`docker compose` on the test engine, for one project; ``acl`` adds the per-role identity override."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.acl = False
+        self.env = {**os.environ, "DOCKER_HOST": TEST_SOCKET, "DOCKER_CONFIG": str(CACHE / "docker-config"),
+                    "FLYWHEEL_ADMIN_TOKEN": token, "COMPOSE_PROJECT_NAME": PROJECT}
+        for k in ("COMPOSE_PROFILES", "COMPOSE_FILE"):
+            self.env.pop(k, None)
+
+    def files(self) -> list[str]:
+        return ["-f", "docker-compose.yml", *(["-f", ACL_OVERRIDE] if self.acl else [])]
+
+    def run(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+        cmd = ["docker", "compose", *self.files(), *args]
+        out = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout)
+        if check and out.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} exited {out.returncode}:\n"
+                                 f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        return out
+
+    def docker(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run(["docker", *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+        if check and out.returncode != 0:
+            raise AssertionError(f"docker {' '.join(args)} exited {out.returncode}:\n"
+                                 f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+        return out
+
+    def up(self, *extra: str, services: list[str] | None = None) -> None:
+        self.run("up", "-d", "--no-build", "--wait", "--wait-timeout", "600", *extra,
+                 *(services or (SERVICES + (ACL_INIT if self.acl else []))), timeout=900)
+
+    def containers(self, service: str) -> list[str]:
+        return [c for c in self.run("ps", "-q", service).stdout.split() if c]
+
+    def inspect(self, container: str) -> dict[str, Any]:
+        info: dict[str, Any] = json.loads(self.docker("inspect", container).stdout)[0]
+        return info
+
+    def exec(self, service: str, *cmd: str, timeout: float = 300,
+             check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.run("exec", "-T", service, *cmd, timeout=timeout, check=check)
+
+    def status(self) -> dict[str, Any]:
+        r = httpx.get(f"{ADMIN}/status", headers={"Authorization": f"Bearer {self.token}"}, timeout=10)
+        r.raise_for_status()
+        body: dict[str, Any] = r.json()
+        return body
+
+    def verify(self) -> tuple[int, str]:
+        """``flywheel verify`` in the admin container, which has the stack's endpoints and credentials (Kafka and
+        MinIO are not published to the host)."""
+        out = self.exec("admin", "python", "-m", "services.admin.cli", "verify", timeout=600, check=False)
+        return out.returncode, out.stdout + out.stderr
+
+    def logs(self, service: str, tail: int = 60) -> str:
+        return self.run("logs", "--no-color", "--tail", str(tail), service, check=False).stdout
+
+
+@pytest.fixture(scope="session")
+def compose() -> Any:
+    engine = subprocess.run(["docker", "version", "--format", "{{.Server.Version}}"], capture_output=True, text=True,
+                            env={**os.environ, "DOCKER_HOST": TEST_SOCKET})
+    if engine.returncode != 0:
+        pytest.fail(f"no test engine on {TEST_SOCKET}: run `make test-compose` (tools/compose/engine.sh start)")
+    busy = subprocess.run(["ss", "-Hltn", "sport = :8080"], capture_output=True, text=True).stdout.strip()
+    if busy:
+        pytest.fail(f"127.0.0.1:8080 is taken on this machine (the compose file publishes admin there): {busy}")
+    c = Compose(secrets.token_hex(32))
+    c.run("down", "-v", "--remove-orphans", check=False)  # what an interrupted run left
+    t0 = time.monotonic()
+    try:
+        c.up()
+        print(f"\ncompose: stack up and healthy in {time.monotonic() - t0:.0f} s")
+        yield c
+    finally:
+        c.acl = True  # down with the override too, so its one-shot containers go as well
+        c.run("down", "-v", "--remove-orphans", "--timeout", "30", check=False, timeout=300)

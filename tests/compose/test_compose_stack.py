@@ -1,0 +1,182 @@
+"""docker-compose.yml run for real (issue 31): CartPole learns through the containers, crashes heal by the
+restart policy with `flywheel verify` ok, `down`/`up` resumes the run, `--scale sampler=4` gives four samplers,
+and under deploy/kafka/compose.acl.yml the sampler's identity is refused writing the policy topic. The tests
+share one stack and run in file order."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from tests.compose.conftest import Compose, wait_until
+
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(1800)]
+
+IMAGES = ["flywheel:local", "apache/kafka:4.1.1", "quay.io/minio/minio:RELEASE.2025-09-07T16-13-09Z",
+          "prom/prometheus:v3.5.0"]
+FLYWHEEL = ["trainer", "paramsync", "admin", "sampler"]
+
+
+def progress(s: dict[str, Any]) -> tuple[int, int]:
+    """(trainer updates, published policy version) from /status."""
+    return int((s.get("trainer") or {}).get("updates") or 0), int((s.get("policy") or {}).get("version") or 0)
+
+
+def live_samplers(s: dict[str, Any]) -> list[str]:
+    return sorted(x["id"] for x in s.get("samplers") or [] if x.get("alive"))
+
+
+def advancing(c: Compose, after: tuple[int, int], timeout_s: float, what: str) -> tuple[int, int]:
+    """Until both the trainer's updates and the published version passed ``after``."""
+    def check() -> tuple[int, int] | None:
+        now = progress(c.status())
+        return now if now[0] > after[0] and now[1] > after[1] else None
+    got: tuple[int, int] = wait_until(check, timeout_s, what)
+    return got
+
+
+def test_images_run_as_non_root(compose: Compose) -> None:
+    sizes = {}
+    for image in IMAGES:
+        info = compose.docker("image", "inspect", image, "--format", "{{.Size}} {{.Config.User}}").stdout.split()
+        sizes[image] = int(info[0])
+        assert len(info) == 2 and info[1] not in ("", "0", "root", "0:0"), f"{image} runs as root: {info}"
+    print("\nimage sizes: " + ", ".join(f"{k} {v / 1e6:,.0f} MB" for k, v in sizes.items()))
+    for service in FLYWHEEL + ["kafka", "minio", "prometheus"]:
+        uid = compose.exec(service, "id", "-u").stdout.strip()
+        print(f"{service}: uid {uid}")
+        assert uid != "0", f"{service} runs as root"
+
+
+def test_flywheel_image_starts_with_a_read_only_root_filesystem(compose: Compose) -> None:
+    """The flywheel image's services import and read their config with nothing writable but /tmp (as the
+    Kubernetes pods run it); the compose file itself does not set read_only."""
+    out = compose.docker("run", "--rm", "--read-only", "--tmpfs", "/tmp", "--entrypoint", "python", "flywheel:local",
+                         "-c", "import services.trainer.__main__, services.sampler.__main__, "
+                         "services.paramsync.__main__, services.admin.__main__; "
+                         "from shared.settings import load_settings; "
+                         "print(load_settings('/app/configs/cartpole.yaml', {}).run)", timeout=300)
+    assert out.stdout.strip().endswith("cartpole"), out.stdout + out.stderr
+
+
+def test_cartpole_learns_through_the_containers(compose: Compose) -> None:
+    t0 = time.monotonic()
+    first = wait_until(lambda: (s := compose.status())["episode_return"]["count"] >= 20 and s, 600,
+                       "20 CartPole episodes in /status")
+    start_mean = first["episode_return"]["mean"]
+
+    def learned() -> dict[str, Any] | None:
+        s = compose.status()
+        er = s["episode_return"]
+        return s if er["count"] >= 100 and er["mean"] is not None and er["mean"] >= 200 else None
+    s = wait_until(learned, 900, "CartPole last-100 mean >= 200 through compose", interval=5)
+    print(f"\nLEARNED through compose: last-100 mean {start_mean:.1f} -> {s['episode_return']['mean']:.1f} in "
+          f"{time.monotonic() - t0:.0f} s; updates {progress(s)[0]}, policy version {progress(s)[1]}, "
+          f"samplers {live_samplers(s)}")
+    assert progress(s)[1] > 0
+
+
+@pytest.mark.parametrize("service", ["trainer", "sampler", "kafka"])
+def test_a_crash_heals_by_the_restart_policy(compose: Compose, service: str) -> None:
+    """The container's main process killed with SIGKILL (a crash, an OOM kill): the engine restarts it by
+    `restart: unless-stopped`, it turns healthy, training goes on, and `flywheel verify` passes."""
+    container = compose.containers(service)[0]
+    before = compose.inspect(container)
+    pid, restarts = before["State"]["Pid"], before["RestartCount"]
+    at = progress(compose.status())
+    os.kill(pid, signal.SIGKILL)
+    after = wait_until(lambda: (i := compose.inspect(container))["RestartCount"] > restarts
+                       and i["State"]["Running"] and i["State"].get("Health", {}).get("Status") == "healthy" and i,
+                       300, f"{service} restarted by its policy and healthy")
+    now = advancing(compose, at, 600, f"training to go on after {service} crashed")
+    code, out = compose.verify()
+    print(f"\n{service}: killed pid {pid} -> restarts {restarts} -> {after['RestartCount']}, healthy; "
+          f"updates/version {at} -> {now}; flywheel verify exit {code}:\n{out[-1200:]}")
+    assert code == 0, out[-3000:]
+
+
+def test_docker_kill_is_a_manual_stop_and_up_brings_it_back(compose: Compose) -> None:
+    """`docker kill` counts as a manual stop for the engine: `unless-stopped` does not restart it (Docker's
+    documented behaviour, seen on this engine); `docker compose up -d` brings it back and the run goes on."""
+    container = compose.containers("trainer")[0]
+    at = progress(compose.status())
+    compose.docker("kill", container)
+    time.sleep(15)
+    state = compose.inspect(container)["State"]
+    print(f"\ntrainer after docker kill, 15 s: {state['Status']} (exit {state['ExitCode']})")
+    assert not state["Running"], "the engine restarted a container stopped with docker kill"
+    compose.up()
+    now = advancing(compose, at, 600, "training to go on after docker kill + up")
+    code, out = compose.verify()
+    print(f"trainer back by `up`: updates/version {at} -> {now}; flywheel verify exit {code}")
+    assert code == 0, out[-3000:]
+
+
+def test_down_then_up_resumes_the_run(compose: Compose) -> None:
+    at = progress(compose.status())
+    compose.run("down", "--timeout", "60", timeout=300)
+    assert not compose.containers("trainer")
+    compose.up()
+    first = wait_until(lambda: (p := progress(compose.status()))[0] > 0 and p, 600, "the trainer to report after up")
+    now = advancing(compose, at, 600, "updates and version to pass their values at down")
+    print(f"\ndown/up: updates/version at down {at}, first after up {first}, then {now}")
+    # Resumed from the checkpoint (every 50 updates) and the published marker, not from zero.
+    assert first[0] >= at[0] - 60 and first[1] >= at[1] - 60, (at, first)
+    code, out = compose.verify()
+    assert code == 0, out[-3000:]
+
+
+def test_scale_to_four_samplers(compose: Compose) -> None:
+    compose.up("--scale", "sampler=4")
+    assert len(compose.containers("sampler")) == 4
+
+    def four() -> dict[str, Any] | None:
+        st = compose.status()
+        return st if len(live_samplers(st)) >= 4 else None
+    s = wait_until(four, 300, "four live samplers in /status")
+    print(f"\nscaled: live samplers {live_samplers(s)}")
+    assert len(live_samplers(s)) == 4
+    compose.up("--scale", "sampler=1")
+
+
+PRODUCE = """
+import asyncio, os
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import TopicAuthorizationFailedError
+
+async def main():
+    p = AIOKafkaProducer(bootstrap_servers=os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"],
+                         security_protocol=os.environ["FLYWHEEL_KAFKA_SECURITY_PROTOCOL"],
+                         sasl_mechanism=os.environ["FLYWHEEL_KAFKA_SASL_MECHANISM"],
+                         sasl_plain_username=os.environ["FLYWHEEL_KAFKA_SASL_USERNAME"],
+                         sasl_plain_password=os.environ["FLYWHEEL_KAFKA_SASL_PASSWORD"])
+    await p.start()
+    try:
+        await p.send_and_wait("cartpole.policy", b"not a policy")
+        print("WRITTEN as", os.environ["FLYWHEEL_KAFKA_SASL_USERNAME"])
+    except TopicAuthorizationFailedError as exc:
+        print("REFUSED", os.environ["FLYWHEEL_KAFKA_SASL_USERNAME"], type(exc).__name__, exc)
+    finally:
+        await p.stop()
+
+asyncio.run(main())
+"""
+
+
+def test_per_role_identities_refuse_the_sampler_on_the_policy_topic(compose: Compose) -> None:
+    compose.acl = True
+    try:
+        at = progress(compose.status())
+        compose.up()
+        env = compose.exec("sampler", "sh", "-c", "echo $FLYWHEEL_KAFKA_SASL_USERNAME $FLYWHEEL_KAFKA_BOOTSTRAP").stdout
+        assert env.split() == ["sampler", "kafka:9094"], env
+        now = advancing(compose, at, 600, "training under the per-role identities")
+        out = compose.exec("sampler", "python", "-c", PRODUCE, timeout=120, check=False)
+        print(f"\nper-role identities: training goes on {at} -> {now}; sampler writing cartpole.policy: "
+              f"{(out.stdout + out.stderr).strip()[-600:]}")
+        assert "REFUSED sampler TopicAuthorizationFailedError" in out.stdout, out.stdout + out.stderr
+    finally:
+        compose.acl = False

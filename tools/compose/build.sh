@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Everything `make test-compose` needs before `docker compose up`, on a machine that reaches no container
+# registry: the base image (base-image.sh), a wheelhouse, Docker Compose v2 built from the Go module proxy, the
+# stand-in third-party images (deploy/standins/) under the names docker-compose.yml uses, and flywheel:local
+# from deploy/Dockerfile as shipped, with only PYTHON_IMAGE and the pip wheelhouse arguments set. One image at a
+# time (the machine has 2 cores). Caches in $FLYWHEEL_COMPOSE_CACHE (default /var/cache/flywheel-compose),
+# outside the clone. DOCKER_HOST must name the test engine (engine.sh).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+CACHE=${FLYWHEEL_COMPOSE_CACHE:-/var/cache/flywheel-compose}
+COMPOSE_VERSION=${COMPOSE_VERSION:-v2.40.3}
+PY=${PY:-.venv/bin/python}
+export DOCKER_BUILDKIT=0     # the classic builder: Debian's engine has no buildx plugin here
+mkdir -p "$CACHE"
+t0=$(date +%s)
+say() { echo "compose-build [$(( $(date +%s) - t0 )) s]: $*"; }
+
+# ---- Docker Compose v2, a CLI plugin in a private DOCKER_CONFIG (the user's ~/.docker is left alone) ----------
+PLUGIN=$CACHE/docker-compose-$COMPOSE_VERSION
+if [ ! -x "$PLUGIN" ]; then
+  say "building Docker Compose $COMPOSE_VERSION from the Go module proxy (first run only)"
+  # `go install module@version` refuses compose's go.mod (it has exclude directives): build in a copy of the module.
+  src=$(cd /tmp && GOTOOLCHAIN=local GOFLAGS=-mod=mod go mod download -json "github.com/docker/compose/v2@$COMPOSE_VERSION" \
+        | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+  work=$(mktemp -d); cp -r "$src/." "$work"; chmod -R u+w "$work"
+  (cd "$work" && GOTOOLCHAIN=local GOFLAGS=-mod=mod nice go build -trimpath \
+     -ldflags "-s -w -X github.com/docker/compose/v2/internal.Version=$COMPOSE_VERSION" -o "$PLUGIN.partial" ./cmd)
+  mv "$PLUGIN.partial" "$PLUGIN"; rm -rf "$work"
+fi
+mkdir -p "$CACHE/docker-config/cli-plugins"
+ln -sf "$PLUGIN" "$CACHE/docker-config/cli-plugins/docker-compose"
+
+# ---- the base image ---------------------------------------------------------------------------------------
+BASE=$(tools/compose/base-image.sh)
+say "base image $BASE"
+
+# ---- the wheelhouse: every dependency of the project (and the S3 stand-in), for Linux x86_64, CPython 3.11 -------
+WHEELS=$CACHE/wheels
+key=$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -f "$WHEELS/.complete-$key" ]; then
+  say "pip download into $WHEELS (first run, or pyproject.toml changed)"
+  mkdir -p "$WHEELS"
+  python3 -m pip download --quiet --dest "$WHEELS" --python-version 3.11 --only-binary=:all: \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_34_x86_64 --platform linux_x86_64 \
+    . 'setuptools>=68' wheel pip 'moto[server]>=5.1' boto3
+  rm -f "$WHEELS"/.complete-*; touch "$WHEELS/.complete-$key"
+fi
+# Served to the builds on the host's loopback (builds run with --network host).
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+python3 -m http.server --bind 127.0.0.1 --directory "$WHEELS" "$port" >/dev/null 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null || true' EXIT
+for _ in $(seq 1 50); do python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/', timeout=1)" 2>/dev/null && break; sleep 0.2; done
+PIP_ARGS=(--build-arg PIP_NO_INDEX=1 --build-arg "PIP_FIND_LINKS=http://127.0.0.1:$port/")
+
+build() {  # build TAG CONTEXT [docker build args...]
+  local tag=$1 ctx=$2; shift 2
+  local s=$(date +%s)
+  docker build -q --network host --build-arg "BASE_IMAGE=$BASE" "$@" -t "$tag" "$ctx" >/dev/null
+  say "built $tag ($(( $(date +%s) - s )) s)"
+}
+
+# ---- stand-ins for the third-party images (deploy/standins/README.md) ----------------------------------------
+if ! docker image inspect apache/kafka:4.1.1 >/dev/null 2>&1 || [ -n "${REBUILD_STANDINS:-}" ]; then
+  libs=$($PY -c 'from devstack.jars import ensure_kafka_jars; print(ensure_kafka_jars(print))' | tail -n 1)
+  ctx=$(mktemp -d)
+  mkdir -p "$ctx/libs"
+  mvn -q -B -f deploy/standins/kafka/pom-tools.xml dependency:copy-dependencies -DoutputDirectory="$ctx/libs" -DincludeScope=runtime
+  cp "$libs"/*.jar "$ctx/libs/"
+  cp -r deploy/standins/kafka/Dockerfile deploy/standins/kafka/run.py deploy/standins/kafka/bin "$ctx/"
+  cp deploy/kafka/log4j2.properties "$ctx/"
+  build apache/kafka:4.1.1 "$ctx"
+  rm -rf "$ctx"
+fi
+MINIO=quay.io/minio/minio:RELEASE.2025-09-07T16-13-09Z
+MC=quay.io/minio/mc:RELEASE.2025-08-13T08-35-41Z
+if ! docker image inspect "$MINIO" >/dev/null 2>&1 || [ -n "${REBUILD_STANDINS:-}" ]; then
+  build "$MINIO" deploy/standins/minio "${PIP_ARGS[@]}"
+fi
+docker tag "$MINIO" "$MC"     # one stand-in image holds both the server and `mc`
+if ! docker image inspect prom/prometheus:v3.5.0 >/dev/null 2>&1 || [ -n "${REBUILD_STANDINS:-}" ]; then
+  build prom/prometheus:v3.5.0 deploy/standins/prometheus
+fi
+
+# ---- the project's image: deploy/Dockerfile as shipped; only the base image and where pip finds wheels differ ----
+build flywheel:local . -f deploy/Dockerfile --build-arg "PYTHON_IMAGE=$BASE" "${PIP_ARGS[@]}"
+
+say "images:"
+docker image ls --format '  {{.Repository}}:{{.Tag}}  {{.Size}}' | grep -v '<none>' | sort
