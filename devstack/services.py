@@ -177,7 +177,7 @@ def resolve_signing_keys(home: Path, run: str) -> tuple[Path, str]:
     first line's key, every line verifies. To rotate: put a new line first, keep the old one below it, restart the
     services; remove the old line once a newer version is published (docs/security.md).
     """
-    from shared.signing import read_keys
+    from shared.keyfile import read_keys
 
     directory = home / SIGNING_DIR
     directory.mkdir(parents=True, exist_ok=True)

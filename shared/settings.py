@@ -30,6 +30,8 @@ from pydantic import (
     model_validator,
 )
 
+from shared.keyfile import read_keys
+
 ENV_PREFIX = "FLYWHEEL_"
 # Variables with the prefix that are not settings fields.
 NON_SETTING_ENV = {"FLYWHEEL_CONFIG", "FLYWHEEL_HOME", "FLYWHEEL_CACHE", "FLYWHEEL_SAMPLER_ID"}
@@ -462,8 +464,6 @@ class SigningSettings(_Section):
     @field_validator("enabled")
     @classmethod
     def _keys_are_usable(cls, enabled: bool, info: ValidationInfo) -> bool:
-        from shared.signing import read_keys  # no torch, no I/O unless signing is configured
-
         given = info.data
         path: Path | None = given.get("keys_file")
         key_id: str | None = given.get("key_id")

@@ -18,7 +18,7 @@ HMAC means a reader holds the same secret as the signer, so this keeps out whoev
 topic or the store without holding the key (a producer with write access, a misconfigured ACL), not a
 compromised process that holds the key.
 
-This module imports neither torch nor gymnasium (``shared.settings`` uses :func:`parse_keys` at start-up).
+The key file's format and reading are in :mod:`shared.keyfile`, which ``shared.settings`` uses at start-up.
 """
 
 from __future__ import annotations
@@ -26,23 +26,20 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import Counter
+
+from shared.keyfile import read_keys
 
 if TYPE_CHECKING:
     from shared.marker import VersionRecord
     from shared.messages import PolicyMessage
     from shared.settings import Settings, SigningSettings
 
-KEY_ID_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
-MIN_KEY_BYTES = 32
-"""Shortest secret accepted (HMAC-SHA256's block is 64 bytes; 32 random bytes is the usual floor)."""
 DOMAIN = b"flywheel-policy-signature-v1\n"
 """Prefix of every signed message: a signature over policy claims means nothing anywhere else."""
 
@@ -60,46 +57,6 @@ class SignatureRefused(ValueError):
         super().__init__(f"{reason}: {detail}")
         self.reason: Reason = reason
         self.detail = detail
-
-
-def parse_keys(text: str, where: str = "signing.keys_file") -> dict[str, bytes]:
-    """``<key id> <secret hex>`` per line (``#`` comments and blank lines allowed) -> {key id: secret}.
-
-    Raises ValueError naming ``where`` and the line, never echoing a secret."""
-    keys: dict[str, bytes] = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split()
-        if len(parts) != 2:
-            raise ValueError(f"{where} line {number}: expected '<key id> <secret, hex>' (2 fields, got {len(parts)})")
-        key_id, secret = parts
-        if not re.match(KEY_ID_PATTERN, key_id):
-            raise ValueError(f"{where} line {number}: key id {key_id!r} must be 1-64 of letters, digits, '.', '_', '-'")
-        try:
-            raw = bytes.fromhex(secret)
-        except ValueError:
-            raise ValueError(f"{where} line {number}: the secret of key {key_id!r} is not hex") from None
-        if len(raw) < MIN_KEY_BYTES:
-            raise ValueError(f"{where} line {number}: the secret of key {key_id!r} is {len(raw)} bytes, at least "
-                             f"{MIN_KEY_BYTES} (generate one: python -c "
-                             "'import secrets; print(secrets.token_hex(32))')")
-        if key_id in keys:
-            raise ValueError(f"{where} line {number}: key id {key_id!r} is listed twice")
-        keys[key_id] = raw
-    if not keys:
-        raise ValueError(f"{where} lists no key")
-    return keys
-
-
-def read_keys(path: Path) -> dict[str, bytes]:
-    """The keys in ``path``; ValueError naming ``signing.keys_file`` when it is missing, unreadable or malformed."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ValueError(f"signing.keys_file cannot be read: {str(path)!r} ({exc.strerror or exc})") from None
-    return parse_keys(text)
 
 
 def claims(run: str, version: int, sha256: str, size: int, trainer_step: int, lineage: int,

@@ -10,7 +10,7 @@ What is shared (``atari_kwargs``, from ``configs/pong.yaml`` run by 2 samplers):
   over ``anneal_env_steps`` then held, as in ``bench.peers.sb3_peer``), gamma, GAE lambda, entropy coefficient,
   value coefficient / 2 (Flywheel's value loss is 0.5 x MSE, SB3's is MSE: same gradient), gradient clip,
   per-minibatch advantage normalisation, Adam with eps 1e-5 (both);
-- the network: ``shared.rl.cnn.make_torso("nature_cnn", ...)`` itself as SB3's features extractor
+- the network: ``shared.rl.model.make_torso("nature_cnn", ...)`` itself as SB3's features extractor
   (``bench.peers.sb3_minatar_policy.FlywheelTorso``: Mnih et al. 2015, three convolutions and 512 units), shared
   by linear policy and value heads (``net_arch=[]``, ``share_features_extractor=True``), orthogonal init with the
   same gains (sqrt 2 torso, 0.01 policy head, 1 value head);
@@ -112,7 +112,7 @@ def describe(config: Path = CONFIG, torch_threads: int | None = None) -> str:
             f"batch_size {kw['batch_size']}, n_epochs {kw['n_epochs']}, learning_rate {lr}, clip_range {clip}, "
             f"gamma {kw['gamma']}, gae_lambda {kw['gae_lambda']}, ent_coef {kw['ent_coef']}, vf_coef "
             f"{kw['vf_coef']:g} (= {tr.vf_coef} x 0.5 MSE), max_grad_norm {kw['max_grad_norm']}, target_kl {kl}, "
-            f"features extractor shared.rl.cnn {TORSO}, net_arch [], shared torso, normalize_images (uint8 -> 0-1), "
+            f"features extractor shared.rl.model {TORSO}, net_arch [], shared torso, normalize_images (uint8 -> 0-1), "
             f"CPU, {threads} torch threads")
 
 

@@ -9,7 +9,7 @@ What is shared (``minatar_kwargs``, from ``configs/minatar-breakout.yaml`` run b
   linear over ``anneal_env_steps`` then held, as in ``bench.peers.sb3_peer``), gamma, GAE lambda, entropy
   coefficient, value coefficient / 2 (Flywheel's value loss is 0.5 x MSE, SB3's is MSE: same gradient),
   gradient clip, per-minibatch advantage normalisation, Adam with eps 1e-5 (both);
-- the network: ``shared.rl.cnn.make_torso("minatar_cnn", ...)`` itself as SB3's features extractor (one 3x3
+- the network: ``shared.rl.model.make_torso("minatar_cnn", ...)`` itself as SB3's features extractor (one 3x3
   convolution of 16 channels, ReLU, flatten, 128 units, ReLU; Young & Tian 2019), shared by linear policy and
   value heads (``net_arch=[]``, ``share_features_extractor=True``), orthogonal init with the same gains
   (sqrt 2 torso, 0.01 policy head, 1 value head);
@@ -101,7 +101,7 @@ def describe(config: Path = CONFIG) -> str:
             f"{kw['batch_size']}, n_epochs {kw['n_epochs']}, learning_rate {lr}, clip_range {clip}, gamma "
             f"{kw['gamma']}, gae_lambda {kw['gae_lambda']}, ent_coef {kw['ent_coef']}, vf_coef {kw['vf_coef']:g} "
             f"(= {tr.vf_coef} x 0.5 MSE), max_grad_norm {kw['max_grad_norm']}, target_kl {kl}, features "
-            "extractor shared.rl.cnn minatar_cnn (conv 3x3 16, 128 units), net_arch [], shared torso, "
+            "extractor shared.rl.model minatar_cnn (conv 3x3 16, 128 units), net_arch [], shared torso, "
             "normalize_images (uint8 0/255 frames -> 0/1), CPU, 1 torch thread")
 
 

@@ -8,11 +8,11 @@ import gymnasium as gym
 import torch
 from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 
-from shared.rl.cnn import Torso, image_layout, make_torso
+from shared.rl.model import Torso, image_layout, make_torso
 
 
 class FlywheelTorso(BaseFeaturesExtractor):
-    """A torso of Flywheel's ``shared.rl.cnn.make_torso`` (``kind``: ``nature_cnn`` or ``minatar_cnn``) as an SB3
+    """A torso of Flywheel's ``shared.rl.model.make_torso`` (``kind``: ``nature_cnn`` or ``minatar_cnn``) as an SB3
     features extractor, so the layers and their initialisation cannot drift apart. Input: SB3's preprocessed
     observations, channels first ``[B, C, H, W]`` scaled to 0-1 (after ``VecTransposeImage`` and
     ``normalize_images``; stacked frames are channels); output ``[B, width]`` (512 for the Nature CNN, 128 for

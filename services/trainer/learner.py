@@ -16,9 +16,8 @@ from services.trainer.ranks import Ranks
 from services.trainer.update import UpdateConfig, UpdateStats, ppo_update
 from shared.fragment import Fragment, FragmentSpec
 from shared.rl.arch import PolicyArch
-from shared.rl.cnn import ImageActorCritic
 from shared.rl.frames import stack_frames
-from shared.rl.model import ActorCritic, load_weights, update_moments, weights_to_bytes
+from shared.rl.model import ActorCritic, ImageActorCritic, load_weights, update_moments, weights_to_bytes
 from shared.settings import TrainerSettings
 
 

@@ -14,8 +14,7 @@ import numpy as np
 import torch
 
 from shared.fragment import FragmentSpec
-from shared.rl.cnn import ImageActorCritic
-from shared.rl.model import ActorCritic, load_weights
+from shared.rl.model import ActorCritic, ImageActorCritic, load_weights
 
 
 class TorchPolicy:

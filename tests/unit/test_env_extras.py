@@ -49,7 +49,8 @@ def test_a_missing_package_is_refused_naming_it_and_the_command(absent: set[str]
 
 def test_an_installed_package_is_not_missing() -> None:
     assert missing_extra("CartPole-v1") is None  # gymnasium alone
-    assert missing_extra("ALE/Pong-v5") == (None if envs_mod.importlib.util.find_spec("ale_py") else ("atari", "ale_py"))
+    installed = envs_mod.importlib.util.find_spec("ale_py") is not None
+    assert missing_extra("ALE/Pong-v5") == (None if installed else ("atari", "ale_py"))
 
 
 def test_up_refuses_the_config_in_one_line_before_any_service(absent: set[str]) -> None:

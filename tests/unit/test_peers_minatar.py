@@ -66,7 +66,7 @@ def _sb3_policy() -> ActorCriticCnnPolicy:
 
 
 def test_sb3_network_is_flywheels_minatar_cnn() -> None:
-    from shared.rl.cnn import ImageActorCritic
+    from shared.rl.model import ImageActorCritic
 
     fw = ImageActorCritic((10, 10, 4), 3, "minatar_cnn")
     sb = _sb3_policy()

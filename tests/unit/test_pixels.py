@@ -265,7 +265,7 @@ def test_only_the_env_ids_package_is_imported() -> None:
 def test_a_cnn_evaluates_both_heads_from_one_pass_of_its_torso() -> None:
     """An update step needs log-probs, entropy and values: one torso pass gives all three, with the values and
     gradients of the separate ``logp_entropy`` and ``value`` passes (which ran the convolutions twice)."""
-    from shared.rl.cnn import ImageActorCritic
+    from shared.rl.model import ImageActorCritic
 
     torch.manual_seed(0)
     model = ImageActorCritic(FRAME, 3, "minatar_cnn", frame_stack=2)

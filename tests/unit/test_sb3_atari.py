@@ -121,7 +121,7 @@ def test_sb3_network_is_flywheels_nature_cnn() -> None:
     from stable_baselines3.common.policies import ActorCriticCnnPolicy
 
     from bench.peers.sb3_minatar_policy import FlywheelTorso
-    from shared.rl.cnn import ImageActorCritic, make_torso
+    from shared.rl.model import ImageActorCritic, make_torso
 
     assert isinstance(sb, ActorCriticCnnPolicy)
     extractor = sb.features_extractor

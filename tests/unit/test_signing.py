@@ -34,6 +34,7 @@ from services.trainer.learner import Learner
 from services.trainer.service import Trainer
 from shared.bus import MemoryBus, Record
 from shared.kafka import Topics
+from shared.keyfile import parse_keys
 from shared.marker import VersionedStore, VersionRecord
 from shared.messages import KEY_ANNOUNCE, KEY_CANDIDATE, PolicyMessage, SamplerBeat
 from shared.rl.envs import fragment_spec
@@ -46,7 +47,6 @@ from shared.signing import (
     PolicySigner,
     PolicyVerifier,
     SignatureRefused,
-    parse_keys,
     startup_problem,
 )
 from shared.store import open_store
