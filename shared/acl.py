@@ -58,6 +58,7 @@ class Op(IntEnum):
     CREATE = 5
     DELETE = 6
     DESCRIBE = 8
+    DESCRIBE_CONFIGS = 10
 
 
 ALLOW = 3
@@ -111,7 +112,8 @@ def role_acls(run: str) -> dict[str, list[Acl]]:
         ),
         "paramsync": grants(
             "paramsync",
-            (topic, lit, t.policy, (r, w)),  # candidates in, announcements out
+            (topic, lit, t.policy, (r, w, Op.DESCRIBE_CONFIGS)),  # candidates in, announcements out; its
+            # max.message.bytes caps inline policies (shared.kafka.topic_max_message_bytes)
             (topic, lit, t.heartbeats, (r, w)), (topic, lit, t.control, (r,)),
             (group, lit, paramsync_group(run), (r, d)),
         ),

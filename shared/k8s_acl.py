@@ -63,7 +63,7 @@ def strimzi_acls(acls: Sequence[Acl]) -> list[dict[str, Any]]:
     ops: dict[tuple[str, str, str], set[str]] = {}
     for acl in acls:
         key = (acl.resource.name.lower(), acl.name, _PATTERN[acl.pattern])
-        ops.setdefault(key, set()).add(acl.op.name.capitalize())
+        ops.setdefault(key, set()).add("".join(word.capitalize() for word in acl.op.name.split("_")))  # DescribeConfigs
     return [{"resource": {"type": kind, "name": name, "patternType": pattern},
              "operations": sorted(ops[kind, name, pattern])} for kind, name, pattern in sorted(ops)]
 

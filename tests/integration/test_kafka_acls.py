@@ -31,7 +31,16 @@ from aiokafka.errors import (
 import devstack
 from devstack import InfraEndpoints, StackError
 from shared.acl import ROLES, AclError, Op, create_acls, provision_run, role_acls
-from shared.kafka import LagProbe, Topics, client_security, ensure_topics, make_consumer, make_producer, trainer_group
+from shared.kafka import (
+    LagProbe,
+    Topics,
+    client_security,
+    ensure_topics,
+    make_consumer,
+    make_producer,
+    topic_max_message_bytes,
+    trainer_group,
+)
 from shared.settings import Settings, load_settings
 
 pytestmark = [
@@ -132,6 +141,9 @@ async def test_a_sampler_writes_samples_and_reads_policy_but_may_not_read_sample
     sample_offset = await produce(sampler, t.samples, b"fragment")
     await produce(sampler, t.heartbeats, b"beat")
     announced = await produce(paramsync, t.policy, b"announce-1")
+    # paramsync caps inline policies by the policy topic's max.message.bytes (DescribeConfigs on that topic only).
+    assert await bounded(topic_max_message_bytes(paramsync, t.policy)) is not None
+    assert await bounded(topic_max_message_bytes(paramsync, t.samples)) is None
     assert await read_one(sampler, t.policy, announced) == b"announce-1"
     command = await produce(settings_as(acl_broker, run_name, "admin"), t.control, b"sync")
     assert await read_one(sampler, t.control, command) == b"sync"
