@@ -48,7 +48,7 @@ from devstack.procs import file_lock, is_running, marked, read_cmdline, terminat
 
 KAFKA_IMAGE = "apache/kafka:4.1.1"
 MINIO_IMAGE = "minio/minio:RELEASE.2025-09-07T16-13-09Z"
-READY_TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 240.0  # a guard: a cold Kafka takes ~20 s alone, minutes on a loaded 2-core machine
 REUSE_VAR = "FLYWHEEL_TEST_INFRA_REUSE"
 """Set to 1 to keep the test Kafka + S3 running after the session (the next session reuses them)."""
 SESSION_MARK = "FLYWHEEL_TEST_SESSION"

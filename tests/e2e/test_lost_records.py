@@ -43,7 +43,9 @@ async def _delete_records(bootstrap: str, tp: TopicPartition, before: int) -> in
 
 def test_records_deleted_before_training_are_reported_and_fail_verify(make_stack: Any, run_name: str,
                                                                        kafka_bootstrap: str) -> None:
-    stack = make_stack(18300, env={"FLYWHEEL_TRAINER_CHECKPOINT_EVERY": "5"})
+    # A window of 16 fragments in flight: with CartPole's default of 4 over 4 partitions the samplers may well
+    # have at most one untrained record on every partition when the trainer stops, and the test needs two on one.
+    stack = make_stack(18300, env={"FLYWHEEL_TRAINER_CHECKPOINT_EVERY": "5", "FLYWHEEL_TRAINER_FLOW_WINDOW": "16"})
     stack.up(samplers=2, prometheus=False)
     wait_until(lambda: status(stack)["trainer"]["updates"] >= 10, 120, "10 updates")
     code, out = _verify(stack)
@@ -57,7 +59,7 @@ def test_records_deleted_before_training_are_reported_and_fail_verify(make_stack
         ends: dict[int, int] = {}
         for p, off in asyncio.run(read_topic(kafka_bootstrap, topic)):
             ends[p] = max(ends.get(p, 0), off + 1)
-        # Flow control lets the samplers run only a window ahead of the trainer: a few records per partition.
+        # Flow control lets the samplers run only a window ahead of the trainer: 16 fragments over 4 partitions.
         ready = [(p, frontier.get(p, 0), end) for p, end in sorted(ends.items()) if end - frontier.get(p, 0) >= 2]
         return ready[0] if ready else None
 
