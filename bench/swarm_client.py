@@ -163,7 +163,7 @@ class Swarm:
         self.verifier = PolicyVerifier.from_settings(settings)
         self.log = get_logger(swarm=ids[0] if ids else "")
         self.started_at = time.time()
-        self.grants = self.announced = self.refused = 0
+        self.grants = self.announced = self.refused = self.beats = self.beats_failed = 0
         self._pending: set[asyncio.Task[Any]] = set()
 
     @staticmethod
@@ -214,7 +214,15 @@ class Swarm:
         task = asyncio.ensure_future(self.producer.send(self.topics.heartbeats, beat.to_bytes(),
                                                         key=ident.id.encode()))
         self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        self.beats += 1
+        task.add_done_callback(self._beat_done)
+
+    def _beat_done(self, task: asyncio.Future[Any]) -> None:
+        """A heartbeat the producer could not take (its buffer full for ``request_timeout_ms``: the brokers
+        are behind) is counted, as the sampler skips it until the next beat."""
+        self._pending.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            self.beats_failed += 1
 
     async def heartbeats(self, stop: asyncio.Event) -> None:
         """Every identity beats every ``heartbeat_interval_s``, spread over the interval."""
@@ -247,7 +255,8 @@ class Swarm:
     def result(self) -> dict[str, Any]:
         return {"identities": len(self.identities), "adoptions": self.adoptions.as_dict(),
                 "fragments": sum(i.sender.fragments for i in self.identities), "grants_read": self.grants,
-                "announcements": self.announced, "refused": self.refused,
+                "announcements": self.announced, "refused": self.refused, "heartbeats": self.beats,
+                "heartbeats_failed": self.beats_failed,
                 "without_policy": sum(1 for i in self.identities if i.version is None)}
 
 

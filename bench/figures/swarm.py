@@ -367,6 +367,9 @@ def measure(ctx: Context, samplers: int, design: str, warmup_s: float, window_s:
         "credits_bps_total": sum(credit_parts.values()), "credits_records_per_s": reader.records[topics.credits] / dt,
         "credits_bps_per_sampler": reads["per_sampler_mean"], "credits_bps_per_sampler_max": reads["per_sampler_max"],
         "credits_bps_fleet": reads["fleet"],
+        # One grant record per partition per pass: passes/s = records/s / partitions; what a sampler reads a pass.
+        "credits_bytes_per_sampler_per_pass": reads["per_sampler_mean"] / (reader.records[topics.credits] / dt / parts)
+        if reader.records[topics.credits] else float("nan"),
         "policy_bps": policy_bps, "policy_records_per_s": reader.records[topics.policy] / dt,
         "policy_bps_fleet": policy_bps * len(ids), "reader_error": reader.error,
         "sync_s": {"p50": percentile(lat, 0.5), "p99": percentile(lat, 0.99), "max": max(lat, default=float("nan")),
@@ -446,6 +449,7 @@ def run(ctx: Context) -> FigureResult:
             rows.append(
                 f"| {n} | {design} ({r['credits_partitions']}) | {_f(r['credits_bps_total'])} "
                 f"({_f(r['credits_records_per_s'], 1)} rec/s) | {_f(r['credits_bps_per_sampler'])} "
+                f"| {_f(r['credits_bytes_per_sampler_per_pass'])} "
                 f"| {_f(r['credits_bps_fleet'] / 1e6, 2)} | {_f(r['policy_bps'])} ({_f(r['policy_records_per_s'], 1)}"
                 f" rec/s) | {_f(c.get('brokers'), 2)} | {_f(r['sync_s']['p50'], 3)} / {_f(r['sync_s']['p99'], 3)} "
                 f"({r['sync_s']['versions']}, {r['sync_s']['versions_not_reached']} missed) "
@@ -456,6 +460,8 @@ def run(ctx: Context) -> FigureResult:
                 f"| {_f(r['updates_per_s'], 1)} | {_f(c.get('swarm'), 2)} | {_f(c.get('paramsync'), 2)} "
                 f"| {_f(c['machine'], 2)} (other {_f(r['other_cores'], 2)}) | {_f(r['load']['before'], 1)} -> "
                 f"{_f(r['load']['after'], 1)} |")
+    beats = [f"{k}: {sum(p.get('heartbeats_failed', 0) for p in r['swarm']):,} of "
+             f"{sum(p.get('heartbeats', 0) for p in r['swarm']):,}" for k, r in res.items()]
     srows = [f"| {k} | {_f(r['sampler']['rss_mib'])} | {_f(r['sampler']['cpu_cores'], 3)} "
              f"| {r['sampler']['torch_mapped']} | {r['sampler']['onnxruntime_mapped']} |" for k, r in res.items()]
     details = "\n".join([
@@ -465,13 +471,17 @@ def run(ctx: Context) -> FigureResult:
         f"{os.cpu_count()} cores.",
         "",
         "| identities | design (credits partitions) | credits B/s written | credits B/s read per sampler "
+        "| credits B read per sampler per grant pass "
         "| credits MB/s read by all samplers | policy B/s (each sampler reads all) | broker CPU (cores, 3 JVMs) "
         "| sync p50 / p99 s (versions, missed) | from the trainer's send p50 / p99 s "
         "| paramsync's `policy_synced` p50 / p99 s "
         "| lag at training time: mean / max bucket | trainer cores (share of busy CPU) | updates/s "
         "| swarm cores | paramsync cores | machine busy cores | load 1m |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
+        "",
+        "Identities' heartbeats the swarm's producers could not send (buffer full for `request_timeout_ms`: the "
+        "brokers behind), of those sent, over each run's whole life: " + "; ".join(beats) + ".",
         "",
         "One real sampler process (`python -m services.sampler`, `sampler.inference: auto`) beside the swarm, over "
         "the same window (it waits for its turn most of the time: its idle cost):",

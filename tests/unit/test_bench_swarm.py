@@ -53,7 +53,8 @@ def test_adoptions_count_skipped_versions_as_reached() -> None:
 
 def test_sync_latencies_need_every_identity() -> None:
     published = {4: 100.0, 5: 101.0, 6: 200.0}
-    procs = [{"4": [2, 100.1, 100.3], "5": [2, 101.2, 101.5]}, {"4": [1, 100.2, 100.4], "5": [0, 0, 0]}]
+    procs: list[dict[str, list[float]]] = [{"4": [2, 100.1, 100.3], "5": [2, 101.2, 101.5]},
+                                           {"4": [1, 100.2, 100.4], "5": [0, 0, 0]}]
     lat, missed = sync_latencies(published, procs, identities=3, t0=99.0, t1=150.0)
     assert len(lat) == 1 and math.isclose(lat[0], 0.4)
     assert missed == 1  # version 5 reached 2 of 3; version 6 is outside the window
