@@ -365,8 +365,10 @@ class LocalStack:
                 multihost.ensure_network(self.home, plan, self._progress)
             self.endpoints(timeout_s)
             self._progress(f"admin token: {self.admin_token_source}")
+            checking = time.monotonic()
             validate_config(self.config, self.service_env("trainer"), install_extras=install_extras,
                             progress=self._progress)
+            deadline += time.monotonic() - checking  # installing an extra takes minutes: not the services' time
             for replica in self.state.samplers():
                 if replica >= samplers:
                     self.stop("sampler", replica)
