@@ -19,12 +19,13 @@ REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("FLYWHEEL_COMPOSE_CACHE", "/var/cache/flywheel-compose"))
 TEST_SOCKET = "unix:///run/flywheel-test-docker.sock"
 PROJECT = "flywheel-compose-test"
-ADMIN = "http://127.0.0.1:8080"
+ADMIN_PORT_OVERRIDE = "tools/compose/admin-port.yml"
 ACL_OVERRIDE = "deploy/kafka/compose.acl.yml"
 # Every service but Grafana, whose image has no stand-in (docs/local-stack.md, "Stand-in images"); the
 # dependencies (kafka, minio, minio-init) come with them.
-SERVICES = ["kafka", "minio", "minio-init", "prometheus", "trainer", "paramsync", "admin", "sampler"]
-ACL_INIT = ["kafka-users", "kafka-init", "minio-roles-init"]
+# The one-shot init services (minio-init; the override's kafka-users, kafka-init, minio-roles-init) come as
+# dependencies.
+SERVICES = ["kafka", "minio", "prometheus", "trainer", "paramsync", "admin", "sampler"]
 
 # Collected only under `make test-compose` (which starts the test engine and builds the images first), never
 # by `make test`.
@@ -49,16 +50,20 @@ def wait_until(check: Callable[[], Any], timeout_s: float, what: str, interval: 
 class Compose:
     """`docker compose` on the test engine, for one project; ``acl`` adds the per-role identity override."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, admin_port: int = 8080) -> None:
         self.token = token
         self.acl = False
+        self.admin_port = admin_port
+        self.admin = f"http://127.0.0.1:{admin_port}"
         self.env = {**os.environ, "DOCKER_HOST": TEST_SOCKET, "DOCKER_CONFIG": str(CACHE / "docker-config"),
-                    "FLYWHEEL_ADMIN_TOKEN": token, "COMPOSE_PROJECT_NAME": PROJECT}
+                    "FLYWHEEL_ADMIN_TOKEN": token, "COMPOSE_PROJECT_NAME": PROJECT,
+                    "FLYWHEEL_COMPOSE_ADMIN_PORT": str(admin_port)}
         for k in ("COMPOSE_PROFILES", "COMPOSE_FILE"):
             self.env.pop(k, None)
 
     def files(self) -> list[str]:
-        return ["-f", "docker-compose.yml", *(["-f", ACL_OVERRIDE] if self.acl else [])]
+        return ["-f", "docker-compose.yml", *(["-f", ACL_OVERRIDE] if self.acl else []),
+                *(["-f", ADMIN_PORT_OVERRIDE] if self.admin_port != 8080 else [])]
 
     def run(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
         cmd = ["docker", "compose", *self.files(), *args]
@@ -75,9 +80,22 @@ class Compose:
                                  f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
         return out
 
-    def up(self, *extra: str, services: list[str] | None = None) -> None:
-        self.run("up", "-d", "--no-build", "--wait", "--wait-timeout", "600", *extra,
-                 *(services or (SERVICES + (ACL_INIT if self.acl else []))), timeout=900)
+    def up(self, *extra: str, timeout_s: float = 900) -> None:
+        """`up -d` of every service but Grafana, then until each of their containers is running and healthy."""
+        self.run("up", "-d", "--no-build", *extra, *SERVICES, timeout=timeout_s)
+
+        def healthy() -> bool | str:
+            bad = []
+            for service in SERVICES:
+                ids = self.containers(service)
+                for info in (self.inspect(c) for c in ids):
+                    state = info["State"]
+                    if not state["Running"] or state.get("Health", {}).get("Status", "healthy") != "healthy":
+                        bad.append(f"{service}: {state['Status']}/{state.get('Health', {}).get('Status')}")
+                if not ids:
+                    bad.append(f"{service}: no container")
+            return not bad or "; ".join(bad)
+        wait_until(lambda: healthy() is True, timeout_s, "every service running and healthy", interval=5)
 
     def containers(self, service: str) -> list[str]:
         return [c for c in self.run("ps", "-q", service).stdout.split() if c]
@@ -91,7 +109,7 @@ class Compose:
         return self.run("exec", "-T", service, *cmd, timeout=timeout, check=check)
 
     def status(self) -> dict[str, Any]:
-        r = httpx.get(f"{ADMIN}/status", headers={"Authorization": f"Bearer {self.token}"}, timeout=10)
+        r = httpx.get(f"{self.admin}/status", headers={"Authorization": f"Bearer {self.token}"}, timeout=10)
         r.raise_for_status()
         body: dict[str, Any] = r.json()
         return body
@@ -112,10 +130,13 @@ def compose() -> Any:
                             env={**os.environ, "DOCKER_HOST": TEST_SOCKET})
     if engine.returncode != 0:
         pytest.fail(f"no test engine on {TEST_SOCKET}: run `make test-compose` (tools/compose/engine.sh start)")
-    busy = subprocess.run(["ss", "-Hltn", "sport = :8080"], capture_output=True, text=True).stdout.strip()
-    if busy:
-        pytest.fail(f"127.0.0.1:8080 is taken on this machine (the compose file publishes admin there): {busy}")
-    c = Compose(secrets.token_hex(32))
+    busy = subprocess.run(["ss", "-Hltnp", "sport = :8080"], capture_output=True, text=True).stdout.strip()
+    port = 8080
+    if busy:  # e.g. `make up`'s local-process stack beside the suite: admin published elsewhere, said loudly
+        port = int(os.environ.get("FLYWHEEL_COMPOSE_ADMIN_PORT", "18080"))
+        print(f"\ncompose: 127.0.0.1:8080 is taken on this machine ({busy}); admin is published on "
+              f"127.0.0.1:{port} instead ({ADMIN_PORT_OVERRIDE})")
+    c = Compose(secrets.token_hex(32), port)
     c.run("down", "-v", "--remove-orphans", check=False)  # what an interrupted run left
     t0 = time.monotonic()
     try:

@@ -58,7 +58,9 @@ def test_flywheel_image_starts_with_a_read_only_root_filesystem(compose: Compose
                          "-c", "import services.trainer.__main__, services.sampler.__main__, "
                          "services.paramsync.__main__, services.admin.__main__; "
                          "from shared.settings import load_settings; "
-                         "print(load_settings('/app/configs/cartpole.yaml', {}).run)", timeout=300)
+                         "from services.trainer.tracking import Tracker; "
+                         "s = load_settings('/app/configs/cartpole.yaml', {}); Tracker.from_settings(s); "
+                         "print(s.run)", timeout=300)
     assert out.stdout.strip().endswith("cartpole"), out.stdout + out.stderr
 
 

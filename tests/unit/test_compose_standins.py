@@ -94,3 +94,12 @@ def test_the_test_engine_never_uses_the_default_socket() -> None:
     assert "--iptables=false" in engine
     makefile = (REPO / "Makefile").read_text()
     assert "elif docker info >/dev/null 2>&1; then" in makefile  # make up's detection, unchanged
+
+
+def test_images_give_the_non_root_user_a_writable_flywheel_home() -> None:
+    """The trainer writes TensorBoard files under $FLYWHEEL_HOME (default .flywheel in the working directory, /app,
+    which the image's user cannot write): seen in make test-compose, the trainer stopped with PermissionError."""
+    for name in ("Dockerfile", "Dockerfile.sampler", "Dockerfile.trainer"):
+        text = (REPO / "deploy" / name).read_text()
+        runtime = text[text.rindex("FROM "):]
+        assert "ENV FLYWHEEL_HOME=/tmp/" in runtime, f"{name}: no writable FLYWHEEL_HOME for the non-root user"

@@ -1,5 +1,6 @@
 """`minio server DIR [--console-address ...]` for the stand-in image: moto's S3 server on :9000, its objects
 restored from DIR at start and written back to DIR (one file per object) every second and at SIGTERM."""
+import logging
 import os
 import signal
 import sys
@@ -58,6 +59,7 @@ def main(argv: list[str]) -> int:
         print("minio stand-in: usage: minio server DIR [--console-address ADDR]", file=sys.stderr)
         return 2
     root = Path(argv[1])
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not one access line a second for the snapshots
     server = ThreadedMotoServer(ip_address="0.0.0.0", port=PORT, verbose=False)
     server.start()
     s3 = client()
