@@ -36,9 +36,10 @@ say "base image $BASE"
 
 # ---- the wheelhouse: every dependency of the project (and the S3 stand-in), for Linux x86_64, CPython 3.11 -------
 WHEELS=$CACHE/wheels
-key=$(sha256sum pyproject.toml | cut -c1-16)
+# Keyed by what the wheelhouse holds (the dependencies and build requirements), not by the rest of pyproject.toml.
+key=$(python3 -c 'import tomllib, json, hashlib; p = tomllib.load(open("pyproject.toml", "rb")); print(hashlib.sha256(json.dumps([p["project"]["dependencies"], p["build-system"]["requires"], "moto[server]>=5.1 boto3"]).encode()).hexdigest()[:16])')
 if [ ! -f "$WHEELS/.complete-$key" ]; then
-  say "pip download into $WHEELS (first run, or pyproject.toml changed)"
+  say "pip download into $WHEELS (first run, or the dependencies changed)"
   mkdir -p "$WHEELS"
   python3 -m pip download --quiet --dest "$WHEELS" --python-version 3.11 --only-binary=:all: \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_27_x86_64 \
