@@ -54,6 +54,8 @@ class GuardShell:
         self.log = log
         self.holder = holder
         self.pinned: set[int] = set()
+        self.restoring: int | None = None
+        """The version of the rollback requested and not yet followed: pinned until the trainer follows it."""
 
     def observe(self, now: float, version: int, mean: float | None, episodes: int, stats: Any) -> None:
         """After every update (no I/O: pins are written by :meth:`check`)."""
@@ -62,6 +64,7 @@ class GuardShell:
     def followed(self, version: int) -> None:
         """The trainer adopted a rollback to ``version`` (pins of the versions dropped are released by the
         next :meth:`check`)."""
+        self.restoring = None
         self.guard.followed(version)
 
     def note_revision(self, now: float, revision: int, changed_keys: list[str], actor: str | None) -> None:
@@ -107,6 +110,16 @@ class GuardShell:
 
     def _carry_out(self, decision: Decision, base: Settings, settings: Settings) -> dict[str, Any]:
         assert decision.to_version is not None
+        # Pinned before it is requested: a holder seen since the last pin sync may be the target, and paramsync must
+        # still have it when it takes the request (kept until the trainer follows the rollback).
+        self.restoring = decision.to_version
+        try:
+            self.policies.pin(decision.to_version, self.holder, PIN_TTL_S)
+            self.pinned.add(decision.to_version)
+        except Exception as exc:  # the rollback goes on: paramsync still has a version this recent, as a rule
+            if not is_transient(exc):
+                raise
+            self.log.warning("guard_pin_failed", version=decision.to_version, error=describe(exc))
         request_id = new_request_id()
         create_request(self.store, self.run, request_id, decision.to_version, GUARD_ACTOR)
         out: dict[str, Any] = {"request_id": request_id}
@@ -125,7 +138,7 @@ class GuardShell:
     def _sync_pins(self) -> None:
         """Pin every version a decision could restore (the best holders and the explosion fallback, the last
         healthy version), unpin the rest."""
-        keep = set(self.guard.restorable_versions())
+        keep = set(self.guard.restorable_versions()) | ({self.restoring} if self.restoring is not None else set())
         for v in sorted(keep - self.pinned):
             self.policies.pin(v, self.holder, PIN_TTL_S)
             self.pinned.add(v)
