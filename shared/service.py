@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
 import sys
@@ -134,6 +135,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+STOP_AFTER_FAILURE_S = 60.0
+"""How long a service whose run failed may take to stop before the process exits without a clean stop (a
+trainer rank whose collective failed was seen to hang in its stop for good while its peer kept re-joining)."""
+
+
 async def serve(svc: Service, settings: Settings, app: Any | None = None) -> None:
     """Run ``svc`` with its HTTP server until SIGTERM/SIGINT; then stop it cleanly."""
     import uvicorn
@@ -164,7 +170,15 @@ async def serve(svc: Service, settings: Settings, app: Any | None = None) -> Non
         else:
             log.info("stopping", reason="signal" if stop_event.is_set() else "run returned")
         try:
-            await svc.stop()
+            if failed is None or isinstance(failed, asyncio.CancelledError | KeyboardInterrupt):
+                await svc.stop()
+            else:
+                try:
+                    await asyncio.wait_for(svc.stop(), STOP_AFTER_FAILURE_S)
+                except TimeoutError:
+                    log.error("stop_timed_out", after_s=STOP_AFTER_FAILURE_S,
+                              detail="the run had failed and the stop did not finish: exiting without it")
+                    os._exit(1)  # a thread stuck in the stop would keep the interpreter from exiting
         finally:
             server.should_exit = True
             await http_task
