@@ -165,12 +165,13 @@ async def serve(svc: Service, settings: Settings, app: Any | None = None) -> Non
         failed = exc
         raise
     finally:
-        if failed is not None and not isinstance(failed, asyncio.CancelledError | KeyboardInterrupt):
+        run_failed = failed is not None and not isinstance(failed, asyncio.CancelledError | KeyboardInterrupt)
+        if run_failed:
             log.error("stopping", reason="failed", error=f"{type(failed).__name__}: {failed}"[:500])
         else:
             log.info("stopping", reason="signal" if stop_event.is_set() else "run returned")
         try:
-            if failed is None or isinstance(failed, asyncio.CancelledError | KeyboardInterrupt):
+            if not run_failed:
                 await svc.stop()
             else:
                 try:
