@@ -131,7 +131,9 @@ class Status(BaseModel):
     staleness: StalenessStatus
     episode_return: ReturnStatus
     services: dict[str, ServiceHealth] = Field(
-        default_factory=dict, description="trainer, paramsync and sampler:<id>: alive, ok or degraded, restarts")
+        default_factory=dict, description="trainer, paramsync and sampler:<id>: alive, ok or degraded, restarts; "
+        "kafka: the run's topics as admin describes them (degraded: a partition under-replicated or offline, named in "
+        "reasons.replication; unknown: not described for 30 s)")
 
 
 class SyncAccepted(BaseModel):
@@ -196,6 +198,9 @@ def create_app(state: AdminState) -> FastAPI:
 
         services = {"trainer": health("trainer", v.trainer), "paramsync": health("paramsync", v.paramsync)}
         services.update({f"sampler:{sid}": health(f"sampler:{sid}", seen) for sid, seen in sorted(v.samplers.items())})
+        if s.replication is not None:  # the run's topics as the cluster's metadata says (admin describes them)
+            kstate, kreasons = s.replication.health(now)
+            services["kafka"] = ServiceHealth(alive=True, state=kstate, reasons=kreasons, restarts=0)
         return Status(
             run=s.settings.run,
             services=services,

@@ -3,7 +3,9 @@
 Kafka is reached only through ``shared.bus`` (a :class:`~shared.bus.Bus` passed in, ``kafka_bus`` by default,
 ``MemoryBus`` in unit tests): a tail of ``<run>.heartbeats`` (from ``HEARTBEAT_HISTORY`` records back, then
 as they come, with ``shared.retry.read_forever``), a lag reader asked every ``admin.refresh_interval_s``
-(a named ``shared.retry.every`` task), and the publisher of operator commands.
+(a named ``shared.retry.every`` task), and the publisher of operator commands. Beside the bus, with a real Kafka
+(no ``bus`` passed in), a :class:`~services.admin.replication.ReplicationWatch` describes the run's topics every
+``admin.refresh_interval_s`` (under-replicated and offline partitions: ``services.kafka`` in ``/status``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from prometheus_client import Gauge
 
+from services.admin.replication import ReplicationWatch
 from services.admin.rollbacks import RollbackRequests
 from shared.bus import Bus, Record, kafka_bus
 from shared.kafka import Topics, trainer_group
@@ -92,6 +95,9 @@ class AdminState:
         self.verifier = PolicyVerifier.from_settings(settings)
         self.refusals = Refusals("admin", self.log)
         self.alive_after_s = settings.paramsync.sampler_timeout_s
+        self.replication = ReplicationWatch(settings, list(vars(self.topics).values()), self.log) \
+            if bus is None else None
+        """None with a bus passed in (``MemoryBus`` in unit tests): no cluster to describe."""
 
     async def start(self) -> None:
         timeout_s = self.settings.kafka.request_timeout_ms / 1000
@@ -103,13 +109,18 @@ class AdminState:
 
     async def run(self, stop_event: asyncio.Event) -> None:
         self.retry.stop_event = stop_event
+        periodic = [every(lambda: self.settings.admin.refresh_interval_s, self.refresh_lag, name="lag", log=self.log,
+                          stop_event=stop_event)]
+        if self.replication is not None:
+            periodic.append(every(lambda: self.settings.admin.refresh_interval_s, self.replication.check,
+                                  name="replication", log=self.log, stop_event=stop_event))
         await run_until_first_error(
-            every(lambda: self.settings.admin.refresh_interval_s, self.refresh_lag, name="lag", log=self.log,
-                  stop_event=stop_event),
-            beside=[read_forever(self.heartbeats, self._on_heartbeat, name="heartbeats", log=self.log)])
+            *periodic, beside=[read_forever(self.heartbeats, self._on_heartbeat, name="heartbeats", log=self.log)])
 
     async def stop(self) -> None:
         await stop_clients([self.heartbeats, self.lag_reader, self.producer], self.log)
+        if self.replication is not None:
+            await self.replication.stop()
 
     def health(self) -> dict[str, Any]:
         return {"ok": self._started, **self.health_state.as_dict()}
