@@ -2,7 +2,8 @@
 
 These tests make network namespaces, veth links, a bridge and iptables rules, and run a 3-broker, 2-rank stack for
 several minutes, so they run only when selected with ``-m hosts`` (``make test`` never runs them), as root, on a
-machine where ``ip netns`` and ``iptables`` work, and when no other multi-host stack runs on the machine.
+machine where ``ip netns`` and ``iptables`` work, and when no other multi-host stack runs on the machine. The soak
+(``test_soak.py``, ``-m soak``, ``make test-soak``) uses the same stack and runs only when selected with ``-m soak``.
 
 One stack serves the whole session (``net``): the must-show first (``test_multihost_stack.py``), then the
 partition rows in file order (``test_partitions.py``); at the end ``docs/reliability-network.md`` is written from
@@ -27,11 +28,23 @@ CHECKPOINT_EVERY = 20
 ``flywheel verify`` has a checkpoint written after its heal within seconds)."""
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "soak: partitions and kill -9 at random on the multi-host stack for "
+                            "SOAK_MINUTES (default 10; make test-soak, outside CI)")
+
+
+def selected(markexpr: str, marker: str) -> bool:
+    """Whether ``-m markexpr`` asks for ``marker`` (named, and not as ``not marker``)."""
+    words = markexpr.replace("(", " ").replace(")", " ").split()
+    return any(w == marker and (i == 0 or words[i - 1] != "not") for i, w in enumerate(words))
+
+
 @pytest.fixture(scope="session")
 def multihost_machine(request: pytest.FixtureRequest) -> None:
-    """Skip unless selected with -m hosts and this machine can run test hosts (saying why not)."""
-    if "hosts" not in (request.config.option.markexpr or ""):
-        pytest.skip("the multi-host stack (minutes, root, network namespaces): select it with -m hosts")
+    """Skip unless selected with -m hosts (or -m soak) and this machine can run test hosts (saying why not)."""
+    expr = request.config.option.markexpr or ""
+    if not (selected(expr, "hosts") or selected(expr, "soak")):
+        pytest.skip("the multi-host stack (minutes, root, network namespaces): select it with -m hosts (or -m soak)")
     try:
         mh.preflight()
     except StackError as exc:
@@ -58,7 +71,7 @@ def net(multihost_machine: None, tmp_path_factory: pytest.TempPathFactory) -> It
     n = Net(home)
     try:
         up = run_py(home, "-m", "devstack", "up", "--hosts", "--brokers", "3", "--trainers", "2", "--samplers", "2",
-                    "--no-prometheus", "--store", "s3", "--config", str(root / "netparts.yaml"), "--timeout", "400",
+                    "--store", "s3", "--config", str(root / "netparts.yaml"), "--timeout", "400",
                     timeout=480)
         print(up.stdout[-2500:])
         yield n

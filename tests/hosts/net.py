@@ -27,6 +27,7 @@ from typing import Any
 from devstack import hosts as mh
 from devstack.config import REPO_ROOT
 from tests.faults.accounting import read_events, read_topic
+from tests.hosts.alerts import AlertWatch
 
 ADMIN = f"http://{mh.address('admin')}:8080"
 RECOVER_S = 150.0
@@ -52,6 +53,11 @@ class NetRow:
     verify: str = "-"
     outcome: str = "FAILED"
     notes: list[str] = field(default_factory=list)
+    alerts: str = "-"
+    """What Prometheus's alerts did from the cut until the row's checks were done (:class:`AlertWatch`)."""
+    watch: AlertWatch | None = None
+    first_seen: dict[str, tuple[float, str]] = field(default_factory=dict)
+    """Per part ``/status`` showed not ok during the cut: seconds from the cut, and what it said first."""
 
 
 def env_for(home: Path) -> dict[str, str]:
@@ -197,18 +203,33 @@ class Net:
             time.sleep(2)
 
     # ---- the nemesis -----------------------------------------------------------------------------
+    def watch_alerts(self, row: NetRow) -> None:
+        """Start polling Prometheus's alerts for ``row`` (at its cut); :meth:`check` stops it and fills
+        ``row.alerts``."""
+        row.watch = AlertWatch().start()
+
+    def _seen(self, row: NetRow, s: dict[str, Any], since: float) -> list[str]:
+        """What ``/status`` shows not ok now; records each part's first time in ``row.first_seen``."""
+        bad = not_ok(s)
+        for line in bad:
+            part = line.split(": ", 1)[0]
+            row.first_seen.setdefault(part, (round(time.monotonic() - since, 1), line))
+        return bad
+
     def partition(self, row: NetRow, name: str, peers: Iterable[str], hold_s: float, *,
                   direction: str = "both", happened: Callable[[], list[str]],
                   extra_detect: Callable[[], str | None] | None = None) -> tuple[int | None, int | None]:
         """Cut ``name`` from ``peers`` for ``hold_s``, then heal; fills ``row`` (fault, detection, heal time).
         ``happened`` returns what is wrong with the cut (empty: it took effect as meant), checked right after
         the cut; ``extra_detect`` another sign of detection than ``/status`` (e.g. the cluster moved a
-        partition's leader), polled with it. Returns (updates, published) at the heal."""
+        partition's leader), polled with it. Prometheus's alerts are watched from the cut (:meth:`watch_alerts`).
+        Returns (updates, published) at the heal."""
         peers = list(peers)
         self.settle()
         before = self.progress()
         mh.cut(name, peers, direction)
         cut_at = time.monotonic()
+        self.watch_alerts(row)
         try:
             wrong = happened()
             assert not wrong, f"the cut did not take effect as meant: {wrong}"
@@ -217,7 +238,8 @@ class Net:
             other: str | None = None
             while (left := hold_s - (time.monotonic() - cut_at)) > 0:
                 s = self.status()
-                if row.detect_s is None and s is not None and (bad := not_ok(s)):
+                bad = self._seen(row, s, cut_at) if s is not None else []
+                if row.detect_s is None and bad:
                     row.detect_s, row.detected = round(time.monotonic() - cut_at, 1), "; ".join(bad)
                 if extra_detect is not None and other is None and (other := extra_detect()) is not None:
                     row.notes.append(f"{other} after {time.monotonic() - cut_at:.1f} s")
@@ -225,6 +247,8 @@ class Net:
             at_cut_end = self.progress()
         finally:
             mh.heal(name)
+            if row.watch is not None:
+                row.watch.heal()
         healed_at = time.monotonic()
         row.cut_s = round(healed_at - cut_at, 1)
         at_heal = self.progress()
@@ -254,6 +278,7 @@ class Net:
         self.settle()
         before = self._window(20.0)
         started = time.monotonic()
+        self.watch_alerts(row)
         try:
             for name, peers in links.items():
                 mh.slow(name, peers, delay_ms, rate_kbps, self.logs / f"slowlink-{name}.log")
@@ -266,6 +291,8 @@ class Net:
         finally:
             for name in links:
                 mh.heal(name)
+            if row.watch is not None:
+                row.watch.heal()
         healed_at = time.monotonic()
         row.cut_s = round(healed_at - started, 1)
         base_u, base_p = self.progress()
@@ -286,7 +313,8 @@ class Net:
                 smax, sp95 = max(smax, int(st.get("max") or 0)), max(sp95, float(st.get("p95") or 0))
                 for sm in s.get("samplers") or []:
                     per_sampler[sm.get("id") or sm.get("sampler_id")].append(float(sm.get("steps_per_s") or 0))
-                if row is not None and row.detect_s is None and (bad := not_ok(s)):
+                bad = self._seen(row, s, started) if row is not None else []
+                if row is not None and row.detect_s is None and bad:
                     row.detect_s, row.detected = round(time.monotonic() - started, 1), "; ".join(bad)
             time.sleep(2)
         u1 = self.progress()[0]
@@ -318,6 +346,10 @@ class Net:
         if acc["resent_duplicates"]:
             row.notes.append(f"{acc['resent_duplicates']} fragment(s) on the topic twice, the second not trained")
         row.outcome = "ok" if code == 0 and row.lost == 0 and row.twice == 0 else "FAILED"
+        if row.watch is not None:  # the alerts from the cut until now, a little after the heal
+            row.watch.stop()
+            row.alerts = row.watch.summary()
+            print(f"[{row.name}] alerts: {row.alerts}")
         assert code == 0, out[-3000:]
         assert acc["acknowledged_lost"] == 0, f"acknowledged writes missing from the topic: {acc}"
         assert acc["lost_before_training"] == 0, f"records lost before training: {acc}"
@@ -362,7 +394,8 @@ class Net:
                 "acknowledged_lost_examples": lost_acked[:5], "sampler_send_failures": failed,
                 "resent_duplicates": len(dup_ids), "sample_ids_trained_twice": len(twice),
                 "trained_twice_examples": twice[:5], "lost_before_training": lost_before,
-                "records_trained": len(trained)}
+                "records_trained": len(trained), "acknowledged_lost_ids": [sid for _, sid in lost_acked],
+                "trained_twice_ids": [sid for sid, _ in twice]}
 
 
 async def _leaders(bootstrap: str, topic: str) -> dict[int, tuple[str, list[str]]]:

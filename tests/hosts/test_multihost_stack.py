@@ -13,8 +13,12 @@ import subprocess
 import time
 
 import pytest
+import yaml
 
 from devstack import hosts as mh
+from devstack import prometheus as prom
+from devstack.config import REPO_ROOT
+from tests.hosts.alerts import prom_get, rule_durations
 from tests.hosts.conftest import CHECKPOINT_EVERY
 from tests.hosts.net import ADMIN, Net, NetRow, reaches, run_py
 
@@ -75,3 +79,34 @@ def test_rank_0_cut_from_every_broker_for_60_s(net: Net) -> None:
     assert row.heal_s is not None and row.heal_s <= RECOVER_S, f"training advanced {row.heal_s} s after the heal"
     assert run_py(net.home, "-m", "devstack", "hosts").returncode == 0  # every part alive, each in its namespace
     net.check(row, at_heal or 0, CHECKPOINT_EVERY)
+
+
+@pytest.mark.timeout(300)
+def test_prometheus_scrapes_every_part_at_its_own_address(net: Net) -> None:
+    """Prometheus runs in the root namespace (127.0.0.1:9090) and scrapes each service at its part's address on the
+    bridge (``devstack.prometheus`` writes ``address:port`` targets for the multi-host stack): every trainer rank,
+    paramsync, admin and both samplers are up targets, and the rules of deploy/prometheus/alerts.yml are loaded,
+    unchanged (the partition rows report their alerts)."""
+    if prom.binary() is None:
+        pytest.skip(prom.NOT_INSTALLED)
+    expected = {"flywheel-trainer": ["trainer"], "flywheel-trainer-ranks": ["trainer-1"],
+                "flywheel-paramsync": ["paramsync"], "flywheel-admin": ["admin"],
+                "flywheel-sampler": ["sampler-0", "sampler-1"]}
+    deadline = time.monotonic() + 60
+    while True:
+        targets = (prom_get("/api/v1/targets?state=active") or {}).get("activeTargets") or []
+        got = {(t["labels"]["job"], t["labels"]["instance"]): t["health"] for t in targets
+               if t["labels"].get("job", "").startswith("flywheel-")}
+        want = {(job, f"{mh.address(part)}:{net.http_port(part)}") for job, parts in expected.items() for part in parts}
+        if set(got) == want and all(h == "up" for h in got.values()):
+            break
+        assert time.monotonic() < deadline, f"Prometheus's targets {got}, wanted {sorted(want)} all up"
+        time.sleep(3)
+    print(f"Prometheus scrapes {len(got)} targets, all up: {sorted(i for _, i in got)}")
+    loaded = rule_durations()
+    rules = yaml.safe_load((REPO_ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
+    production = {r["alert"]: r["for"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    assert set(loaded) == set(production), (sorted(loaded), sorted(production))
+    for name, duration in production.items():
+        unit = {"s": 1, "m": 60, "h": 3600}[duration[-1]]
+        assert loaded[name] == int(duration[:-1]) * unit, f"{name}: loaded for {loaded[name]} s, alerts.yml {duration}"

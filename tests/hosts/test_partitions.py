@@ -54,7 +54,16 @@ def test_leader_of_a_samples_partition_isolated_from_brokers_and_clients(net: Ne
 
     at_heal, _ = net.partition(row, leader, [*others, *clients], 40.0, happened=happened, extra_detect=moved)
     assert any("moved" in n for n in row.notes), f"the leadership never moved off the isolated {leader}"
+    # The operator's signal for it: admin describes the run topics; the ISRs shrank when the controller fenced
+    # the leader, so /status shows services.kafka degraded naming the partitions, and the gauge behind
+    # FlywheelKafkaUnderReplicated went above 0 (the alert pending: its for: is 5 min, the cut 40 s).
+    seen = row.first_seen.get("kafka")
+    assert seen is not None and "replicas in sync" in seen[1], f"no under-replication in /status: {row.first_seen}"
+    row.notes.append(f"/status services.kafka degraded after {seen[0]:.1f} s: {seen[1][:200]}")
     net.check(row, at_heal or 0, CHECKPOINT_EVERY)
+    assert row.watch is not None
+    keys = [a.key for a in row.watch.new() if a.name == "FlywheelKafkaUnderReplicated"]
+    assert f"FlywheelKafkaUnderReplicated{{{topic}}}" in keys, f"the alert never went pending: {row.alerts}"
 
 
 @pytest.mark.timeout(900)
