@@ -5,10 +5,11 @@ A short loop over parts built from explicit inputs (docs/architecture.md, "The t
 dead-lettering), :class:`~services.trainer.publication.Publication` (candidates, deferral, resend),
 :class:`~services.trainer.checkpoints.Checkpoints` (write, restore, fallback) and
 :mod:`~services.trainer.telemetry` (metrics, lag, heartbeats), with the pure rules in ``intake.py``,
-``ledger.py``, ``learner.py`` and ``guard.py``. This class keeps the loop, the update lock, revoke
-handling and rollback following; periodic work runs as named tasks (``shared.retry.every``) in
-:class:`~services.trainer.tasks.TrainerTasks`, which, unlike the other parts, holds this trainer and reaches
-into its state (its settings, ``_update_lock``, ``_settle``, ``_after_update``, ``_stop``).
+``ledger.py``, ``learner.py`` and ``guard.py``. This class keeps the loop and the state the parts share: the
+update lock, the update's tail (commit, publish, checkpoint), revoke handling, rollback following, runtime
+settings. Its periodic work runs as named tasks (``shared.retry.every``) built here from the parts in
+``tasks.py`` (the lease, grants, live samplers, the publication watch), which decide and return what to do;
+the acting that needs this trainer's state stays here. No part holds the trainer.
 
 Every consumed record ends in exactly one typed outcome (trained, dropped as stale, dead-lettered),
 counted and logged once with the fragment's identity, and folded into the ledger the checkpoint stores
@@ -24,7 +25,7 @@ import hashlib
 import os
 import socket
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 from aiokafka import TopicPartition
@@ -36,21 +37,31 @@ from services.trainer.group import ConsumerGroup
 from services.trainer.guard import RollbackGuard
 from services.trainer.intake import Batch, BatchStrategy, Intake, StallWatch, strategy_for
 from services.trainer.learner import Learner
+from services.trainer.lease import RENEW_S, TrainerLease
 from services.trainer.outcomes import RecordOutcomes
 from services.trainer.publication import Publication, announcement
 from services.trainer.ranks import Ranks, Vote
-from services.trainer.tasks import TrainerTasks
+from services.trainer.tasks import (
+    GRANT_REFRESH_S,
+    Background,
+    Grants,
+    HeldLease,
+    LiveSamplers,
+    PublicationWatch,
+    record_update,
+    trainer_beat,
+)
 from services.trainer.tracking import Tracker
 from services.trainer.update import UpdateStats
 from shared.bus import Bus, Record, kafka_bus
 from shared.credits import Consumption, auto_window
 from shared.kafka import Topics, trainer_group
 from shared.logging import get_logger
-from shared.marker import VersionedStore, VersionRecord
+from shared.marker import BadPayload, VersionedStore, VersionRecord
 from shared.messages import PolicyMessage
-from shared.retry import Health, Retrier, describe, is_transient, poll_or_pause, stop_clients
+from shared.retry import Health, Retrier, describe, every, is_transient, poll_or_pause, read_forever, stop_clients
 from shared.rl.envs import fragment_spec
-from shared.runtime import AuditLog, RuntimeApplier, RuntimeConfig, RuntimeWatcher
+from shared.runtime import AuditLog, RuntimeApplier, RuntimeConfig, RuntimeWatcher, runtime_values
 from shared.settings import Settings
 from shared.signing import (
     PolicyVerifier,
@@ -63,6 +74,12 @@ from shared.store import open_store
 
 DIGEST_EVERY = 10
 """Data-parallel ranks note their weights digest every this many updates (the same updates on every rank)."""
+POLICY_REFRESH_S = 5.0
+"""Re-read the marker this often (announcements are the fast path; this covers lost ones)."""
+RUNTIME_POLL_S = 2.0
+"""Runtime settings (PATCH /config) are applied within this long."""
+GUARD_CHECK_S = 1.0
+"""The rollback guard decides this often (its windows are counted in episodes, not seconds)."""
 
 
 class Trainer:
@@ -90,7 +107,7 @@ class Trainer:
         self.audit = m.Auditor(AuditLog(store, settings.run), self.log)
         repaired = self.audit.repair_hook
         self.runtime = RuntimeApplier(RuntimeWatcher(RuntimeConfig(store, settings.run, on_repair=repaired("config"))),
-                                      settings, lambda s, rev: self.tasks.apply_settings(s, rev), self.log, "trainer")
+                                      settings, self._apply_settings, self.log, "trainer")
         self.lineage = 0  # the newest rollback the model descends from
         self.pending_rollback: PolicyMessage | None = None
         self.policies = VersionedStore(store, settings.run, "policy", on_repair=repaired("policy"))
@@ -140,10 +157,16 @@ class Trainer:
                                 control_topic=self.topics.control, audit=self.audit, log=self.log, holder=self.id)
         # TensorBoard (on by default), MLflow when configured; rank 0's only (the ranks train one model).
         self.tracker = Tracker.from_settings(settings) if self.leader else Tracker()
-        self.tasks = TrainerTasks(self)
+        self.lease = HeldLease(TrainerLease(store, settings.run, self.id), self.retry, self.log)
+        self.grants = Grants(self.consumption, self.producer, topic=self.topics.credits, trainer_id=self.id,
+                             log=self.log)
+        self.live = LiveSamplers()
+        self.watch = PublicationWatch()
+        self.background = Background()
+        self._revision_actor: str | None = None  # who wrote the runtime revision being applied
         self.outcomes = RecordOutcomes(group=self.group, intake=self.intake, stall=self.stall,
                                        consumption=self.consumption, stats=self.stats, spec=self.spec, log=self.log,
-                                       consumed=self.tasks.consumed, refresh_published=self.tasks.refresh_published)
+                                       consumed=self.grants.consumed, refresh_published=self.refresh_published)
         self._stop = asyncio.Event()
         self._started = False
         self._checkpoint_due = False
@@ -158,7 +181,7 @@ class Trainer:
         if self.ranks is not None:
             await self._check_partitions()
         if self.leader:
-            await self.tasks.acquire_lease()  # the other ranks are fenced by rank 0: none trains without it
+            await self.lease.acquire()  # the other ranks are fenced by rank 0: none trains without it
         if self.ranks is not None:
             self.log.info("rank_rendezvous", rank=self.ranks.rank, world_size=self.ranks.world_size,
                           rendezvous=self.ranks.rendezvous, backend=self.ranks.backend)
@@ -191,11 +214,11 @@ class Trainer:
 
     async def run(self, stop_event: asyncio.Event) -> None:
         self._stop = self.retry.stop_event = stop_event
-        self.tasks.start(stop_event)
+        self.background.start(self._jobs(stop_event))
         while not stop_event.is_set() or self.ranks is not None:
             if self._fatal is not None:
                 raise self._fatal
-            self.tasks.raise_if_ended()
+            self.background.raise_if_ended(stop_event.is_set())
             await self._poll_once()
             if self.ranks is not None:  # one vote a pass; an update when any rank holds a batch
                 if not await self._rank_step(stop_event.is_set()):
@@ -205,12 +228,13 @@ class Trainer:
             if self.pending_rollback is not None:
                 await self.follow_rollback(self.pending_rollback)
             if self.beats is not None:
-                await self.tasks.poll_live_samplers()
+                self.live.saw(await self.beats.poll(timeout_ms=0), time.monotonic(),
+                              self.settings.paramsync.sampler_timeout_s)
             while not stop_event.is_set():
-                batch = self.intake.form_batch(time.monotonic(), self.tasks.live_samplers())
+                batch = self.intake.form_batch(time.monotonic(), self._live_samplers())
                 self.outcomes.drop_stale(batch)
                 if batch.waiting_publication:
-                    self.tasks.note_publication_wait()
+                    self._note_publication_wait()
                 if not batch.train:
                     break
                 await self._train(batch)
@@ -222,7 +246,139 @@ class Trainer:
         if self._after_update is None:  # else that task commits; this one would only run first
             await self.group.commit()  # dropped / dead-lettered progress
         if self.leader:
-            await self.tasks.publication_watch()
+            await self._publication_watch()
+
+    # ---- periodic work -------------------------------------------------------------------------
+    def _jobs(self, stop: asyncio.Event) -> list[tuple[str, Coroutine[Any, Any, None]]]:
+        """The named background tasks: announcements, credit grants, heartbeats, runtime config, the marker;
+        rank 0 adds the lease and the rollback guard, and reads the other ranks' grants."""
+        log = self.log
+        jobs: list[tuple[str, Coroutine[Any, Any, None]]] = [
+            ("trainer-announcements", read_forever(self.announcements, self.saw_announcement, name="announcements",
+                                                   log=log)),
+            ("trainer-credit-grants", every(lambda: GRANT_REFRESH_S, self.grants.send, name="credit-grants", log=log,
+                                            stop_event=stop, wake=self.grants.consumed)),
+            ("trainer-heartbeats", every(lambda: self.cfg.heartbeat_interval_s, self.heartbeat, name="heartbeats",
+                                         log=log, stop_event=stop)),
+            ("trainer-runtime-config", every(lambda: RUNTIME_POLL_S, self.runtime_config, name="runtime-config",
+                                             log=log, stop_event=stop)),
+            ("trainer-marker-refresh", every(lambda: POLICY_REFRESH_S, self._refresh_marker, name="marker-refresh",
+                                             log=log, stop_event=stop)),
+        ]
+        if self.leader:  # data-parallel ranks: rank 0 holds the lease and guards the group's model
+            jobs += [
+                ("trainer-lease", every(lambda: RENEW_S, self.lease.renew, name="lease", log=log, stop_event=stop)),
+                ("trainer-rollback-guard", every(lambda: GUARD_CHECK_S, self.guard_check, name="rollback-guard",
+                                                 log=log, stop_event=stop)),
+            ]
+        if self.rank_grants is not None:
+            jobs.append(("trainer-rank-grants", read_forever(self.rank_grants, self.grants.saw_rank_grant,
+                                                             name="rank-grants", log=log)))
+        return jobs
+
+    async def heartbeat(self) -> None:
+        if self.ranks is not None:  # a collective waiting on a rank that is gone or cut off: say so before it times out
+            self.ranks.report(self.health_state, self.log, time.monotonic())
+        beat = trainer_beat(trainer_id=self.id, learner=self.learner, stats=self.stats, intake=self.intake,
+                            stall=self.stall.check(time.monotonic(), self.intake.reference),
+                            publication=self.publication, health=self.health_state, cfg=self.cfg, digest=self.digest)
+        try:
+            await self.producer.send(self.topics.heartbeats, beat.to_bytes(), key=self.id.encode())
+        except Exception as exc:  # a heartbeat is not worth stopping for; the next one retries
+            if not is_transient(exc):
+                raise
+            self.log.debug("heartbeat_failed", error=describe(exc))
+
+    async def guard_check(self) -> None:
+        await self.guard.check(self.base_settings, self.settings)
+
+    async def runtime_config(self) -> None:
+        """The newest runtime revision, applied on this trainer's own settings (``RuntimeApplier``), never
+        between an update's steps. An unreadable revision leaves the settings as they are (degraded)."""
+        try:
+            rev = await asyncio.wait_for(asyncio.to_thread(self.runtime.watcher.poll), 10)
+        except Exception as exc:
+            if not (is_transient(exc) or isinstance(exc, BadPayload)):
+                raise
+            self.health_state.degraded("config", f"runtime config unreadable: {describe(exc)}")
+            self.log.warning("runtime_config_unreadable", error=describe(exc))
+            return
+        self.health_state.recovered("config")
+        if rev is not None:
+            async with self._update_lock:
+                self._revision_actor = rev.actor
+                self.runtime.handle(rev)
+
+    def _apply_settings(self, settings: Settings, revision: int) -> dict[str, Any]:
+        old = runtime_values(self.settings)
+        self.settings, self.cfg = settings, settings.trainer
+        self.learner.set_runtime(settings.trainer)
+        self.intake.max_staleness = settings.trainer.max_staleness
+        self.consumption.total_window = auto_window(settings)
+        self.stats.config_revision = revision
+        self.guard.guard.cfg = settings.trainer.guard
+        m.LEARNING_RATE.set(self.learner.learning_rate())
+        new = runtime_values(settings)
+        changes = {k: {"old": old[k], "new": new[k]} for k in new if k.startswith("trainer.") and old[k] != new[k]}
+        # The guard notes it as a possible cause of a fall (its own remedies, by their actor, never are).
+        self.guard.note_revision(time.time(), revision, sorted(changes), self._revision_actor)
+        return changes
+
+    async def refresh_published(self) -> bool:
+        """Re-read the marker (an announcement may not have reached us yet); True if it moved. A store that
+        cannot be read marks the trainer degraded and leaves the reference as it was."""
+        before = self.intake.published
+        try:
+            marker = await self.publication.read_marker()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            self.health_state.degraded("store", f"marker read failed: {describe(exc)}")
+            return False
+        self.health_state.recovered("store")
+        if marker is not None and await self.trusted(marker):
+            self.intake.saw_published(marker[0].version)
+        return self.intake.published != before
+
+    async def _refresh_marker(self) -> None:
+        await self.refresh_published()
+
+    async def _publication_watch(self) -> None:
+        """Re-send a candidate paramsync has not published; offer the current weights when nothing was sent for
+        them; retry a deferred one; report a stall."""
+        now = time.monotonic()
+        pub, published = self.publication, self.intake.published
+        if pub.resend_due(published, now, self.cfg.candidate_resend_s):
+            await pub.resend("not published in time", published)
+        published = self.intake.published
+        ahead = self.learner.counters.policy_version > (published if published is not None else -1)
+        if self.watch.offer_current(now, offered=pub.candidate is not None or pub.deferred is not None, ahead=ahead,
+                                    after_s=self.cfg.candidate_resend_s):
+            await self.publish_current("ahead of the published version with no candidate sent")
+        if pub.retry_due(now) and (self._after_update is None or self._after_update.done()):
+            await self._settle()  # the last update's commit and publish first (it may have sent a newer one)
+            if pub.deferred is not None:
+                # In the background slot of an update's commit + publish: the loop is not held by a slow store,
+                # and the next update's publish waits for this one, so candidates stay in order.
+                self._after_update = asyncio.create_task(pub.retry_deferred(), name="trainer-publish-retry")
+        stall = self.stall.check(now, self.intake.reference)
+        m.STALLED.set(0 if stall is None else 1)
+        if self.watch.newly_stalled(stall) and stall is not None:
+            self.log.error("training_stalled", reason=stall.reason, published_version=self.intake.published,
+                           policy_version=self.learner.counters.policy_version)
+            await self.audit("training_stalled", {"reason": stall.reason}, "detected; re-sending the candidate")
+            await pub.resend("training stalled", self.intake.published)
+
+    def _note_publication_wait(self) -> None:
+        if self.watch.log_wait(time.monotonic()):
+            self.log.info("waiting_for_publication", policy_version=self.learner.counters.policy_version,
+                          published_version=self.intake.published, lead=max(1, self.intake.bound))
+        m.PUBLICATION_WAITS.inc()
+
+    def _live_samplers(self) -> set[str] | None:
+        if self.beats is None:
+            return None
+        return self.live.live(time.monotonic(), self.settings.paramsync.sampler_timeout_s)
 
     # ---- data-parallel ranks ------------------------------------------------------------------
     async def _check_partitions(self) -> None:
@@ -269,11 +425,11 @@ class Trainer:
         """One vote; then, in the same order on every rank: follow rank 0's rollback, stop, or train (every
         rank, with what it holds, when any rank holds a batch). False when the group stops."""
         assert self.ranks is not None
-        now, live = time.monotonic(), self.tasks.live_samplers()
+        now, live = time.monotonic(), self._live_samplers()
         batch = self.intake.form_batch(now, live)
         self.outcomes.drop_stale(batch)
         if batch.waiting_publication:
-            self.tasks.note_publication_wait()
+            self._note_publication_wait()
         leader = self.ranks.leader
         mine = Vote(ready=bool(batch.train), stop=stopping,
                     rollback=self.pending_rollback if leader else None,
@@ -360,7 +516,7 @@ class Trainer:
                     except Exception as exc:  # the store is down: the next start resumes from the previous one
                         self.log.error("final_checkpoint_failed", error=describe(exc))
         finally:
-            await self.tasks.stop()
+            await self.background.stop()
             clients: list[Any] = [self.source, self.announcements, self.producer]
             if self.beats is not None:
                 clients.append(self.beats)
@@ -368,7 +524,7 @@ class Trainer:
                 clients.append(self.rank_grants)
             await stop_clients(clients, self.log)
             if self.leader:
-                await self.tasks.release_lease()
+                await self.lease.release()
             self.tracker.close()
             if self.ranks is not None:
                 self.ranks.close()
@@ -405,7 +561,8 @@ class Trainer:
                 await self._exchange_ledgers()
                 if self.learner.counters.updates % DIGEST_EVERY == 0:
                     self._note_digest()
-            self.tasks.updated(batch, stats, time.perf_counter() - t0)
+            record_update(batch, stats, time.perf_counter() - t0, learner=self.learner, trainer_stats=self.stats,
+                          stall=self.stall, tracker=self.tracker, log=self.log)
             await self._after_update_step(stats)
 
     async def _after_update_step(self, stats: UpdateStats) -> None:
@@ -466,11 +623,11 @@ class Trainer:
 
     def _checkpoint_extra(self) -> dict[str, Any]:
         return {"lineage": self.lineage, "abandoned": self.intake.abandoned, "trainer_id": self.id,
-                "lease": self.tasks.lease_token()}
+                "lease": self.lease.token}
 
     async def _try_checkpoint(self) -> None:
         saved = await self.checkpoints.try_save(self.learner, self.group, self._checkpoint_extra(),
-                                                self.tasks.check_lease)
+                                                self.lease.check)
         self._checkpoint_due = not saved
 
     async def _restore(self) -> None:

@@ -25,7 +25,7 @@ from aiokafka.errors import KafkaConnectionError, UnsupportedVersionError
 
 from services.trainer.autorollback import GuardShell
 from services.trainer.guard import RollbackGuard
-from services.trainer.tasks import TrainerTasks
+from services.trainer.service import Trainer
 from services.trainer.telemetry import Auditor
 from shared.bus import MemoryBus
 from shared.kafka import Topics
@@ -291,15 +291,14 @@ async def test_a_non_transient_failure_in_the_store_propagates(tmp_path: Path) -
 
 async def test_the_trainers_guard_task_ends_on_a_non_transient_error_and_survives_a_transient_one(
         tmp_path: Path) -> None:
-    """How the trainer runs the shell: ``TrainerTasks.guard_check`` under ``every`` (tasks.py)."""
+    """How the trainer runs the shell: ``Trainer.guard_check`` under ``every`` (its rollback-guard task)."""
     r = rig(tmp_path)
     r.feed([500.0] * 30)
     trainer = SimpleNamespace(guard=r.sh, base_settings=r.settings, settings=r.settings)
-    tasks = SimpleNamespace(t=trainer)
     stop = asyncio.Event()
 
     def guard_task() -> asyncio.Task[None]:
-        return asyncio.create_task(every(lambda: 0.01, lambda: TrainerTasks.guard_check(tasks),  # type: ignore[arg-type]
+        return asyncio.create_task(every(lambda: 0.01, lambda: Trainer.guard_check(trainer),  # type: ignore[arg-type]
                                          name="rollback-guard", log=r.log, stop_event=stop))
 
     r.pins.error, r.pins.times = StoreError("store down"), 3

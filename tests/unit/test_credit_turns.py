@@ -307,7 +307,7 @@ async def test_the_trainer_sends_each_shards_grant_on_its_partition(tmp_path: Pa
     t = Trainer(settings, trainer_id="t", bus=mem.bus())
     for sid in _ids(12):
         t.consumption.saw(sid, "i.2", now=time.monotonic())
-    await t.tasks.grant()
+    await t.grants.send()
     await asyncio.sleep(0)
     by_partition = {p: [CreditGrant.model_validate_json(r.value or b"") for r in mem.logs[TopicPartition(T.credits, p)]]
                     for p in range(4)}

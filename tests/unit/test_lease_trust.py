@@ -1,7 +1,7 @@
 """The trainer's lease (services/trainer/lease.py) on the local-directory store with a fake clock: a live
 holder keeps it, a stale one is taken over, and the holder that lost it is fenced out of checkpoint
 writes (``Checkpoints.try_save`` with the lease check as its fence, as ``Trainer._try_checkpoint`` passes
-``TrainerTasks.check_lease``)."""
+``HeldLease.check``)."""
 
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def checkpoints(store: LocalDirStore) -> Checkpoints:
 
 
 def fence(held: TrainerLease) -> Any:
-    async def check() -> None:  # as TrainerTasks.check_lease
+    async def check() -> None:  # as HeldLease.check
         await asyncio.to_thread(held.check)
 
     return check

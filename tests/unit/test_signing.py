@@ -318,10 +318,10 @@ async def test_the_trainer_takes_only_a_signed_announcement_or_marker_as_publish
     # The marker: an unsigned one is not taken as published either.
     vs = VersionedStore(trainer.store, RUN, "policy")
     vs.publish_next(rec(version=4000))
-    assert not await trainer.tasks.refresh_published()
+    assert not await trainer.refresh_published()
     assert trainer.intake.published == 3
     vs.publish_next(sign.sign_record(rec(version=4001)))
-    assert await trainer.tasks.refresh_published()
+    assert await trainer.refresh_published()
     assert trainer.intake.published == 4001
     assert [e.params["source"] for e in audits(trainer.store)][-1] == "marker"
 
