@@ -293,15 +293,22 @@ class BenchStack:
     """One LocalStack run on the bench infra with settings overrides; metrics, logs, admin status."""
 
     def __init__(self, ctx: Context, run: str, overrides: dict[str, Any] | None = None,
-                 config: Path = DEFAULT_CONFIG) -> None:
+                 config: Path = DEFAULT_CONFIG, hosts_home: Path | None = None, brokers: int = 1) -> None:
+        """``hosts_home``: run on the multi-host stack of that home (``devstack.hosts``: every part in a network
+        namespace of its own, its own ``brokers`` Kafka nodes and S3 server there, kept between runs by
+        ``down``) instead of on 127.0.0.1 with the bench's infra."""
         self.ctx = ctx
         self.run = run
         env = {k: str(v) for k, v in (overrides or {}).items()}
-        self.home = BENCH_HOME / "runs" / run
-        self.stack = LocalStack(self.home, config=config, run=run, env=env, infra=ctx.infra,
+        self.home = hosts_home or BENCH_HOME / "runs" / run
+        self.infra_home = hosts_home or BENCH_HOME
+        """Where the pid files of the Kafka nodes and the S3 server this stack uses are."""
+        where: dict[str, Any] = ({"hosts": True, "brokers": brokers, "store_backend": "s3"} if hosts_home
+                                 else {"infra": ctx.infra, "store_backend": "local"})
+        self.stack = LocalStack(self.home, config=config, run=run, env=env,
                                 admin_port=ADMIN_PORT, trainer_port=TRAINER_PORT, paramsync_port=PARAMSYNC_PORT,
                                 sampler_base_port=SAMPLER_BASE_PORT, trainer_rank_base_port=ADMIN_PORT + 90,
-                                rendezvous_port=ADMIN_PORT + 99, store_backend="local",
+                                rendezvous_port=ADMIN_PORT + 99, **where,
                                 supervise=False, progress=lambda m: None)  # figures restart processes by hand
         self.samplers = 0
         self.scrape_misses = 0
@@ -328,7 +335,7 @@ class BenchStack:
 
     # observation
     def metrics_url(self, service: str, replica: int = 0) -> str:
-        return f"http://127.0.0.1:{self.stack.port(service, replica)}/metrics"
+        return f"http://{self.stack.host(service, replica)}:{self.stack.port(service, replica)}/metrics"
 
     def scrape(self, service: str, replica: int = 0) -> dict[str, float]:
         return scrape(self.metrics_url(service, replica))
@@ -379,7 +386,7 @@ class BenchStack:
         pids = dict(self.stack.pids())
         for name in ("kafka", "s3"):
             try:
-                pids[name] = int((BENCH_HOME / "pids" / f"{name}.pid").read_text().split()[0])
+                pids[name] = int((self.infra_home / "pids" / f"{name}.pid").read_text().split()[0])
             except (OSError, ValueError, IndexError):
                 pass
         pids["bench"] = os.getpid()
@@ -434,8 +441,9 @@ class BenchStack:
 
 @contextmanager
 def stack(ctx: Context, run: str, overrides: dict[str, Any] | None = None,
-          config: Path = DEFAULT_CONFIG) -> Iterator[BenchStack]:
-    st = BenchStack(ctx, run, overrides, config)
+          config: Path = DEFAULT_CONFIG, hosts_home: Path | None = None, brokers: int = 1) -> Iterator[BenchStack]:
+    """A :class:`BenchStack`, its services stopped at the end (infra, and a multi-host network, kept)."""
+    st = BenchStack(ctx, run, overrides, config, hosts_home=hosts_home, brokers=brokers)
     try:
         yield st
     finally:

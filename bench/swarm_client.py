@@ -14,12 +14,14 @@ Each identity speaks Kafka as a sampler does (services/sampler/service.py), with
   sends a heartbeat on every adoption and every ``sampler.heartbeat_interval_s``, as the sampler does (paramsync
   measures sync latency from them).
 
-What the identities of one process share (so that 1,000 of them fit on the 2 cores at all): one producer, one
-consumer of the credits partitions that its identities belong to (each grant is parsed once and handed to the
-gates of that partition's identities only), one reader of ``<run>.policy`` (an announcement's signature and
-inline weights are checked once, then offered to every identity). The broker therefore serves each credits
-partition and the policy topic once per swarm process, not once per identity: what one real sampler would read
-is measured per partition by the figure, not by these clients. Not done per identity: the store marker poll,
+What the identities of one process share (so that 1,000 of them fit on the 2 cores at all): one producer and,
+with ``--readers shared`` (the default), one consumer of the credits partitions that its identities belong to
+(each grant is parsed once and handed to the gates of that partition's identities only) and one reader of
+``<run>.policy`` (an announcement's signature and inline weights are checked once, then offered to every
+identity): the broker then serves each credits partition and the policy topic once per swarm process, not once
+per identity. With ``--readers own`` each identity reads as a real sampler does, with consumers of its own: one
+of ``<run>.control`` and its credits partition, one of ``<run>.policy`` (checking each announcement itself), so
+the brokers serve every reader: the fan-out's cost. Not done per identity: the store marker poll,
 the runtime-settings and pause reads (every ``sync_interval_s`` per sampler: 500 store GETs a second at 1,000),
 the backlog probe (off unless ``max_backlog``).
 
@@ -35,6 +37,7 @@ import json
 import signal
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +45,7 @@ import numpy as np
 
 from services.sampler.sender import FragmentSender
 from services.sampler.service import POLICY_HISTORY
-from shared.bus import Record, kafka_bus
+from shared.bus import Record, TopicTail, kafka_bus
 from shared.credits import CreditGate, shard_of
 from shared.fragment import Fragment
 from shared.kafka import Topics
@@ -146,7 +149,7 @@ class Identity:
 
 
 class Swarm:
-    def __init__(self, settings: Settings, ids: list[str], collect_s: float) -> None:
+    def __init__(self, settings: Settings, ids: list[str], collect_s: float, readers: str = "shared") -> None:
         self.settings = settings
         self.topics = Topics.for_run(settings.run)
         self.collect_s = collect_s
@@ -158,8 +161,26 @@ class Swarm:
         self.by_shard: dict[int, list[Identity]] = {}
         for ident in self.identities:
             self.by_shard.setdefault(shard_of(ident.id, shards), []).append(ident)
-        self.inbox = self.bus.tail(self.topics.credits, partitions={self.topics.credits: sorted(self.by_shard)})
-        self.announcements = self.bus.tail(self.topics.policy, history=POLICY_HISTORY)
+        self.readers: list[tuple[str, TopicTail, Callable[[Record], None]]] = []
+        """(name, tail, handler) of every consumer this process runs."""
+        if readers == "shared":
+            self.readers = [
+                ("credits", self.bus.tail(self.topics.credits, partitions={self.topics.credits: sorted(self.by_shard)}),
+                 lambda rec: self.on_grant(rec, self.by_shard.get(rec.partition, ()))),
+                ("policy", self.bus.tail(self.topics.policy, history=POLICY_HISTORY),
+                 lambda rec: self.on_announcement(rec, self.identities))]
+        elif readers == "own":
+            for ident in self.identities:
+                shard = shard_of(ident.id, shards)
+                self.readers += [
+                    (f"credits:{ident.id}",  # as the sampler's inbox: the control topic too (two partitions)
+                     self.bus.tail(self.topics.control, self.topics.credits,
+                                   partitions={self.topics.credits: [shard]}),
+                     lambda rec, only=(ident,): self.on_grant(rec, only)),
+                    (f"policy:{ident.id}", self.bus.tail(self.topics.policy, history=POLICY_HISTORY),
+                     lambda rec, only=(ident,): self.on_announcement(rec, only))]
+        else:
+            raise ValueError(f"readers {readers!r}: shared or own")
         self.verifier = PolicyVerifier.from_settings(settings)
         self.log = get_logger(swarm=ids[0] if ids else "")
         self.started_at = time.time()
@@ -173,8 +194,9 @@ class Swarm:
         except TimeoutError:
             pass
 
-    def on_grant(self, rec: Record) -> None:
-        if rec.value is None:
+    def on_grant(self, rec: Record, identities: Iterable[Identity]) -> None:
+        """A grant of ``rec.partition``, handed to the gates of ``identities`` (those of that partition)."""
+        if rec.value is None or rec.topic != self.topics.credits:  # a command (the own readers read control)
             return
         try:
             g = CreditGrant.model_validate_json(rec.value)
@@ -182,12 +204,12 @@ class Swarm:
             return
         self.grants += 1
         now = time.monotonic()
-        for ident in self.by_shard.get(rec.partition, ()):  # only the identities of this partition
+        for ident in identities:
             ident.gate.grant(g, now)
             if ident.gate.open():
                 ident.wake.set()
 
-    def on_announcement(self, rec: Record) -> None:
+    def on_announcement(self, rec: Record, identities: Iterable[Identity]) -> None:
         if rec.value is None:
             return
         try:
@@ -203,7 +225,7 @@ class Swarm:
             self.refused += 1
             return
         self.announced += 1
-        for ident in self.identities:
+        for ident in identities:
             ident.offer(msg.version)
 
     def beat(self, ident: Identity) -> None:
@@ -239,21 +261,30 @@ class Swarm:
     async def run(self, stop: asyncio.Event) -> None:
         await self.bus.create_topics()
         await self.producer.start()
-        await self.inbox.start()
-        await self.announcements.start()
-        tasks = [asyncio.create_task(read_forever(self.inbox, self.on_grant, name="credits", log=self.log)),
-                 asyncio.create_task(read_forever(self.announcements, self.on_announcement, name="policy",
-                                                  log=self.log)),
-                 asyncio.create_task(self.heartbeats(stop))]
+        starting = asyncio.Semaphore(16)  # a thousand consumers' first metadata requests, not all at once
+
+        async def start(tail: TopicTail) -> None:
+            async with starting:
+                await tail.start()
+
+        await asyncio.gather(*(start(tail) for _, tail, _ in self.readers))
+        tasks = [asyncio.create_task(read_forever(tail, handler, name=name, log=self.log))
+                 for name, tail, handler in self.readers]
+        tasks.append(asyncio.create_task(self.heartbeats(stop)))
         tasks += [asyncio.create_task(ident.run(stop)) for ident in self.identities]
         await stop.wait()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await stop_clients([self.producer, self.inbox, self.announcements], self.log)
+
+    async def close(self) -> None:
+        """Close the producer and every consumer, all at once (a thousand one by one take minutes)."""
+        clients = [self.producer, *(tail for _, tail, _ in self.readers)]
+        await asyncio.gather(*(stop_clients([c], self.log) for c in clients))
 
     def result(self) -> dict[str, Any]:
-        return {"identities": len(self.identities), "adoptions": self.adoptions.as_dict(),
+        return {"identities": len(self.identities), "consumers": len(self.readers),
+                "adoptions": self.adoptions.as_dict(),
                 "fragments": sum(i.sender.fragments for i in self.identities), "grants_read": self.grants,
                 "announcements": self.announced, "refused": self.refused, "heartbeats": self.beats,
                 "heartbeats_failed": self.beats_failed,
@@ -263,7 +294,7 @@ class Swarm:
 async def amain(args: argparse.Namespace) -> None:
     settings = load_settings()
     configure_logging("swarm", settings.run, level="WARNING")
-    swarm = Swarm(settings, identity_ids(args.first, args.count), args.collect_s)
+    swarm = Swarm(settings, identity_ids(args.first, args.count), args.collect_s, args.readers)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -272,10 +303,11 @@ async def amain(args: argparse.Namespace) -> None:
         loop.call_later(args.seconds, stop.set)
     try:
         await swarm.run(stop)
-    finally:
+    finally:  # the result first: closing a thousand consumers is not part of what was measured
         tmp = args.out.with_suffix(f".{uuid.uuid4().hex[:6]}.tmp")
         tmp.write_text(json.dumps(swarm.result()))
         tmp.replace(args.out)
+        await swarm.close()
 
 
 def main() -> None:
@@ -285,6 +317,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--collect-s", type=float, default=0.02)
     p.add_argument("--seconds", type=float, default=0.0)
+    p.add_argument("--readers", choices=["shared", "own"], default="shared",
+                   help="one credits and one policy consumer per process (shared) or per identity (own)")
     asyncio.run(amain(p.parse_args()))
 
 

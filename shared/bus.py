@@ -256,7 +256,10 @@ def kafka_bus(settings: Any, group: str | None = None, group_instance_id: str | 
     from shared.kafka import LagProbe, ensure_topics, make_consumer, make_producer
 
     def tail(*topics: str, history: int = 0, partitions: Mapping[str, Sequence[int]] | None = None) -> TopicTail:
-        return KafkaTail(make_consumer(settings, group_id=None), topics, history, partitions)
+        tps = _tail_partitions(topics, partitions)
+        k = settings.kafka  # one partition: the broker answers the moment a record comes (kafka.tail_fetch_max_wait_ms)
+        wait = k.tail_fetch_max_wait_ms if len(tps) == 1 else k.fetch_max_wait_ms
+        return KafkaTail(make_consumer(settings, group_id=None, fetch_max_wait_ms=wait), topics, history, partitions)
 
     source: RecordSource = NoSource() if group is None else KafkaSource(
         make_consumer(settings, group_id=group, group_instance_id=group_instance_id))

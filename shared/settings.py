@@ -80,6 +80,13 @@ class KafkaSettings(_Section):
     per broker: a partition that gets records while a fetch for other, empty partitions waits is served
     only when that fetch returns, so this bounds the delivery delay of fragments, credit grants and
     announcements (Kafka's default 500 ms held 0.4-0.5 s gaps between the trainer's updates)."""
+    tail_fetch_max_wait_ms: int = Field(500, ge=1, le=10_000)
+    """The same for a group-less reader of one partition (the policy topic's readers, admin's heartbeats): its
+    one fetch always asks for that partition, so the broker answers the moment a record
+    arrives and a longer wait delays nothing, while an idle reader asks 2 times a second instead of 20 (each
+    sampler reads the policy topic: 2,000 fetch requests a second fewer at 1,000 samplers, docs/scaling.md).
+    A reader of several partitions (a sampler's control and credits partitions) keeps ``fetch_max_wait_ms``:
+    the partition it just read is left out of the fetch already waiting, as above."""
     sasl_mechanism: Literal["SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN"] = "SCRAM-SHA-512"
     """SASL mechanism of the ``SASL_*`` protocols (the SCRAM ones never send the password). ``PLAIN`` sends the
     password itself: use it over ``SASL_SSL`` only."""

@@ -1,9 +1,11 @@
 """The swarm (issue 32): 256 and 1,000 sampler identities against 3 Kafka brokers, the real trainer and
 paramsync, with the old flow-control design (one credits partition: every sampler reads every grant, which
 carries every sampler's count) beside the new (credits sharded, samplers / 16 partitions; samplers take turns
-when they outnumber ``trainer.flow_window``). The identities are ``bench.swarm_client`` processes (its
-docstring says what each identity does as a sampler does, and what the identities of a process share); one
-real sampler process runs beside them for its RSS and idle CPU."""
+when they outnumber ``trainer.flow_window``), and the new design again with a consumer per identity (own: the
+brokers' fan-out). The identities are ``bench.swarm_client`` processes (its docstring says what each identity
+does as a sampler does, and what the identities of a process share); one real sampler process runs beside them
+for its RSS and idle CPU. On the multi-host stack (``devstack.hosts``) where this machine can make test hosts,
+each swarm process on a host of its own; else on loopback."""
 
 from __future__ import annotations
 
@@ -35,26 +37,41 @@ from bench.common import (
     stack,
 )
 from bench.report import FigureResult, Row
-from devstack import REPO_ROOT
+from devstack import REPO_ROOT, LocalStack
 from devstack import down as infra_down
+from devstack import hosts as multihost
+from devstack.config import StackError
 from devstack.infra import ensure_up
 from shared.credits import shard_of
 from shared.kafka import Topics
 
 NAME = "swarm"
-TITLE = ("A swarm of 256 and 1,000 sampler identities against 3 brokers, the trainer and paramsync (loopback): "
+TITLE = ("A swarm of 256 and 1,000 sampler identities against 3 brokers, the trainer and paramsync (on the "
+         "multi-host stack: every part and each swarm process on a test host of its own; loopback where test hosts "
+         "cannot be made): "
          "credits and policy topic bytes/s, broker CPU, sync latency, lag at training time, the old design (one "
          "credits partition) beside the new (sharded, taking turns).")
 TARGET = ("new design: credits B/s per sampler at 1,000 <= 2x that at 256; lag at training time <= max_staleness; "
           "sync p99 reported")
 SIZES = tuple(int(x) for x in os.environ.get("FLYWHEEL_BENCH_SWARM_SIZES", "256,1000").split(","))
 """Identities per run; ``FLYWHEEL_BENCH_SWARM_SIZES=16,32`` for a smoke run."""
-DESIGNS = ("old", "new")
+DESIGNS = tuple(os.environ.get("FLYWHEEL_BENCH_SWARM_DESIGNS", "old,new,own").split(","))
+"""old: one credits partition, one consumer per swarm process; new: sharded credits, one consumer per process; own:
+sharded credits, every identity with consumers of its own (as a real sampler: the brokers' fan-out cost)."""
+READERS = {"old": "shared", "new": "shared", "own": "own"}
 PROCESSES = 4
 """Swarm client processes the identities are spread over."""
 SAMPLERS_PER_SHARD = 16
 """The new design's credits partitions: samplers / 16 (docs/architecture.md, "Sharded grants")."""
 SWARM_HOME = BENCH_HOME / "swarm-infra"
+"""The loopback run's Kafka and S3."""
+SWARM_HOSTS_HOME = BENCH_HOME / "swarm-hosts"
+"""The multi-host run's stack: its network, Kafka nodes and S3 server (kept between the runs, removed at the end)."""
+SWARM_HOSTS = tuple(range(10, 10 + PROCESSES))
+"""The test hosts of the swarm processes (``sampler-10`` ..: 10.77.0.110 ..), beside the real sampler's."""
+WHERE = os.environ.get("FLYWHEEL_BENCH_SWARM_WHERE", "hosts")
+"""``hosts`` (the multi-host stack: root and network namespaces; loopback, saying why, where they cannot be made)
+or ``loopback``."""
 SWARM_KAFKA_PORT, SWARM_CONTROLLER_PORT, SWARM_S3_PORT = 29192, 29193, 29100
 BROKERS = 3
 COLLECT_S = 0.02
@@ -62,7 +79,8 @@ COLLECT_S = 0.02
 
 
 def partitions_for(design: str, samplers: int) -> int:
-    """1 (old); new: samplers / 16 rounded up to a power of two (16 for 256, 64 for 1,000, as docs/scaling.md)."""
+    """1 (old); new and own: samplers / 16 rounded up to a power of two (16 for 256, 64 for 1,000, as
+    docs/scaling.md)."""
     if design == "old":
         return 1
     parts = 1
@@ -266,13 +284,34 @@ def _counter(text: str, name: str) -> float:
     return total
 
 
-def measure(ctx: Context, samplers: int, design: str, warmup_s: float, window_s: float) -> dict[str, Any]:
+def where_to_run() -> tuple[str, str]:
+    """("hosts" | "loopback", why loopback). Refuses while another multi-host stack runs (one per machine)."""
+    if WHERE == "loopback":
+        return "loopback", "FLYWHEEL_BENCH_SWARM_WHERE=loopback"
+    try:
+        multihost.preflight()
+    except StackError as exc:
+        return "loopback", f"test hosts cannot be made here: {exc}"
+    seen = multihost.observe()
+    if seen.owner is not None and seen.owner != str(SWARM_HOSTS_HOME.resolve()) and multihost.active(Path(seen.owner)):
+        raise StackError(f"another multi-host stack (home {seen.owner}) runs on this machine: the swarm needs the "
+                         "test hosts to itself (or FLYWHEEL_BENCH_SWARM_WHERE=loopback)")
+    return "hosts", ""
+
+
+def measure(ctx: Context, samplers: int, design: str, warmup_s: float, window_s: float,
+            hosts_home: Path | None = None) -> dict[str, Any]:
+    """One run. ``hosts_home``: on the multi-host stack of that home, each swarm process on a test host of its
+    own (:data:`SWARM_HOSTS`); else on 127.0.0.1 with ``ctx.infra``."""
     parts = partitions_for(design, samplers)
     run = ctx.run_name(NAME, f"{design}-{samplers}")
     topics = Topics.for_run(run)
     say(f"{NAME}: {samplers} identities, {design} design ({parts} credits partition{'s' * (parts > 1)})")
-    with stack(ctx, run, {"FLYWHEEL_KAFKA_CREDITS_PARTITIONS": parts}) as st:
-        st.up(1)  # trainer, paramsync, admin and one real sampler
+    with stack(ctx, run, {"FLYWHEEL_KAFKA_CREDITS_PARTITIONS": parts}, hosts_home=hosts_home,
+               brokers=BROKERS) as st:
+        st.up(1, timeout_s=480.0 if hosts_home else 180.0)  # trainer, paramsync, admin and one real sampler
+        if hosts_home is not None:  # the swarm processes' hosts, beside sampler-0's (up prunes them: made each run)
+            multihost.ensure_network(hosts_home, multihost.plan(BROKERS, 1, [0, *SWARM_HOSTS]), lambda m: None)
         st.wait_trained(1, timeout_s=180)
         env = st.stack.service_env("sampler", 0)
         env.pop("FLYWHEEL_SAMPLER_ID", None)
@@ -288,9 +327,10 @@ def measure(ctx: Context, samplers: int, design: str, warmup_s: float, window_s:
                     break
                 out = out_dir / f"swarm-{k}.json"
                 log = (out_dir / f"swarm-{k}.out").open("wb")
-                procs.append((subprocess.Popen(
-                    [sys.executable, "-m", "bench.swarm_client", "--first", str(first), "--count", str(count),
-                     "--out", str(out), "--collect-s", str(COLLECT_S)],
+                netns = multihost.netns_name(f"sampler-{SWARM_HOSTS[k]}") if hosts_home is not None else None
+                procs.append((subprocess.Popen(multihost.netns_exec(netns, [  # ip netns exec execs: same pid
+                    sys.executable, "-m", "bench.swarm_client", "--first", str(first), "--count", str(count),
+                    "--out", str(out), "--collect-s", str(COLLECT_S), "--readers", READERS[design]]),
                     env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT), out))
             # Every identity is known to the trainer once it consumed a fragment of each (one each, at first).
             consumed0 = _counter(_trainer_page(st), "flywheel_trainer_fragments_consumed_total")
@@ -306,7 +346,7 @@ def measure(ctx: Context, samplers: int, design: str, warmup_s: float, window_s:
             time.sleep(warmup_s)
             pids = {"trainer": st.stack.pid("trainer"), "paramsync": st.stack.pid("paramsync"),
                     "admin": st.stack.pid("admin"), "sampler": st.stack.pid("sampler", 0)}
-            brokers = broker_pids(SWARM_HOME)
+            brokers = broker_pids(st.infra_home)
             swarm_pids = [p.pid for p, _ in procs]
 
             def cpu_now() -> dict[str, float]:
@@ -317,7 +357,7 @@ def measure(ctx: Context, samplers: int, design: str, warmup_s: float, window_s:
                 c["machine"] = machine_busy_seconds()
                 return c
 
-            reader = TopicBytes(ctx.infra.kafka_bootstrap, [topics.credits, topics.policy])
+            reader = TopicBytes(st.stack.endpoints().kafka_bootstrap, [topics.credits, topics.policy])
             reader.start()
             page0, cpu0, load0, w0, m0 = _trainer_page(st), cpu_now(), loadavg(), time.time(), time.monotonic()
             time.sleep(window_s)
@@ -409,38 +449,51 @@ def run(ctx: Context) -> FigureResult:
     max_staleness = load_settings(REPO_ROOT / "configs" / "cartpole.yaml").trainer.max_staleness
     probes = {inf: import_probe(inf) for inf in ("auto", "onnx")}
     say(f"{NAME}: import probes {probes}")
-    say(f"{NAME}: {BROKERS} brokers on 127.0.0.1:{SWARM_KAFKA_PORT}.. in {SWARM_HOME}")
-    ep = ensure_up(SWARM_HOME, kafka_port=SWARM_KAFKA_PORT, controller_port=SWARM_CONTROLLER_PORT,
-                   s3_port=SWARM_S3_PORT, brokers=BROKERS, progress=lambda m: None)
-    sctx = dataclasses.replace(ctx, infra=ep)
+    where, why = where_to_run()
+    hosts_home = SWARM_HOSTS_HOME if where == "hosts" else None
+    if hosts_home is not None:
+        say(f"{NAME}: on the multi-host stack in {hosts_home} ({BROKERS} Kafka nodes, S3, the trainer, paramsync, "
+            f"admin, sampler-0 and the swarm processes on sampler-{SWARM_HOSTS[0]}..{SWARM_HOSTS[-1]}'s hosts)")
+        sctx = ctx
+    else:
+        say(f"{NAME}: loopback ({why}): {BROKERS} brokers on 127.0.0.1:{SWARM_KAFKA_PORT}.. in {SWARM_HOME}")
+        ep = ensure_up(SWARM_HOME, kafka_port=SWARM_KAFKA_PORT, controller_port=SWARM_CONTROLLER_PORT,
+                       s3_port=SWARM_S3_PORT, brokers=BROKERS, progress=lambda m: None)
+        sctx = dataclasses.replace(ctx, infra=ep)
     res: dict[str, dict[str, Any]] = {}
     try:
         for n in SIZES:
             for design in DESIGNS:
-                r = measure(sctx, n, design, warmup, window)
+                r = measure(sctx, n, design, warmup, window, hosts_home)
                 r["max_staleness"] = max_staleness
                 res[f"{design}-{n}"] = r
                 say(f"{NAME}: {design}-{n}: credits {r['credits_bps_total']:,.0f} B/s, per sampler "
                     f"{r['credits_bps_per_sampler']:,.0f} B/s, policy {r['policy_bps']:,.0f} B/s, sync p99 "
                     f"{r['sync_s']['p99']:.2f} s, lag mean {r['lag']['mean']:.2f}, cores {r['cores']}")
     finally:
-        infra_down(SWARM_HOME, progress=lambda m: None)
+        if hosts_home is not None:  # its Kafka nodes, S3 server, every namespace, link and rule
+            LocalStack(hosts_home, hosts=True, progress=lambda m: None).down()
+        else:
+            infra_down(SWARM_HOME, progress=lambda m: None)
     new_lo, new_hi = res[f"new-{SIZES[0]}"], res[f"new-{SIZES[-1]}"]
     ratio = new_hi["credits_bps_per_sampler"] / new_lo["credits_bps_per_sampler"] \
         if new_lo["credits_bps_per_sampler"] > 0 else float("inf")
     headline = [Row(f"new design: credits B/s per sampler, {SIZES[-1]} / {SIZES[0]}",
                     f"{ratio:.2f}x ({_f(new_hi['credits_bps_per_sampler'])} / {_f(new_lo['credits_bps_per_sampler'])})",
                     "<= 2x", ratio <= 2.0)]
-    for key in (f"old-{SIZES[0]}", f"old-{SIZES[-1]}"):
+    for key in [f"old-{n}" for n in (SIZES[0], SIZES[-1]) if "old" in DESIGNS]:
         headline.append(Row(f"{key}: credits B/s per sampler", _f(res[key]["credits_bps_per_sampler"])))
-    for n in SIZES:
-        r = res[f"new-{n}"]
+    for key in [f"{d}-{n}" for d in ("new", "own") if d in DESIGNS for n in SIZES]:
+        r = res[key]
         lag_max = r["lag"]["max_le"]
-        headline.append(Row(f"new-{n}: lag at training time mean / max bucket", f"{_f(r['lag']['mean'], 2)} / "
+        headline.append(Row(f"{key}: lag at training time mean / max bucket", f"{_f(r['lag']['mean'], 2)} / "
                             f"<= {_f(lag_max)}", f"<= {max_staleness}", lag_max <= max_staleness))
-        headline.append(Row(f"new-{n}: sync p50 / p99 (publication -> every identity acts on it)",
+        headline.append(Row(f"{key}: sync p50 / p99 (publication -> every identity acts on it)",
                             f"{_f(r['sync_s']['p50'], 3)} / {_f(r['sync_s']['p99'], 3)} s "
                             f"({r['sync_s']['versions']} versions, {r['sync_s']['versions_not_reached']} not reached)"))
+        if key.startswith("own"):
+            headline.append(Row(f"{key}: broker CPU (cores, 3 JVMs) serving a consumer per identity",
+                                f"{_f(r['cores'].get('brokers'), 2)}"))
     rows = []
     for n in SIZES:
         for design in DESIGNS:
@@ -465,10 +518,16 @@ def run(ctx: Context) -> FigureResult:
     srows = [f"| {k} | {_f(r['sampler']['rss_mib'])} | {_f(r['sampler']['cpu_cores'], 3)} "
              f"| {r['sampler']['torch_mapped']} | {r['sampler']['onnxruntime_mapped']} |" for k, r in res.items()]
     details = "\n".join([
-        f"Loopback, not the multi-host stack: {BROKERS} KRaft brokers on 127.0.0.1 (run topics replicated 3 times, "
-        "min.insync.replicas 2), the trainer, paramsync, admin and one real sampler as processes of a LocalStack, "
-        f"the identities in {PROCESSES} `bench.swarm_client` processes. Everything shares the machine's "
-        f"{os.cpu_count()} cores.",
+        (f"On the multi-host stack (`devstack.hosts`): {BROKERS} KRaft brokers, the S3 server, the trainer, "
+         "paramsync, admin and one real sampler each in a network namespace of its own at its own address on one "
+         f"bridge, and the identities in {PROCESSES} `bench.swarm_client` processes, each on a test host of its own "
+         f"(sampler-{SWARM_HOSTS[0]}..{SWARM_HOSTS[-1]}); every byte between them crosses the bridge. Run topics "
+         "replicated 3 times, min.insync.replicas 2. The test hosts are namespaces of one machine: everything "
+         f"shares its {os.cpu_count()} cores." if hosts_home is not None else
+         f"Loopback, not the multi-host stack ({why}): {BROKERS} KRaft brokers on 127.0.0.1 (run topics replicated 3 "
+         "times, min.insync.replicas 2), the trainer, paramsync, admin and one real sampler as processes of a "
+         f"LocalStack, the identities in {PROCESSES} `bench.swarm_client` processes. Everything shares the "
+         f"machine's {os.cpu_count()} cores."),
         "",
         "| identities | design (credits partitions) | credits B/s written | credits B/s read per sampler "
         "| credits B read per sampler per grant pass "
@@ -502,20 +561,21 @@ def run(ctx: Context) -> FigureResult:
         "bytes: a consumer in the bench process from the topics' ends sums key + value + header bytes (uncompressed, "
         "no record framing) of records timestamped in the window, per partition; a sampler reads its own partition "
         "(new) or the one partition (old), so 'read per sampler' is the mean over identities of their partition's "
-        "bytes/s, and 'read by all samplers' their sum. The swarm processes share one consumer per process (see "
-        "`bench/swarm_client.py`), so the broker served each partition 4 times, not once per identity: broker CPU "
-        "here does not include the per-reader fan-out a real swarm would cost. Broker CPU: the 3 JVMs' utime + "
-        "stime from /proc over the window. Sync latency: from paramsync's `policy_published` log line (after the "
-        "announcement is sent; an identity may adopt a few ms before that line, counted as 0) to the last identity "
-        "adopting that version or a newer one (the clients' wall clocks, same machine), for versions published in "
-        "the window but its last 5 s; the same from the trainer's `candidate_sent` line; paramsync's own "
+        "bytes/s, and 'read by all samplers' their sum. In the old and new rows the swarm processes share one consumer "
+        "per process (see `bench/swarm_client.py`), so the broker served each partition 4 times, not once per "
+        "identity: their broker CPU does not include the per-reader fan-out a real swarm costs; the own rows (new "
+        "design, every identity with its own credits and policy consumers, `--readers own`) do. Broker CPU: the 3 "
+        "JVMs' utime + stime from /proc over the window. Sync latency: from paramsync's `policy_published` log line "
+        "(after the announcement is sent; an identity may adopt a few ms before that line, counted as 0) to the last "
+        "identity adopting that version or a newer one (the clients' wall clocks, same machine), for versions "
+        "published in the window but its last 5 s; the same from the trainer's `candidate_sent` line; paramsync's own "
         "`policy_synced.latency_s` (candidate received -> heartbeat of the last live sampler) beside it. Lag at "
         "training time: the trainer's `flywheel_trainer_fragment_staleness_versions` histogram over the window "
         "(mean; max as the smallest bucket bound holding every observation).")
     return FigureResult(
         headline=headline,
         numbers={"runs": res, "import_probes": probes, "ratio_new_credits_per_sampler": ratio,
-                 "max_staleness": max_staleness, "where": "loopback", "brokers": BROKERS},
+                 "max_staleness": max_staleness, "where": where, "brokers": BROKERS},
         settings={"sizes": list(SIZES), "processes": PROCESSES, "samplers_per_shard": SAMPLERS_PER_SHARD,
                   "collect_s": COLLECT_S, "warmup_s": warmup, "window_s": window, "brokers": BROKERS},
         method=method, details_md=details)

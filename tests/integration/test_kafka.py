@@ -166,3 +166,38 @@ async def test_consumer_lag_counts_uncommitted_records(kafka_bootstrap: str, run
     finally:
         await consumer.stop()
     assert await consumer_lag(s, group, topic) == {0: 2, 1: 0}
+
+
+async def test_a_one_partition_tail_gets_a_record_long_before_its_fetch_wait(kafka_bootstrap: str,
+                                                                             run_name: str) -> None:
+    """kafka.tail_fetch_max_wait_ms only bounds an idle fetch: the broker answers a one-partition reader the moment
+    a record comes. With the wait at 8 s, each of 5 records sent to an idle reader arrives in under 2 s (were the
+    broker to hold the fetch for its wait, each would take up to 8 s)."""
+    from shared.bus import kafka_bus
+
+    s = Settings(run=run_name, kafka=KafkaSettings(bootstrap=kafka_bootstrap, tail_fetch_max_wait_ms=8_000))
+    topic = (await ensure_topics(s)).policy
+    bus = kafka_bus(s)
+    tail = bus.tail(topic)
+    assert tail.consumer._fetch_max_wait_ms == 8_000  # type: ignore[attr-defined]  # noqa: SLF001
+    several = bus.tail(topic, partitions={topic: (0, 1)})  # two partitions: the short wait stays
+    assert several.consumer._fetch_max_wait_ms == s.kafka.fetch_max_wait_ms  # type: ignore[attr-defined]  # noqa: SLF001
+    await several.stop()
+    producer = make_producer(s)
+    await producer.start()
+    await tail.start()
+    took = []
+    try:
+        for i in range(5):
+            await asyncio.sleep(1.0)  # the reader is idle: its fetch waits at the broker
+            sent = time.monotonic()
+            await producer.send_and_wait(topic, f"announce-{i}".encode(), key=b"announce")  # compacted: keyed
+            got: list[bytes | None] = []
+            while not got and time.monotonic() - sent < 30:
+                got = [r.value for r in await tail.poll(timeout_ms=10_000)]
+            took.append(time.monotonic() - sent)
+            assert got == [f"announce-{i}".encode()]
+    finally:
+        await tail.stop()
+        await producer.stop()
+    assert max(took) < 2.0, took

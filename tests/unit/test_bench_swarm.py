@@ -86,3 +86,44 @@ def test_synthetic_fragment_decodes_as_cartpole() -> None:
     back = decode_fragment(headers, payload, fragment_spec("CartPole-v1", max_bytes=1 << 20))
     assert back.sampler_id == "swarm-7" and back.policy_version == 3
     assert back.steps == settings.env.fragment_steps * settings.env.num_envs
+
+
+
+def test_own_readers_give_each_identity_its_shard_and_the_policy_topic() -> None:
+    """``--readers own``: two consumers per identity, its credits tail on its own shard only; ``shared``: two per
+    process, the credits tail on the shards of its identities. A grant reaches only the gates it is handed."""
+    import asyncio
+
+    import pytest
+    from aiokafka import TopicPartition
+
+    from bench.swarm_client import Swarm
+    from shared.bus import Record
+    from shared.messages import CreditGrant
+
+    settings = load_settings("configs/cartpole.yaml")
+    settings = settings.model_copy(update={"kafka": settings.kafka.model_copy(update={"credits_partitions": 4})})
+    ids = identity_ids(0, 8)
+
+    async def build(readers: str) -> Swarm:
+        swarm = Swarm(settings, ids, 0.02, readers)
+        await swarm.close()  # its clients were never started: closing them only releases them
+        return swarm
+
+    own = asyncio.run(build("own"))
+    credits = own.topics.credits
+    assert len(own.readers) == 16
+    assert [tail.tps for name, tail, _ in own.readers if name.startswith("credits:")] == [  # type: ignore[attr-defined]
+        [TopicPartition(own.topics.control, 0), TopicPartition(credits, shard_of(i, 4))] for i in ids]
+    shared = asyncio.run(build("shared"))
+    assert [name for name, _, _ in shared.readers] == ["credits", "policy"]
+    assert {tp.partition for tp in shared.readers[0][1].tps} == {shard_of(i, 4) for i in ids}  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="shared or own"):
+        asyncio.run(build("every"))
+    # A grant read by swarm-0's own reader reaches swarm-0's gate and no other identity's of that shard.
+    _, _, handler = next(r for r in own.readers if r[0] == "credits:swarm-0")
+    gates = {i.id: i.gate for i in own.identities}
+    grant = CreditGrant(trainer="t", window=0, consumed={}, limits={g.key: 3 for g in gates.values()},
+                        shard=shard_of("swarm-0", 4), shards=4)
+    handler(Record(TopicPartition(credits, shard_of("swarm-0", 4)), 0, None, grant.to_bytes(), []))
+    assert [sid for sid, g in gates.items() if g.known] == ["swarm-0"]
