@@ -157,20 +157,30 @@ class AlertWatch:
         window = f"polled 0-{end} s from the cut (heal at {heal} s)"
         if self.polls and self.failed_polls == self.polls:
             return f"Prometheus did not answer ({window})"
-        firing, pending = [], []
-        for s in self.new():
+        firing: dict[str, list[str]] = {}
+        pending: dict[str, list[str]] = {}
+        for s in self.new():  # one entry per alert name and time, its label sets together
             after = "" if self.healed_s is None or (s.pending_s or 0) < self.healed_s else " (after the heal)"
+            labels = s.key[len(s.name):].strip("{}")
             if s.firing_s is not None:
-                firing.append(f"{s.key} at {s.firing_s:.0f} s{after}")
+                firing.setdefault(f"at {s.firing_s:.0f} s{after}|{s.name}", []).append(labels)
             else:
                 need = self._durations.get(s.name)
                 fr = f"for: {_fmt_for(need)}, not reached" if need is not None else "never fired"
-                pending.append(f"{s.key} from {s.pending_s:.0f} s{after} ({fr})")
+                pending.setdefault(f"from {s.pending_s:.0f} s{after} ({fr})|{s.name}", []).append(labels)
+        def entries(found: dict[str, list[str]]) -> str:
+            out = []
+            for when_name, labels in found.items():
+                when, name = when_name.split("|", 1)
+                shown = "; ".join(x for x in labels if x)
+                out.append(f"{name}{{{shown}}} {when}" if shown else f"{name} {when}")
+            return ", ".join(out)
+
         parts = []
         if firing:
-            parts.append("firing: " + ", ".join(firing))
+            parts.append("firing: " + entries(firing))
         if pending:
-            parts.append("pending only: " + ", ".join(pending))
+            parts.append("pending only: " + entries(pending))
         if not parts:
             parts.append("none pending or firing")
         earlier = sorted(s.key for s in self.seen.values() if s.before_cut)

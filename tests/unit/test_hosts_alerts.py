@@ -47,6 +47,7 @@ def test_summary_separates_this_rows_alerts_and_says_what_for_was_not_reached() 
         [_alert("FlywheelPolicyNotAdvancing", "pending", "2026-12-03T23:35:00Z"),
          _alert("FlywheelKafkaUnderReplicated", "pending", "2026-12-03T23:40:12.4Z", topic="r.samples")],
         [_alert("FlywheelKafkaUnderReplicated", "pending", "2026-12-03T23:40:12.4Z", topic="r.samples"),
+         _alert("FlywheelKafkaUnderReplicated", "pending", "2026-12-03T23:40:12.4Z", topic="r.policy"),
          _alert("FlywheelServiceDown", "firing", "2026-12-03T23:40:20Z", instance=f"{mh.address('admin')}:8080")],
     ]
     import tests.hosts.alerts as alerts
@@ -59,12 +60,13 @@ def test_summary_separates_this_rows_alerts_and_says_what_for_was_not_reached() 
     finally:
         alerts.prom_get = real
     w.healed_s, w.stopped_s = 40.0, 70.0
-    assert [s.key for s in w.new()] == ["FlywheelKafkaUnderReplicated{r.samples}", "FlywheelServiceDown{admin}"]
+    assert [s.key for s in w.new()] == ["FlywheelKafkaUnderReplicated{r.policy}",
+                                        "FlywheelKafkaUnderReplicated{r.samples}", "FlywheelServiceDown{admin}"]
     assert w.pending("FlywheelKafkaUnderReplicated") and not w.fired("FlywheelKafkaUnderReplicated")
     assert w.fired("FlywheelServiceDown")
     text = w.summary()
     assert text.startswith("firing: FlywheelServiceDown{admin} at ")
-    assert "pending only: FlywheelKafkaUnderReplicated{r.samples} from 12 s (for: 5m, not reached)" in text
+    assert "pending only: FlywheelKafkaUnderReplicated{r.policy; r.samples} from 12 s (for: 5m, not reached)" in text
     assert "already active at the cut: FlywheelPolicyNotAdvancing" in text
     assert text.endswith("(polled 0-70 s from the cut (heal at 40 s))")
 
