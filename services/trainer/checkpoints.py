@@ -97,7 +97,6 @@ class Checkpoints:
         data = learner.state_bytes(offsets, ledger)
         await self.write(c.updates, data, {"policy_version": c.policy_version, "offsets": offsets, "ledger": ledger,
                                            **extra})
-        group.hold_commits = False  # a fresh run's first checkpoint holds what it trained: commits may go
 
     async def try_save(self, learner: Learner, group: ConsumerGroup, extra: dict[str, Any],
                        fence: Callable[[], Awaitable[None]]) -> bool:

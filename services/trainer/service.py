@@ -5,11 +5,12 @@ A short loop over parts built from explicit inputs (docs/architecture.md, "The t
 dead-lettering), :class:`~services.trainer.publication.Publication` (candidates, deferral, resend),
 :class:`~services.trainer.checkpoints.Checkpoints` (write, restore, fallback) and
 :mod:`~services.trainer.telemetry` (metrics, lag, heartbeats), with the pure rules in ``intake.py``,
-``ledger.py``, ``learner.py`` and ``guard.py``. This class keeps the loop and the state the parts share: the
-update lock, the update's tail (commit, publish, checkpoint), revoke handling, rollback following, runtime
-settings. Its periodic work runs as named tasks (``shared.retry.every``) built here from the parts in
-``tasks.py`` (the lease, grants, live samplers, the publication watch), which decide and return what to do;
-the acting that needs this trainer's state stays here. No part holds the trainer.
+``ledger.py``, ``learner.py`` and ``guard.py``. What follows an update (commit, publish, checkpoint, the held
+commits) has one owner, :class:`~services.trainer.tail.UpdateTail`. This class keeps the loop and the state the
+parts share: the update lock, revoke handling, rollback following, runtime settings. Its periodic work runs as
+named tasks (``shared.retry.every``) built here from the parts in ``tasks.py`` (the lease, grants, live
+samplers, the publication watch), which decide and return what to do; the acting that needs this trainer's
+state stays here. No part holds the trainer.
 
 Every consumed record ends in exactly one typed outcome (trained, dropped as stale, dead-lettered),
 counted and logged once with the fragment's identity, and folded into the ledger the checkpoint stores
@@ -41,6 +42,7 @@ from services.trainer.lease import RENEW_S, TrainerLease
 from services.trainer.outcomes import RecordOutcomes
 from services.trainer.publication import Publication, announcement
 from services.trainer.ranks import Ranks, Vote
+from services.trainer.tail import UpdateTail
 from services.trainer.tasks import (
     GRANT_REFRESH_S,
     Background,
@@ -163,14 +165,14 @@ class Trainer:
         self.live = LiveSamplers()
         self.watch = PublicationWatch()
         self.background = Background()
+        self.tail = UpdateTail(self.group, self.publication, self.checkpoints, publish_extra=self._lineage_extra,
+                               checkpoint_extra=self._checkpoint_extra, fence=self.lease.check)
         self._revision_actor: str | None = None  # who wrote the runtime revision being applied
         self.outcomes = RecordOutcomes(group=self.group, intake=self.intake, stall=self.stall,
                                        consumption=self.consumption, stats=self.stats, spec=self.spec, log=self.log,
                                        consumed=self.grants.consumed, refresh_published=self.refresh_published)
         self._stop = asyncio.Event()
         self._started = False
-        self._checkpoint_due = False
-        self._after_update: asyncio.Task[None] | None = None  # the last update's commit + publish
         self._update_lock = asyncio.Lock()  # a revoke, a rollback and a runtime change wait for the update
         self._fatal: BaseException | None = None  # a fatal error met inside a rebalance callback
         self._update_failed = False
@@ -241,10 +243,7 @@ class Trainer:
             await self._after_pass()
 
     async def _after_pass(self) -> None:
-        if self._after_update is not None and self._after_update.done():
-            await self._settle()  # a fatal error in the background commit or publish stops the trainer here
-        if self._after_update is None:  # else that task commits; this one would only run first
-            await self.group.commit()  # dropped / dead-lettered progress
+        await self.tail.after_pass()
         if self.leader:
             await self._publication_watch()
 
@@ -355,12 +354,7 @@ class Trainer:
         if self.watch.offer_current(now, offered=pub.candidate is not None or pub.deferred is not None, ahead=ahead,
                                     after_s=self.cfg.candidate_resend_s):
             await self.publish_current("ahead of the published version with no candidate sent")
-        if pub.retry_due(now) and (self._after_update is None or self._after_update.done()):
-            await self._settle()  # the last update's commit and publish first (it may have sent a newer one)
-            if pub.deferred is not None:
-                # In the background slot of an update's commit + publish: the loop is not held by a slow store,
-                # and the next update's publish waits for this one, so candidates stay in order.
-                self._after_update = asyncio.create_task(pub.retry_deferred(), name="trainer-publish-retry")
+        await self.tail.retry_deferred(now)
         stall = self.stall.check(now, self.intake.reference)
         m.STALLED.set(0 if stall is None else 1)
         if self.watch.newly_stalled(stall) and stall is not None:
@@ -440,9 +434,7 @@ class Trainer:
         if not leader:  # rank 0's hyperparameters, rollbacks and checkpoints are the group's
             self.pending_rollback = None
             self.learner.cfg, self.learner.update_cfg = lead.learner
-            self.checkpoints.last = lead.checkpoint
-            if lead.checkpoint is not None:
-                self.group.hold_commits = False
+            self.tail.adopt_checkpoint(lead.checkpoint)
         if lead.rollback is not None:
             self.intake.release(batch.train)
             await self.follow_rollback(lead.rollback)
@@ -498,7 +490,7 @@ class Trainer:
         try:
             if self._started:
                 try:
-                    await self._settle()
+                    await self.tail.settle()
                 except Exception as exc:  # already the reason run() ended, or it will be logged with it
                     self.log.error("background_commit_publish_failed", error=describe(exc))
                 await self.group.commit()
@@ -512,7 +504,7 @@ class Trainer:
                     self.log.info("checkpoint_up_to_date", update=updates)
                 elif updates:
                     try:  # fenced like every checkpoint: a trainer that lost its lease writes none
-                        await asyncio.wait_for(self._try_checkpoint(), 30)
+                        await asyncio.wait_for(self.tail.checkpoint(self.learner), 30)
                     except Exception as exc:  # the store is down: the next start resumes from the previous one
                         self.log.error("final_checkpoint_failed", error=describe(exc))
         finally:
@@ -566,10 +558,10 @@ class Trainer:
             await self._after_update_step(stats)
 
     async def _after_update_step(self, stats: UpdateStats) -> None:
-        # Commit (only now, after the optimizer step) and publish in the background: the next update runs
-        # meanwhile instead of waiting for two Kafka round trips and a store write. One such task at a time,
-        # so commits and candidates stay in order.
-        await self._settle()
+        """The model's version moves every ``publish_every`` updates; rank 0 (or a single trainer) makes the
+        candidate and shows the guard the update; the tail commits (only now, after the optimizer step),
+        publishes and checkpoints."""
+        await self.tail.settle()
         c = self.learner.counters
         candidate = None
         if c.updates % self.cfg.publish_every == 0:
@@ -577,22 +569,11 @@ class Trainer:
             self.intake.model_version = c.policy_version
             if self.leader:
                 candidate = (c.policy_version, self.learner.weights(), c.updates)  # as of this update
-        if not self.leader:  # commits wait for rank 0's first checkpoint (the vote says when it is written)
-            self.group.hold_commits = self.checkpoints.last is None
-            self._after_update = asyncio.create_task(self._commit_and_publish(None), name="trainer-commit")
-            return
-        mean = sum(c.recent_returns) / len(c.recent_returns) if c.recent_returns else None
-        self.guard.observe(time.time(), c.policy_version, mean, c.episodes, stats)
-        # A fresh run checkpoints its first update before committing anything, so no record ever counts as
-        # consumed while its gradient is in no checkpoint; then every checkpoint_every updates.
-        first = self.checkpoints.last is None
-        self.group.hold_commits = first
-        if first:
-            await self._try_checkpoint()
-        self._after_update = asyncio.create_task(self._commit_and_publish(candidate), name="trainer-commit-publish")
-        if not first and (self._checkpoint_due or c.updates % self.cfg.checkpoint_every == 0):
-            await self._settle()
-            await self._try_checkpoint()
+        if self.leader:
+            mean = sum(c.recent_returns) / len(c.recent_returns) if c.recent_returns else None
+            self.guard.observe(time.time(), c.policy_version, mean, c.episodes, stats)
+        await self.tail.after_update(self.learner, candidate, leader=self.leader,
+                                     checkpoint_every=self.cfg.checkpoint_every)
 
     def _lineage_extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"lineage": self.lineage} if self.lineage else {}
@@ -603,32 +584,16 @@ class Trainer:
     async def publish_current(self, why: str) -> None:
         """Send the weights the trainer runs now as a candidate of its current version and lineage."""
         async with self._update_lock:
-            await self._settle()
+            await self.tail.settle()
             c = self.learner.counters
             self.log.warning("candidate_offered_again", policy_version=c.policy_version, reason=why,
                              published_version=self.intake.published, automatic_action=True)
             await self.publication.publish(c.policy_version, self.learner.weights(), c.updates, self._lineage_extra())
         m.RECOVERIES.labels(action="offer_candidate_again").inc()
 
-    async def _commit_and_publish(self, candidate: tuple[int, bytes, int] | None) -> None:
-        await self.group.commit()
-        if candidate is not None:
-            await self.publication.publish(*candidate, self._lineage_extra())
-
-    async def _settle(self) -> None:
-        """Wait for the previous update's commit and publish; their errors surface here."""
-        task, self._after_update = self._after_update, None
-        if task is not None:
-            await task
-
     def _checkpoint_extra(self) -> dict[str, Any]:
         return {"lineage": self.lineage, "abandoned": self.intake.abandoned, "trainer_id": self.id,
                 "lease": self.lease.token}
-
-    async def _try_checkpoint(self) -> None:
-        saved = await self.checkpoints.try_save(self.learner, self.group, self._checkpoint_extra(),
-                                                self.lease.check)
-        self._checkpoint_due = not saved
 
     async def _restore(self) -> None:
         """Resume from the newest usable checkpoint, then follow what was published since (a rollback, a
@@ -671,7 +636,7 @@ class Trainer:
         try:
             async with self._update_lock:
                 try:
-                    await self._settle()
+                    await self.tail.settle()
                 except Exception as exc:
                     if not is_transient(exc):
                         self._fatal = exc  # raised by the loop: a rebalance callback must not hide it
@@ -749,7 +714,7 @@ class Trainer:
             self.intake.abandon(*abandoned)
         self.lineage = msg.lineage
         self.publication.abandon()
-        self._checkpoint_due = True  # a restart must neither re-train the old history on top nor forget the abandon
+        self.tail.checkpoint_due = True  # a restart must neither re-train the old history on top nor forget the abandon
         return abandoned
 
     async def follow_rollback(self, msg: PolicyMessage) -> None:
@@ -758,7 +723,7 @@ class Trainer:
             self.pending_rollback = None
             if msg.lineage <= self.lineage:  # a re-announcement of a rollback already followed
                 return
-            await self._settle()
+            await self.tail.settle()
             data = await self.retry(lambda: asyncio.to_thread(self.policies.fetch, msg.record()), "fetch rollback",
                                     "store")
             abandoned = self._adopt_rollback(msg, data)
@@ -768,7 +733,7 @@ class Trainer:
             if self.ranks is not None:  # every rank follows at the same step; rank 0 checkpoints for all
                 await self._exchange_ledgers()
             if self.leader:
-                await self._try_checkpoint()
+                await self.tail.checkpoint(self.learner)
         m.RECOVERIES.labels(action="follow_rollback").inc()
         self.log.warning("rollback_followed", rollback_of=msg.rollback_of, policy_version=msg.version,
                          abandoned=list(abandoned), optimizer="reset")

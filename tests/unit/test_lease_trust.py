@@ -1,6 +1,6 @@
 """The trainer's lease (services/trainer/lease.py) on the local-directory store with a fake clock: a live
 holder keeps it, a stale one is taken over, and the holder that lost it is fenced out of checkpoint
-writes (``Checkpoints.try_save`` with the lease check as its fence, as ``Trainer._try_checkpoint`` passes
+writes (``Checkpoints.try_save`` with the lease check as its fence, as ``UpdateTail.checkpoint`` passes
 ``HeldLease.check``)."""
 
 from __future__ import annotations
