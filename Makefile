@@ -31,7 +31,7 @@ help:
 	@echo "make test-unit fast tests only"
 	@echo "make test-faults  the whole fault-injection suite (~10 min) -> docs/reliability.md"
 	@echo "make test-partitions  the partition nemesis on the multi-host stack (network namespaces, root, ~16 min) -> docs/reliability-network.md"
-	@echo "make test-soak     partitions and kill -9 at random on the multi-host stack for SOAK_MINUTES (10), outside CI (root, ~17 min) -> docs/reliability-soak.md"
+	@echo "make test-soak     partitions and kill -9 at random on the multi-host stack for SOAK_MINUTES (10), outside CI (root, ~13 min) -> docs/reliability-soak.md"
 	@echo "make test-compose  docker-compose.yml built and run for real on a test Docker engine of its own (root; docs/local-stack.md)"
 	@echo "make test-mutation  mutation testing of the trust core (hours; ONLY=name for one file) -> docs/reliability-mutation.md"
 	@echo "make bench     the benchmark suite (ONLY=name for one figure) -> docs/benchmarks.md"
@@ -90,7 +90,7 @@ test-partitions: install
 
 # The soak, outside CI (not in .ci/run): on the multi-host stack, SOAK_MINUTES (default 10) of cuts and kill -9 at
 # random from a printed seed (FLYWHEEL_SOAK_SEED replays it), then the partition rows' checks on the whole run
-# (tests/hosts/test_soak.py, marker soak) -> docs/reliability-soak.md. Root; ~17 min with the stack's start.
+# (tests/hosts/test_soak.py, marker soak) -> docs/reliability-soak.md. Root; ~13 min with the stack's start.
 SOAK_MINUTES ?= 10
 test-soak: install
 	SOAK_MINUTES=$(SOAK_MINUTES) $(PY) -m pytest tests/hosts -m soak $(PYTEST_ARGS)

@@ -1,6 +1,6 @@
 """The soak: partitions and ``kill -9`` at random on the multi-host stack for ``SOAK_MINUTES`` (default 10), then the
-partition rows' checks on everything that happened (``make test-soak``; outside CI: ~10 min of faults plus ~5 min to
-set up and ~2 to check).
+partition rows' checks on everything that happened (``make test-soak``; outside CI: ~10 min of faults plus ~3 min to
+set up and check; 12.8 min in all at its first run).
 
 A seeded schedule (the seed is printed and written to the report; ``FLYWHEEL_SOAK_SEED`` replays the same sequence of
 events, though the timing of a live stack varies) of events, one after another with a few seconds between them:
