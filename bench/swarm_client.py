@@ -20,10 +20,10 @@ with ``--readers shared`` (the default), one consumer of the credits partitions 
 ``<run>.policy`` (an announcement's signature and inline weights are checked once, then offered to every
 identity): the broker then serves each credits partition and the policy topic once per swarm process, not once
 per identity. With ``--readers own`` each identity reads as a real sampler does, with consumers of its own: one
-of ``<run>.control`` and its credits partition, one of ``<run>.policy`` (checking each announcement itself), so
-the brokers serve every reader: the fan-out's cost. Not done per identity: the store marker poll,
-the runtime-settings and pause reads (every ``sync_interval_s`` per sampler: 500 store GETs a second at 1,000),
-the backlog probe (off unless ``max_backlog``).
+of its credits partition, one of ``<run>.control`` (its commands are not acted on), one of ``<run>.policy``
+(checking each announcement itself), so the brokers serve every reader: the fan-out's cost. Not done per
+identity: the store marker poll, the runtime-settings and pause reads (every ``sync_interval_s`` per sampler: 500
+store GETs a second at 1,000), the backlog probe (off unless ``max_backlog``).
 
 On SIGTERM (or after ``--seconds``) it writes ``--out``: per policy version how many identities came to act on
 it (or a newer one) and when the first and the last did (epoch seconds), and the fragments sent.
@@ -173,10 +173,10 @@ class Swarm:
             for ident in self.identities:
                 shard = shard_of(ident.id, shards)
                 self.readers += [
-                    (f"credits:{ident.id}",  # as the sampler's inbox: the control topic too (two partitions)
-                     self.bus.tail(self.topics.control, self.topics.credits,
-                                   partitions={self.topics.credits: [shard]}),
+                    (f"credits:{ident.id}", self.bus.tail(self.topics.credits,
+                                                          partitions={self.topics.credits: [shard]}),
                      lambda rec, only=(ident,): self.on_grant(rec, only)),
+                    (f"control:{ident.id}", self.bus.tail(self.topics.control), lambda rec: None),
                     (f"policy:{ident.id}", self.bus.tail(self.topics.policy, history=POLICY_HISTORY),
                      lambda rec, only=(ident,): self.on_announcement(rec, only))]
         else:
@@ -196,7 +196,7 @@ class Swarm:
 
     def on_grant(self, rec: Record, identities: Iterable[Identity]) -> None:
         """A grant of ``rec.partition``, handed to the gates of ``identities`` (those of that partition)."""
-        if rec.value is None or rec.topic != self.topics.credits:  # a command (the own readers read control)
+        if rec.value is None:
             return
         try:
             g = CreditGrant.model_validate_json(rec.value)

@@ -85,8 +85,10 @@ class KafkaSettings(_Section):
     one fetch always asks for that partition, so the broker answers the moment a record
     arrives and a longer wait delays nothing, while an idle reader asks 2 times a second instead of 20 (each
     sampler reads the policy topic: 2,000 fetch requests a second fewer at 1,000 samplers, docs/scaling.md).
-    A reader of several partitions (a sampler's control and credits partitions) keeps ``fetch_max_wait_ms``:
-    the partition it just read is left out of the fetch already waiting, as above."""
+    A reader of several partitions (rank 0's reader of every credits partition, paramsync's of heartbeats and
+    control) keeps ``fetch_max_wait_ms``: the partition it just read is left out of the fetch already waiting,
+    as above. A sampler reads its credits partition, the control topic and the policy topic with one reader
+    each: 6 idle fetches a second."""
     sasl_mechanism: Literal["SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN"] = "SCRAM-SHA-512"
     """SASL mechanism of the ``SASL_*`` protocols (the SCRAM ones never send the password). ``PLAIN`` sends the
     password itself: use it over ``SASL_SSL`` only."""

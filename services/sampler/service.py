@@ -15,7 +15,8 @@ Kafka is reached only through ``shared.bus`` (a :class:`~shared.bus.Bus` passed 
 default, ``MemoryBus`` in unit tests). Named background tasks keep slow or blocking reads out of the
 loop: ``announcements`` reads ``<run>.policy`` from ``POLICY_HISTORY`` records before its end (a late
 starter finds the newest announcement, with its inline weights, on the compacted topic), ``inbox`` reads
-control commands and credit grants as they arrive (both ``shared.retry.read_forever``); ``marker`` reads
+credit grants and ``commands`` control commands as they arrive (all three ``shared.retry.read_forever``; each
+reads one partition, so an idle one asks the broker twice a second: ``kafka.tail_fetch_max_wait_ms``); ``marker`` reads
 the marker and the operator state every ``sync_interval_s`` or at once on a ``config`` command,
 ``backlog`` measures the trainer's backlog every ``backlog_check_interval_s`` (only while ``max_backlog`` is
 on), ``heartbeats`` beats every ``heartbeat_interval_s`` (``shared.retry.every``).
@@ -140,8 +141,10 @@ class Sampler:
         # Commands and grants from now on; announcements from a few records back (the newest may carry weights).
         # Grants: only this sampler's own credits partition (shared.credits.shard_of), whatever the swarm's size.
         self.credits_partition = shard_of(self.id, settings.kafka.credits_partitions)
-        self.inbox = self.bus.tail(self.topics.control, self.topics.credits,
-                                   partitions={self.topics.credits: (self.credits_partition,)})
+        # Two readers of one partition each rather than one of both: a one-partition reader may wait long at the
+        # broker (answered the moment a record comes), a reader of two may not (shared.settings, fetch waits).
+        self.inbox = self.bus.tail(self.topics.credits, partitions={self.topics.credits: (self.credits_partition,)})
+        self.commands = self.bus.tail(self.topics.control)
         self.announcements = self.bus.tail(self.topics.policy, history=POLICY_HISTORY)
         # Always measured: max_backlog can be turned on at run time (PATCH /config).
         self.lag_probe = self.bus.lag()
@@ -170,6 +173,7 @@ class Sampler:
         await self.retry(self.bus.create_topics, "create topics", "kafka", timeout_s=timeout_s)
         await self.retry(self.producer.start, "start producer", "kafka", timeout_s=timeout_s)
         await self.retry(self.inbox.start, "start inbox", "kafka", timeout_s=timeout_s)
+        await self.retry(self.commands.start, "start command reader", "kafka", timeout_s=timeout_s)
         await self.retry(self.announcements.start, "start announcement reader", "kafka", timeout_s=timeout_s)
         await self.retry(self.lag_probe.start, "start lag probe", "kafka", timeout_s=timeout_s)
         # A restarted sampler comes back paused if it was, and with the latest runtime settings.
@@ -217,7 +221,7 @@ class Sampler:
         if self.sender.pending:
             await asyncio.wait(self.sender.pending, timeout=CLIENT_STOP_TIMEOUT_S)
         # The producer flushes what is buffered.
-        await stop_clients([self.producer, self.inbox, self.announcements, self.lag_probe], self.log)
+        await stop_clients([self.producer, self.inbox, self.commands, self.announcements, self.lag_probe], self.log)
         self.worker.close()
 
     def health(self) -> dict[str, Any]:
@@ -232,6 +236,7 @@ class Sampler:
             return
         log = self.log
         self._start_task("inbox", read_forever(self.inbox, self._on_inbox, name="inbox", log=log))
+        self._start_task("commands", read_forever(self.commands, self._on_inbox, name="commands", log=log))
         self._start_task("announcements", read_forever(self.announcements, self._on_announcement,
                                                        name="announcements", log=log))
         self._start_task("marker", every(lambda: self.settings.sampler.sync_interval_s, self._poll_marker,
@@ -499,7 +504,8 @@ class Sampler:
             self._wake.set()
 
     def _on_inbox(self, rec: Record) -> None:
-        """One record of the inbox: a command or a credit grant. A malformed one is logged and ignored."""
+        """One record of the inbox (a credit grant) or of the command reader (a command). A malformed one is
+        logged and ignored."""
         topic, value = rec.topic, rec.value
         try:
             if topic == self.topics.control and value is not None:

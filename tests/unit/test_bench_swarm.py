@@ -90,7 +90,7 @@ def test_synthetic_fragment_decodes_as_cartpole() -> None:
 
 
 def test_own_readers_give_each_identity_its_shard_and_the_policy_topic() -> None:
-    """``--readers own``: two consumers per identity, its credits tail on its own shard only; ``shared``: two per
+    """``--readers own``: three consumers per identity, its credits tail on its own shard only; ``shared``: two per
     process, the credits tail on the shards of its identities. A grant reaches only the gates it is handed."""
     import asyncio
 
@@ -112,9 +112,10 @@ def test_own_readers_give_each_identity_its_shard_and_the_policy_topic() -> None
 
     own = asyncio.run(build("own"))
     credits = own.topics.credits
-    assert len(own.readers) == 16
+    assert len(own.readers) == 24
     assert [tail.tps for name, tail, _ in own.readers if name.startswith("credits:")] == [  # type: ignore[attr-defined]
-        [TopicPartition(own.topics.control, 0), TopicPartition(credits, shard_of(i, 4))] for i in ids]
+        [TopicPartition(credits, shard_of(i, 4))] for i in ids]
+    assert all(len(tail.tps) == 1 for _, tail, _ in own.readers)  # type: ignore[attr-defined]  # as a sampler's
     shared = asyncio.run(build("shared"))
     assert [name for name, _, _ in shared.readers] == ["credits", "policy"]
     assert {tp.partition for tp in shared.readers[0][1].tps} == {shard_of(i, 4) for i in ids}  # type: ignore[attr-defined]

@@ -283,7 +283,8 @@ async def test_a_sampler_reads_only_its_own_credits_partition(tmp_path: Path) ->
     sampler = Sampler(settings, "s-1", bus=mem.bus())
     own = shard_of("s-1", 8)
     await sampler.inbox.start()
-    assert set(sampler.inbox.tps) == {TopicPartition(T.control, 0), TopicPartition(T.credits, own)}  # type: ignore[attr-defined]
+    assert set(sampler.inbox.tps) == {TopicPartition(T.credits, own)}  # type: ignore[attr-defined]
+    assert set(sampler.commands.tps) == {TopicPartition(T.control, 0)}  # type: ignore[attr-defined]
     key = sampler.credits.key
     for p in range(8):
         if p != own:  # a grant for another shard (it would not even name this sampler): never read
