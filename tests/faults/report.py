@@ -92,6 +92,19 @@ Where it ends:
   trace of those samples.
 """
 
+NETWORK = """\
+## Across a network, and the soak (outside CI)
+
+The partition suite (`make test-partitions`, in CI, ~12-14 min) cuts, isolates and slows links on the multi-host
+stack, with the alerts each cut raised: [reliability-network.md](reliability-network.md). The soak
+(`make test-soak`, `tests/hosts/test_soak.py`) runs **outside CI** (`.ci/run` does not call it): on the same stack,
+`SOAK_MINUTES` (default 10) of random cuts (10-40 s) and `kill -9` of random processes, sometimes both at once, from
+a printed seed (`FLYWHEEL_SOAK_SEED` replays it), then the same checks on the whole run (records lost 0, trained
+twice 0, `flywheel verify` ok). It takes ~13 min with the stack's start and the checks (12.8 min measured); its results:
+[reliability-soak.md](reliability-soak.md).
+"""
+"""What the partition suite and the soak cover (their own reports are written by ``tests/hosts``)."""
+
 
 MUTATION_REPORT = REPO / "docs" / "reliability-mutation.md"
 MUTATION_BEGIN = "<!-- mutation: from docs/reliability-mutation.md (make test-mutation) -->"
@@ -128,7 +141,7 @@ def commit_label() -> str:
     the suites write aside: a previous run's rewrite is not a change to the code under test)."""
     head = _git("rev-parse", "--short", "HEAD")
     dirty = _git("status", "--porcelain", "--", ".", ":(exclude)docs/reliability.md",
-                 ":(exclude)docs/reliability-network.md")
+                 ":(exclude)docs/reliability-network.md", ":(exclude)docs/reliability-soak.md")
     return head + (" + uncommitted changes" if dirty else "")
 
 
@@ -180,7 +193,7 @@ def write_reliability(rows: list[Row], seed: int, path: Path | None = None, minu
         "Each test first asserts that its fault really happened (the process died, records moved to the",
         "other member, the marker was unreadable, the request was refused) and only then that nothing was lost.",
         "",
-    ] + _table(rows) + ["", GUARANTEES] + mutation_section()
+    ] + _table(rows) + ["", GUARANTEES, NETWORK] + mutation_section()
     path.write_text("\n".join(lines) + "\n")
     return path
 

@@ -33,6 +33,9 @@ def test_the_fault_report_embeds_the_mutation_summary(tmp_path: Path, monkeypatc
     assert report.MUTATION_BEGIN in text and "| digest | 447 |" in text
     assert "## Survivors" not in text  # only the summary; the survivors stay in their own file
     assert text.index("## What Flywheel guarantees") < text.index(report.MUTATION_BEGIN)
+    # The network suite's and the soak's pointers are written by the fault suite too (a rewrite keeps them).
+    assert "[reliability-network.md](reliability-network.md)" in text and "make test-soak" in text
+    assert text.index("## Across a network") < text.index(report.MUTATION_BEGIN)
 
 
 def test_without_a_mutation_report_it_says_how_to_make_one(tmp_path: Path) -> None:
