@@ -442,6 +442,50 @@ def _f(x: Any, digits: int = 0) -> str:
     return "n/a" if v != v else f"{v:,.{digits}f}"
 
 
+def swarm_ran(r: Mapping[str, Any]) -> bool:
+    """Whether a run's identities acted as a swarm: some identity had a fragment acknowledged. Where none did, the
+    trainer trained only the real sampler's, and the run's lag and sync figures say nothing of the swarm."""
+    return sum(int(p.get("fragments", 0)) for p in r.get("swarm") or ()) > 0
+
+
+def new_hi_over_lo(res: Mapping[str, Mapping[str, Any]], sizes: Sequence[int]) -> float:
+    """The new design's credits read per sampler at the largest size over that at the smallest."""
+    lo, hi = res[f"new-{sizes[0]}"], res[f"new-{sizes[-1]}"]
+    lo_bps, hi_bps = float(lo["credits_bps_per_sampler"]), float(hi["credits_bps_per_sampler"])
+    return hi_bps / lo_bps if lo_bps > 0 else float("inf")
+
+
+def headline_rows(res: Mapping[str, Mapping[str, Any]], sizes: Sequence[int], designs: Sequence[str],
+                  max_staleness: int) -> list[Row]:
+    """The figure's headline from its runs (``res``: ``<design>-<size>`` -> :func:`measure`'s result). A run whose
+    identities sent nothing (:func:`swarm_ran`) gets one line saying so instead of its lag and sync."""
+    new_lo, new_hi = res[f"new-{sizes[0]}"], res[f"new-{sizes[-1]}"]
+    ratio = new_hi_over_lo(res, sizes)
+    headline = [Row(f"new design: credits B/s per sampler, {sizes[-1]} / {sizes[0]}",
+                    f"{ratio:.2f}x ({_f(new_hi['credits_bps_per_sampler'])} / {_f(new_lo['credits_bps_per_sampler'])})",
+                    "<= 2x", ratio <= 2.0)]
+    for key in [f"old-{n}" for n in (sizes[0], sizes[-1]) if "old" in designs]:
+        headline.append(Row(f"{key}: credits B/s per sampler", _f(res[key]["credits_bps_per_sampler"])))
+    for key in [f"{d}-{n}" for d in ("new", "own") if d in designs for n in sizes]:
+        r = res[key]
+        if not swarm_ran(r):
+            starved = sum(int(p.get("without_policy", 0)) for p in r.get("swarm") or ())
+            headline.append(Row(f"{key}: did not run as a swarm",
+                                f"no identity's fragment was sent ({starved} of {r['samplers']} identities never got "
+                                "a policy); its lag and sync are not the swarm's", "ran", False))
+            continue
+        lag_max = r["lag"]["max_le"]
+        headline.append(Row(f"{key}: lag at training time mean / max bucket", f"{_f(r['lag']['mean'], 2)} / "
+                            f"<= {_f(lag_max)}", f"<= {max_staleness}", lag_max <= max_staleness))
+        headline.append(Row(f"{key}: sync p50 / p99 (publication -> every identity acts on it)",
+                            f"{_f(r['sync_s']['p50'], 3)} / {_f(r['sync_s']['p99'], 3)} s "
+                            f"({r['sync_s']['versions']} versions, {r['sync_s']['versions_not_reached']} not reached)"))
+        if key.startswith("own"):
+            headline.append(Row(f"{key}: broker CPU (cores, 3 JVMs) serving a consumer per identity",
+                                f"{_f(r['cores'].get('brokers'), 2)}"))
+    return headline
+
+
 def run(ctx: Context) -> FigureResult:
     from shared.settings import load_settings
 
@@ -475,25 +519,8 @@ def run(ctx: Context) -> FigureResult:
             LocalStack(hosts_home, hosts=True, progress=lambda m: None).down()
         else:
             infra_down(SWARM_HOME, progress=lambda m: None)
-    new_lo, new_hi = res[f"new-{SIZES[0]}"], res[f"new-{SIZES[-1]}"]
-    ratio = new_hi["credits_bps_per_sampler"] / new_lo["credits_bps_per_sampler"] \
-        if new_lo["credits_bps_per_sampler"] > 0 else float("inf")
-    headline = [Row(f"new design: credits B/s per sampler, {SIZES[-1]} / {SIZES[0]}",
-                    f"{ratio:.2f}x ({_f(new_hi['credits_bps_per_sampler'])} / {_f(new_lo['credits_bps_per_sampler'])})",
-                    "<= 2x", ratio <= 2.0)]
-    for key in [f"old-{n}" for n in (SIZES[0], SIZES[-1]) if "old" in DESIGNS]:
-        headline.append(Row(f"{key}: credits B/s per sampler", _f(res[key]["credits_bps_per_sampler"])))
-    for key in [f"{d}-{n}" for d in ("new", "own") if d in DESIGNS for n in SIZES]:
-        r = res[key]
-        lag_max = r["lag"]["max_le"]
-        headline.append(Row(f"{key}: lag at training time mean / max bucket", f"{_f(r['lag']['mean'], 2)} / "
-                            f"<= {_f(lag_max)}", f"<= {max_staleness}", lag_max <= max_staleness))
-        headline.append(Row(f"{key}: sync p50 / p99 (publication -> every identity acts on it)",
-                            f"{_f(r['sync_s']['p50'], 3)} / {_f(r['sync_s']['p99'], 3)} s "
-                            f"({r['sync_s']['versions']} versions, {r['sync_s']['versions_not_reached']} not reached)"))
-        if key.startswith("own"):
-            headline.append(Row(f"{key}: broker CPU (cores, 3 JVMs) serving a consumer per identity",
-                                f"{_f(r['cores'].get('brokers'), 2)}"))
+    ratio = new_hi_over_lo(res, SIZES)
+    headline = headline_rows(res, SIZES, DESIGNS, max_staleness)
     rows = []
     for n in SIZES:
         for design in DESIGNS:

@@ -128,3 +128,25 @@ def test_own_readers_give_each_identity_its_shard_and_the_policy_topic() -> None
                         shard=shard_of("swarm-0", 4), shards=4)
     handler(Record(TopicPartition(credits, shard_of("swarm-0", 4)), 0, None, grant.to_bytes(), []))
     assert [sid for sid, g in gates.items() if g.known] == ["swarm-0"]
+
+
+def test_a_run_whose_identities_sent_nothing_is_not_reported_as_the_swarms_lag() -> None:
+    """own-1000 once trained only the real sampler's fragments: its headline must say it did not run as a swarm
+    (meets False), not show the real sampler's lag as the swarm's within max_staleness."""
+    from bench.figures.swarm import headline_rows, swarm_ran
+
+    def run(samplers: int, fragments: int, bps: float) -> dict[str, object]:
+        return {"samplers": samplers, "credits_bps_per_sampler": bps, "lag": {"mean": 1.5, "max_le": 4.0},
+                "sync_s": {"p50": 0.1, "p99": 0.4, "versions": 9, "versions_not_reached": 0},
+                "cores": {"brokers": 0.5},
+                "swarm": [{"fragments": fragments, "without_policy": 0 if fragments else samplers // 2}] * 2}
+
+    res = {"new-256": run(256, 40, 1000.0), "new-1000": run(1000, 90, 1100.0),
+           "own-256": run(256, 30, 2000.0), "own-1000": run(1000, 0, 400.0)}
+    assert swarm_ran(res["own-256"]) and not swarm_ran(res["own-1000"])
+    rows = {r.metric: r for r in headline_rows(res, (256, 1000), ("new", "own"), 8)}
+    assert rows["new design: credits B/s per sampler, 1000 / 256"].meets is True
+    assert "own-1000: lag at training time mean / max bucket" not in rows
+    assert rows["own-1000: did not run as a swarm"].meets is False
+    assert "1000 of 1000" in rows["own-1000: did not run as a swarm"].value
+    assert rows["own-256: lag at training time mean / max bucket"].meets is True
