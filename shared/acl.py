@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import for_code
 from aiokafka.protocol.admin import CreateAclsRequest
 
-from shared.kafka import Topics, client_security, ensure_topics, trainer_group
+from shared.kafka import Topics, ensure_topics, make_admin, trainer_group
 from shared.settings import Settings
 
 ROLES = ("sampler", "trainer", "paramsync", "admin")
@@ -138,8 +137,7 @@ async def create_acls(settings: Settings, acls: list[Acl], timeout_s: float = 30
     Raises :class:`AclError` naming the first refused binding with the broker's error, ``TimeoutError``
     after ``timeout_s``.
     """
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap,
-                                request_timeout_ms=settings.kafka.request_timeout_ms, **client_security(settings))
+    admin = make_admin(settings)
 
     async def _create() -> None:
         await admin.start()

@@ -135,8 +135,7 @@ async def topic_max_message_bytes(settings: Settings, topic: str) -> int | None:
     read (no such topic, not authorized to describe it). paramsync caps inline policies by it: a policy topic
     created before they existed keeps the broker's default, and a record the broker refuses as too large
     leaves the idempotent producer out of sequence (``OutOfOrderSequenceNumber`` on every later send)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap,
-                                request_timeout_ms=settings.kafka.request_timeout_ms, **client_security(settings))
+    admin = make_admin(settings)
     await admin.start()
     try:
         responses = await admin.describe_configs(
@@ -196,8 +195,7 @@ async def ensure_topics(settings: Settings) -> Topics:
     left as they are, except the credits topic: with fewer partitions than ``kafka.credits_partitions`` it is
     grown (grants for a shard it lacks would have nowhere to go); where that is refused, a ``ValueError`` says
     what to change."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap,
-                                request_timeout_ms=settings.kafka.request_timeout_ms, **client_security(settings))
+    admin = make_admin(settings)
     await admin.start()
     try:
         existing = set(await admin.list_topics())
@@ -237,6 +235,15 @@ async def _grow_credits(admin: AIOKafkaAdminClient, settings: Settings) -> None:
         raise ValueError(f"{topic} has {have} partitions but kafka.credits_partitions is {wanted}, and raising them "
                          f"failed ({exc!r}): raise the topic's partitions or set kafka.credits_partitions: {have}"
                          ) from exc
+
+
+def make_admin(settings: Settings, **overrides: Any) -> AIOKafkaAdminClient:
+    """Admin client of the run's cluster (bootstrap, security, ``kafka.request_timeout_ms``; ``overrides`` win)."""
+    k = settings.kafka
+    kwargs: dict[str, Any] = {"bootstrap_servers": k.bootstrap, "request_timeout_ms": k.request_timeout_ms,
+                              **client_security(settings)}
+    kwargs.update(overrides)
+    return AIOKafkaAdminClient(**kwargs)
 
 
 def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
@@ -311,8 +318,7 @@ class LagProbe:
 
     def __init__(self, settings: Settings) -> None:
         k = settings.kafka
-        self._admin = AIOKafkaAdminClient(bootstrap_servers=k.bootstrap, request_timeout_ms=k.request_timeout_ms,
-                                          **client_security(settings))
+        self._admin = make_admin(settings)
         self._probe = AIOKafkaConsumer(bootstrap_servers=k.bootstrap, enable_auto_commit=False,
                                        request_timeout_ms=k.request_timeout_ms, **client_security(settings))
 

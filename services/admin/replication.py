@@ -160,14 +160,11 @@ class ReplicationWatch:
 
     async def _client(self) -> Any:
         if self._admin is None:
-            from aiokafka.admin import AIOKafkaAdminClient
-
-            from shared.kafka import client_security
+            from shared.kafka import make_admin
 
             k = self.settings.kafka
-            admin = AIOKafkaAdminClient(bootstrap_servers=k.bootstrap,
-                                        request_timeout_ms=min(k.request_timeout_ms, int(DESCRIBE_TIMEOUT_S * 1000)),
-                                        **client_security(self.settings))
+            admin = make_admin(self.settings,
+                               request_timeout_ms=min(k.request_timeout_ms, int(DESCRIBE_TIMEOUT_S * 1000)))
             try:
                 await admin.start()
             except BaseException:
