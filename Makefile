@@ -42,7 +42,7 @@ help:
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[train,test]'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -106,15 +106,15 @@ test-unit: install
 # cosmic-ray over the trust core's files against their unit tests (tools/mutation/targets.toml), each in a private
 # copy of the tree; not part of make test nor CI (it takes long: the time per file is in the report).
 test-mutation: install
-	$(PY) -m pip install --quiet -e '.[test,mutation]'
+	$(PY) -m pip install --quiet -e '.[train,test,mutation]'
 	$(PY) tools/mutation/run.py $(if $(ONLY),--only $(ONLY),)
 
 bench: install
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet -e '.[train,test,bench]'
 	$(PY) -m bench $(if $(ONLY),--only $(ONLY),)
 
 lint: install
-	$(PY) -m pip install --quiet -e '.[test,dev]'
+	$(PY) -m pip install --quiet -e '.[train,test,dev]'
 	$(PY) -m ruff check shared services devstack tests bench
 	$(PY) -m mypy
 

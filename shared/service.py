@@ -63,11 +63,18 @@ def entrypoint(service: str, argv: list[str] | None = None) -> Settings:
     return settings
 
 
-def run_main(service: str, build: Callable[[Settings], tuple[Service, Any]]) -> None:
+def run_main(service: str, build: Callable[[Settings], tuple[Service, Any]],
+             problem: Callable[[Settings], str | None] | None = None) -> None:
     """The whole life of a service process: settings, then ``build`` (heavy imports go there),
     then :func:`serve` until SIGTERM. ``build`` runs inside the event loop (aiokafka needs one)
-    and returns the service and its HTTP app (None: the default /healthz + /metrics app)."""
+    and returns the service and its HTTP app (None: the default /healthz + /metrics app).
+    ``problem``: a check of the settings against this installation (e.g. a package an option needs); what it
+    returns stops the process before ``build``, in one line on stderr, with status 2."""
     settings = entrypoint(service)
+    found = problem(settings) if problem is not None else None
+    if found is not None:
+        sys.stderr.write(f"flywheel {service}: {found}\n")
+        raise SystemExit(2)
 
     async def amain() -> None:
         svc, app = build(settings)

@@ -22,7 +22,8 @@ the marker and the operator state every ``sync_interval_s`` or at once on a ``co
 on), ``heartbeats`` beats every ``heartbeat_interval_s`` (``shared.retry.every``).
 They set ``_wake``, on which the loop waits while flow control pauses it (or, in ``mode: sync``, while
 it waits for the next version), so a paused sampler adopts a new policy as soon as it is announced.
-Nothing here imports torch for MLP policies (inference is numpy); CNN policies run in torch (rollout.py).
+Nothing here imports torch: MLP policies run in numpy, CNN policies in onnxruntime (``sampler.inference`` auto;
+torch only when it says torch, rollout.py).
 A fragment whose payload would exceed ``kafka.max_message_bytes`` is split in time into fragments that
 each fit (``shared.fragment.encode_fitting``), each its own record with its own sequence number (so a
 split fragment may hold up to its piece count less one beyond the credit window until consumed).

@@ -14,7 +14,7 @@ reshapes them to ``[B, K * C, H, W]`` and scales 0-255 to 0-1.
 from __future__ import annotations
 
 from itertools import islice
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributions import Categorical, Distribution, Independent, Normal
 
 from shared.fragment import FragmentSpec
+from shared.rl.layout import CONVS, TORSOS, WIDTH, Torso, auto_torso, check_torso, image_layout
 from shared.rl.policy_np import OBS_CLIP, OBS_EPS, SDE_EPS, check_activation, check_gsde, validate_weights
 from shared.rl.policy_np import WeightsError as WeightsError  # re-exported: one class for both loaders
 
@@ -248,28 +249,6 @@ class ActorCritic(nn.Module):
         return logp, entropy, self.value(obs)
 
 
-Torso = Literal["nature_cnn", "minatar_cnn"]
-TORSOS: tuple[Torso, ...] = ("nature_cnn", "minatar_cnn")
-
-
-def image_layout(obs_shape: tuple[int, ...]) -> tuple[int, int, int, bool]:
-    """``(C, H, W, channels_last)`` of a frame shape: ``(H, W)`` is one channel; of three dims the channel
-    axis is the smaller end (``(10, 10, 4)`` HWC, ``(4, 84, 84)`` CHW)."""
-    if len(obs_shape) == 2:
-        return 1, obs_shape[0], obs_shape[1], True
-    if len(obs_shape) == 3:
-        if obs_shape[-1] <= obs_shape[0]:
-            return obs_shape[2], obs_shape[0], obs_shape[1], True
-        return obs_shape[0], obs_shape[1], obs_shape[2], False
-    raise ValueError(f"image observations must be [H, W], [H, W, C] or [C, H, W], got {obs_shape}")
-
-
-def auto_torso(obs_shape: tuple[int, ...]) -> Torso:
-    """``nature_cnn`` for frames of at least 36x36 pixels (its convolutions need them), else ``minatar_cnn``."""
-    _, h, w, _ = image_layout(obs_shape)
-    return "nature_cnn" if min(h, w) >= 36 else "minatar_cnn"
-
-
 def _conv(layer: nn.Conv2d) -> nn.Conv2d:
     nn.init.orthogonal_(layer.weight, float(np.sqrt(2)))
     assert layer.bias is not None
@@ -278,16 +257,14 @@ def _conv(layer: nn.Conv2d) -> nn.Conv2d:
 
 
 def make_torso(kind: Torso, channels: int, h: int, w: int) -> tuple[nn.Sequential, int]:
-    """The torso and its output width."""
-    if kind == "nature_cnn":
-        convs = nn.Sequential(_conv(nn.Conv2d(channels, 32, 8, 4)), nn.ReLU(), _conv(nn.Conv2d(32, 64, 4, 2)),
-                              nn.ReLU(), _conv(nn.Conv2d(64, 64, 3, 1)), nn.ReLU(), nn.Flatten())
-        width = 512
-    elif kind == "minatar_cnn":
-        convs = nn.Sequential(_conv(nn.Conv2d(channels, 16, 3, 1)), nn.ReLU(), nn.Flatten())
-        width = 128
-    else:
-        raise ValueError(f"trainer.model={kind!r}: want one of {TORSOS}")
+    """The torso and its output width (its layers: :data:`shared.rl.layout.CONVS` and ``WIDTH``)."""
+    layers: list[nn.Module] = []
+    c = channels
+    for out, k, s in CONVS[check_torso(kind)]:
+        layers += [_conv(nn.Conv2d(c, out, k, s)), nn.ReLU()]
+        c = out
+    convs = nn.Sequential(*layers, nn.Flatten())
+    width = WIDTH[kind]
     with torch.no_grad():
         try:
             flat = int(convs(torch.zeros(1, channels, h, w)).shape[1])

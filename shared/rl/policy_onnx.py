@@ -21,22 +21,25 @@ tie within the rounds' spread (25-44 against 23-42; a shorter run had numpy ahea
 torch and onnxruntime out of the sampler process (importing them took 5.4 s and 690 MB resident here, numpy
 0.3 s and 26 MB), so ``auto`` keeps numpy.
 
-How :class:`OnnxPolicy` keeps up with new policy versions without exporting each one (an export takes seconds):
-the graph (the actor's log-softmax of the trainer's model, :class:`~shared.rl.model.ActorCritic` or the CNN) is
-exported once at construction, unoptimised so that every weight stays an initializer named after its state_dict
-key; :meth:`OnnxPolicy.load` checks a blob with the loader every side uses
+How :class:`OnnxPolicy` keeps up with new policy versions without building a graph for each one: the graph (the
+actor's log-softmax of the trainer's model, :class:`~shared.rl.model.ActorCritic` or the CNN) is built once at
+construction by :func:`policy_graph`, from the architecture's tables (:mod:`shared.rl.layout`) with ONNX's own
+helpers and without torch, every weight an initializer named after its state_dict key (the torch exporter,
+:func:`export_graph`, serves ``flywheel export`` and the tests, which check that both graphs give the same
+log-probabilities); :meth:`OnnxPolicy.load` checks a blob with the loader every side uses
 (:func:`~shared.rl.policy_np.validate_weights`), writes its tensors into those initializers and opens a new
 session (tens of milliseconds; onnxruntime optimises the graph then). Actions are sampled in numpy with the
 sampler's generator by the rule the torch policy uses (:func:`~shared.rl.policy_torch.sample_discrete`), so for
 the same weights, observations and generator the two backends give the same actions.
 
-Torch, onnx and onnxruntime are imported by :class:`OnnxPolicy` only: :func:`resolve_inference` is cheap to import.
+onnx and onnxruntime are imported by :class:`OnnxPolicy` only (:func:`resolve_inference` is cheap to import), and
+torch never on the samplers' path: a sampler with ``sampler.inference`` auto, numpy or onnx runs without torch
+installed (the ``train`` extra; the torch-free sampler image, deploy/Dockerfile's ``sampler`` target).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import logging
 import warnings
@@ -46,14 +49,13 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from shared.fragment import FragmentSpec
-from shared.rl.policy_np import validate_weights
+from shared.rl.layout import CONVS, image_layout, image_shapes, resolve_model
+from shared.rl.policy_np import check_activation, expected_shapes, validate_weights
 
 if TYPE_CHECKING:
     import onnx
     import onnxruntime
     import torch
-
-    from shared.rl.model import ActorCritic
 
 Backend = Literal["numpy", "torch", "onnx"]
 OPSET = 18
@@ -130,57 +132,100 @@ def example_batch(spec: FragmentSpec, rows: int = 2) -> np.ndarray:
     return np.zeros((rows, int(np.prod(spec.obs_shape))), np.float32)
 
 
+def policy_graph(spec: FragmentSpec, model: str, hidden: int, activation: str = "tanh"
+                 ) -> tuple[onnx.ModelProto, dict[str, tuple[int, ...]], set[str]]:
+    """The samplers' graph for ``spec``'s env (``model``, ``hidden``, ``activation``: the trainer's settings), built
+    with ONNX's helpers and no torch: input ``obs`` shaped as :func:`example_batch` with a dynamic batch axis,
+    output ``logp`` ``[batch, A]``, the actor's log-softmax as :meth:`shared.rl.model.ActorCritic.log_probs`
+    computes it. Returns the graph (weights: zero initializers named ``model.<state_dict key>``), the whole state
+    dict's shapes (what a blob must hold, critic included) and the keys the graph reads. Discrete actions only; the
+    MLP without observation normalisation (as ``sampler_policy`` allows for onnx)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    if spec.continuous:
+        raise ValueError("OnnxPolicy samples discrete actions only")
+    kind = resolve_model(spec, model)
+    nodes: list[onnx.NodeProto] = []
+    consts: list[onnx.TensorProto] = []
+
+    def const(name: str, value: np.ndarray) -> str:
+        consts.append(numpy_helper.from_array(value, name))
+        return name
+
+    def linear(x: str, key: str, out: str) -> str:  # torch's Linear: x @ W.T + b
+        nodes.append(helper.make_node("Gemm", [x, _PREFIX + key + ".weight", _PREFIX + key + ".bias"], [out],
+                                      transB=1))
+        return out
+
+    example = example_batch(spec)
+    if kind == "mlp":
+        check_activation(activation)
+        shapes = expected_shapes(int(np.prod(spec.obs_shape)), spec.num_actions, hidden)
+        act = "Relu" if activation == "relu" else "Tanh"
+        x = "obs"
+        for i, layer in enumerate(("actor.0", "actor.2")):
+            nodes.append(helper.make_node(act, [linear(x, layer, f"h{i}_pre")], [f"h{i}"]))
+            x = f"h{i}"
+        logits = linear(x, "actor.4", "logits")
+        reads = {k for k in shapes if k.startswith("actor.")}
+    else:
+        shapes = image_shapes(spec, kind)
+        c, h, w, channels_last = image_layout(spec.obs_shape)
+        k = spec.frame_stack
+        # ImageActorCritic._features: frames as float / 255, stacked frames' channels side by side [B, K * C, H, W]
+        nodes.append(helper.make_node("Cast", ["obs"], ["obs_f"], to=TensorProto.FLOAT))
+        nodes.append(helper.make_node("Div", ["obs_f", const("c255", np.array(255.0, np.float32))], ["scaled"]))
+        x = "scaled"
+        if len(spec.obs_shape) == 3 and channels_last:  # [B, K, H, W, C] -> [B, K, C, H, W]
+            nodes.append(helper.make_node("Transpose", [x], ["chw"], perm=[0, 1, 4, 2, 3]))
+            x = "chw"
+        nodes.append(helper.make_node("Reshape", [x, const("nchw", np.array([-1, k * c, h, w], np.int64))],
+                                      ["conv_in"]))
+        x = "conv_in"
+        for i, (_, size, stride) in enumerate(CONVS[kind]):
+            key = f"torso.{2 * i}"
+            nodes.append(helper.make_node("Conv", [x, _PREFIX + key + ".weight", _PREFIX + key + ".bias"],
+                                          [f"conv{i}"], kernel_shape=[size, size], strides=[stride, stride]))
+            nodes.append(helper.make_node("Relu", [f"conv{i}"], [f"relu{i}"]))
+            x = f"relu{i}"
+        nodes.append(helper.make_node("Flatten", [x], ["flat"], axis=1))
+        nodes.append(helper.make_node("Relu", [linear("flat", f"torso.{2 * len(CONVS[kind]) + 1}", "fc")],
+                                      ["features"]))
+        logits = linear("features", "actor", "logits")
+        reads = {k for k in shapes if not k.startswith("critic.")}
+    nodes.append(helper.make_node("LogSoftmax", [logits], ["logp"], axis=-1))
+    weights = [numpy_helper.from_array(np.zeros(shapes[key], np.float32), _PREFIX + key) for key in sorted(reads)]
+    dtype = TensorProto.UINT8 if example.dtype == np.uint8 else TensorProto.FLOAT
+    graph = helper.make_graph(
+        nodes, "flywheel_policy",
+        [helper.make_tensor_value_info("obs", dtype, ["batch", *example.shape[1:]])],
+        [helper.make_tensor_value_info("logp", TensorProto.FLOAT, ["batch", spec.num_actions])],
+        initializer=weights + consts)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="flywheel")
+    proto.ir_version = 8  # onnxruntime >= 1.14 reads it (opset 18)
+    onnx.checker.check_model(proto)
+    return proto, shapes, reads
+
+
 class OnnxPolicy:
     """``act(obs, rng)`` for observations shaped as :func:`example_batch` (any number of rows) through
-    onnxruntime; discrete actions only (as :class:`~shared.rl.policy_torch.TorchPolicy`).
+    onnxruntime; discrete actions only (as :class:`~shared.rl.policy_torch.TorchPolicy`). Needs no torch.
 
     Invariant: the session always holds the last blob :meth:`load` accepted (a refused blob changes nothing)."""
 
-    def __init__(self, model: ActorCritic, example: np.ndarray, threads: int = 1) -> None:
-        import torch
-        from torch import nn
-
-        from shared.rl.policy_torch import sample_discrete
-
-        if model.continuous:
-            raise ValueError("OnnxPolicy samples discrete actions only")
+    def __init__(self, proto: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], example: np.ndarray,
+                 threads: int = 1) -> None:
+        """``proto``: a graph from :func:`policy_graph` (or :func:`export_graph`) whose weights are initializers
+        named ``model.<key>``; ``shapes``: the blob's keys and shapes."""
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.gsde = False  # discrete actions only: no exploration state (as NumpyPolicy.gsde)
         self.threads = threads
-        self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        self.shapes = dict(shapes)
         self._dtype = example.dtype
-        self._sample = sample_discrete
-
-        # The exporter shares one initializer between equal tensors (two zero-initialised biases of one shape
-        # would become one), and load() must be able to write each weight on its own: export a copy whose every
-        # float tensor holds distinct random values (the real weights arrive with the first version anyway).
-        stand_in = copy.deepcopy(model)
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for t in stand_in.state_dict().values():
-                if t.is_floating_point():
-                    t.copy_(torch.randn(t.shape, generator=gen))
-
-        class LogProbs(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.model = stand_in
-
-            def forward(self, obs: torch.Tensor) -> torch.Tensor:
-                return self.model.log_probs(obs)
-
-        proto = export_graph(LogProbs().eval(), example)
         keys = {_PREFIX + k: k for k in self.shapes}
         self._initializers = {init.name: keys[init.name] for init in proto.graph.initializer if init.name in keys}
-        # Every weight the actor reads must be an initializer we can overwrite, or a new version would act with
-        # the export's weights: refuse here, at start-up, instead.
-        actor = {id(p) for p in model.actor_parameters()}
-        needed = {k for k, p in model.named_parameters() if id(p) in actor}
-        needed |= {k for k in self.shapes if k.startswith("obs_norm.")}
-        missing = needed - set(self._initializers.values())
-        if missing:
-            raise RuntimeError(f"the exported graph does not name these weights as initializers: {sorted(missing)}")
         # Serialised once. load() parses a fresh proto from these bytes for each version, writes the weights into
         # it, and drops it: writing them into one long-lived proto (CopyFrom on its initializers) kept about one
         # blob of memory per adopted version, without bound (protobuf's arena is freed only with the message): 20
@@ -192,11 +237,15 @@ class OnnxPolicy:
     def for_spec(cls, spec: FragmentSpec, model: str, hidden: int, threads: int = 1, *,
                  activation: str = "tanh") -> OnnxPolicy:
         """The policy a sampler of ``spec``'s env uses (``model``, ``activation``: ``trainer.model`` and
-        ``trainer.activation``)."""
-        from shared.rl.model import ActorCritic
-
-        return cls(ActorCritic.for_spec(spec, hidden, model=model, activation=activation), example_batch(spec),
-                   threads)
+        ``trainer.activation``), its graph from :func:`policy_graph` (no torch)."""
+        proto, shapes, reads = policy_graph(spec, model, hidden, activation)
+        policy = cls(proto, shapes, example_batch(spec), threads)
+        # Every weight the actor reads must be an initializer load() overwrites, or a new version would act with
+        # the graph's zeros: refuse here, at start-up, instead.
+        missing = reads - set(policy._initializers.values())
+        if missing:
+            raise RuntimeError(f"the graph does not name these weights as initializers: {sorted(missing)}")
+        return policy
 
     @property
     def loaded(self) -> bool:
@@ -233,4 +282,19 @@ class OnnxPolicy:
 
     def act(self, obs: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """One action per row (int64 ``[N]``) and its log-prob (float32 ``[N]``)."""
-        return self._sample(self.log_probs(obs), rng)
+        return sample_discrete(self.log_probs(obs), rng)
+
+
+def sample_discrete(log_probs: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """One action per row of ``log_probs`` ``[N, A]`` by the inverse-CDF rule of
+    :class:`~shared.rl.policy_np.NumpyPolicy` (one uniform per row from ``rng``), and its log-prob: int64 ``[N]``
+    and float32 ``[N]``. The rule every torch-model backend samples with (torch, onnxruntime), so the same
+    log-probs and generator give the same actions whichever ran the network. Here, without torch, for the
+    onnxruntime sampler; :mod:`shared.rl.policy_torch` re-exports it."""
+    lp = np.asarray(log_probs, np.float64)
+    if not np.isfinite(lp).all():
+        raise ValueError("policy logits are not finite")
+    cdf = np.exp(lp).cumsum(axis=1)
+    u = rng.random(lp.shape[0]) * cdf[:, -1]
+    actions = (cdf[:, :-1] <= u[:, None]).sum(axis=1, dtype=np.int64)
+    return actions, lp[np.arange(lp.shape[0]), actions].astype(np.float32)

@@ -15,6 +15,7 @@ import torch
 
 from shared.fragment import FragmentSpec
 from shared.rl.model import ActorCritic, ImageActorCritic, load_weights
+from shared.rl.policy_onnx import sample_discrete as sample_discrete  # one rule for every backend, torch-free
 
 
 class TorchPolicy:
@@ -62,17 +63,3 @@ class TorchPolicy:
         if not self._loaded:
             raise RuntimeError("no weights loaded yet")
         return sample_discrete(self.log_probs(obs), rng)
-
-
-def sample_discrete(log_probs: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """One action per row of ``log_probs`` ``[N, A]`` by the inverse-CDF rule of
-    :class:`~shared.rl.policy_np.NumpyPolicy` (one uniform per row from ``rng``), and its log-prob: int64 ``[N]``
-    and float32 ``[N]``. The rule every torch-model backend samples with (torch, onnxruntime), so the same
-    log-probs and generator give the same actions whichever ran the network."""
-    lp = np.asarray(log_probs, np.float64)
-    if not np.isfinite(lp).all():
-        raise ValueError("policy logits are not finite")
-    cdf = np.exp(lp).cumsum(axis=1)
-    u = rng.random(lp.shape[0]) * cdf[:, -1]
-    actions = (cdf[:, :-1] <= u[:, None]).sum(axis=1, dtype=np.int64)
-    return actions, lp[np.arange(lp.shape[0]), actions].astype(np.float32)
