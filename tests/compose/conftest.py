@@ -20,6 +20,11 @@ CACHE = Path(os.environ.get("FLYWHEEL_COMPOSE_CACHE", "/var/cache/flywheel-compo
 TEST_SOCKET = "unix:///run/flywheel-test-docker.sock"
 PROJECT = "flywheel-compose-test"
 ADMIN_PORT_OVERRIDE = "tools/compose/admin-port.yml"
+PUBLISHED = {  # service: (the port docker-compose.yml publishes, the variable and default of the port used when
+    # that one is taken on the machine, the override file that publishes it there)
+    "admin": (8080, "FLYWHEEL_COMPOSE_ADMIN_PORT", 18080, ADMIN_PORT_OVERRIDE),
+    "prometheus": (9090, "FLYWHEEL_COMPOSE_PROMETHEUS_PORT", 19090, "tools/compose/prometheus-port.yml"),
+}
 ACL_OVERRIDE = "deploy/kafka/compose.acl.yml"
 # Every service but Grafana, whose image has no stand-in (docs/local-stack.md, "Stand-in images"); the
 # dependencies (kafka, minio, minio-init) come with them.
@@ -50,20 +55,22 @@ def wait_until(check: Callable[[], Any], timeout_s: float, what: str, interval: 
 class Compose:
     """`docker compose` on the test engine, for one project; ``acl`` adds the per-role identity override."""
 
-    def __init__(self, token: str, admin_port: int = 8080) -> None:
+    def __init__(self, token: str, moved: dict[str, int] | None = None) -> None:
+        """``moved``: service -> the host port it is published on instead of the shipped one (:func:`moved_ports`)."""
         self.token = token
         self.acl = False
-        self.admin_port = admin_port
-        self.admin = f"http://127.0.0.1:{admin_port}"
+        self.moved = dict(moved or {})
+        self.admin_port = self.moved.get("admin", PUBLISHED["admin"][0])
+        self.admin = f"http://127.0.0.1:{self.admin_port}"
         self.env = {**os.environ, "DOCKER_HOST": TEST_SOCKET, "DOCKER_CONFIG": str(CACHE / "docker-config"),
-                    "FLYWHEEL_ADMIN_TOKEN": token, "COMPOSE_PROJECT_NAME": PROJECT,
-                    "FLYWHEEL_COMPOSE_ADMIN_PORT": str(admin_port)}
+                    "FLYWHEEL_ADMIN_TOKEN": token, "COMPOSE_PROJECT_NAME": PROJECT}
+        self.env.update({PUBLISHED[service][1]: str(port) for service, port in self.moved.items()})
         for k in ("COMPOSE_PROFILES", "COMPOSE_FILE"):
             self.env.pop(k, None)
 
     def files(self) -> list[str]:
         return ["-f", "docker-compose.yml", *(["-f", ACL_OVERRIDE] if self.acl else []),
-                *(["-f", ADMIN_PORT_OVERRIDE] if self.admin_port != 8080 else [])]
+                *(f for service in sorted(self.moved) for f in ("-f", PUBLISHED[service][3]))]
 
     def run(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
         cmd = ["docker", "compose", *self.files(), *args]
@@ -124,19 +131,31 @@ class Compose:
         return self.run("logs", "--no-color", "--tail", str(tail), service, check=False).stdout
 
 
+def listener(port: int) -> str:
+    """What listens on TCP ``port`` on this machine (``ss``'s line), or ''."""
+    return subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True).stdout.strip()
+
+
+def moved_ports(busy: Callable[[int], str], environ: dict[str, str] | None = None) -> dict[str, int]:
+    """The published services whose shipped host port is taken (``busy(port)`` non-empty), each with the port it
+    is published on instead (its variable in ``environ``, else the default in :data:`PUBLISHED`)."""
+    env = os.environ if environ is None else environ
+    return {service: int(env.get(var, str(default)))
+            for service, (shipped, var, default, _) in PUBLISHED.items() if busy(shipped)}
+
+
 @pytest.fixture(scope="session")
 def compose() -> Any:
     engine = subprocess.run(["docker", "version", "--format", "{{.Server.Version}}"], capture_output=True, text=True,
                             env={**os.environ, "DOCKER_HOST": TEST_SOCKET})
     if engine.returncode != 0:
         pytest.fail(f"no test engine on {TEST_SOCKET}: run `make test-compose` (tools/compose/engine.sh start)")
-    busy = subprocess.run(["ss", "-Hltnp", "sport = :8080"], capture_output=True, text=True).stdout.strip()
-    port = 8080
-    if busy:  # e.g. `make up`'s local-process stack beside the suite: admin published elsewhere, said loudly
-        port = int(os.environ.get("FLYWHEEL_COMPOSE_ADMIN_PORT", "18080"))
-        print(f"\ncompose: 127.0.0.1:8080 is taken on this machine ({busy}); admin is published on "
-              f"127.0.0.1:{port} instead ({ADMIN_PORT_OVERRIDE})")
-    c = Compose(secrets.token_hex(32), port)
+    moved = moved_ports(listener)
+    for service, port in moved.items():  # e.g. `make up`'s stack or the partition suite's beside the suite: said loudly
+        shipped, _, _, override = PUBLISHED[service]
+        print(f"\ncompose: 127.0.0.1:{shipped} is taken on this machine ({listener(shipped)}); {service} is "
+              f"published on 127.0.0.1:{port} instead ({override})")
+    c = Compose(secrets.token_hex(32), moved)
     c.run("down", "-v", "--remove-orphans", check=False)  # what an interrupted run left
     t0 = time.monotonic()
     try:

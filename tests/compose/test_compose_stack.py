@@ -15,8 +15,8 @@ from tests.compose.conftest import Compose, wait_until
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(1800)]
 
-IMAGES = ["flywheel:local", "apache/kafka:4.1.1", "quay.io/minio/minio:RELEASE.2025-09-07T16-13-09Z",
-          "prom/prometheus:v3.5.0"]
+IMAGES = ["flywheel:local", "flywheel-sampler:local", "apache/kafka:4.1.1",
+          "quay.io/minio/minio:RELEASE.2025-09-07T16-13-09Z", "prom/prometheus:v3.5.0"]
 FLYWHEEL = ["trainer", "paramsync", "admin", "sampler"]
 
 
@@ -65,6 +65,22 @@ def test_flywheel_image_starts_with_a_read_only_root_filesystem(compose: Compose
                          "s = load_settings('/app/configs/cartpole.yaml', {}); Tracker.from_settings(s); "
                          "print(s.run)", timeout=300)
     assert out.stdout.strip().endswith("cartpole"), out.stdout + out.stderr
+
+
+def test_sampler_image_has_no_torch_and_refuses_torch_inference_in_one_line(compose: Compose) -> None:
+    """The samplers' image (deploy/Dockerfile's `sampler` target) has no torch; a sampler there runs (CartPole's
+    numpy policy, and onnxruntime for a CNN without torch), and one asked for sampler.inference torch stops at start
+    with one line naming the extra, before it connects to anything."""
+    out = compose.docker("run", "--rm", "--read-only", "--tmpfs", "/tmp", "--entrypoint", "python",
+                         "flywheel-sampler:local", "-c",
+                         "import importlib.util; print('torch' if importlib.util.find_spec('torch') else 'no torch')",
+                         timeout=120)
+    assert out.stdout.strip() == "no torch", out.stdout + out.stderr
+    refused = compose.docker("run", "--rm", "--read-only", "--tmpfs", "/tmp", "-e", "FLYWHEEL_SAMPLER_INFERENCE=torch",
+                             "flywheel-sampler:local", "services.sampler", timeout=120, check=False)
+    print(f"sampler.inference torch in the sampler image: exit {refused.returncode}: {refused.stderr.strip()}")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "pip install 'flywheel[train]'" in refused.stderr.strip().splitlines()[-1], refused.stderr
 
 
 def test_cartpole_learns_through_the_containers(compose: Compose) -> None:

@@ -337,15 +337,24 @@ def test_grafana_is_provisioned_read_only_and_signs_in(compose: dict[str, Any], 
 # ---- the four Flywheel services ---------------------------------------------------------------
 
 
-def test_flywheel_services_share_one_image_from_deploy_dockerfile(services: dict[str, Any]) -> None:
-    images = set()
+def test_flywheel_services_build_from_deploy_dockerfile_the_sampler_its_torch_free_target(
+        services: dict[str, Any]) -> None:
+    """trainer, paramsync and admin share flywheel:local (deploy/Dockerfile's default stage, with torch); the
+    samplers run its `sampler` target (flywheel-sampler:local, no torch)."""
+    images = {}
     for name in FLYWHEEL_SERVICES:
         svc = services[name]
         build = svc["build"]
-        assert build == {"context": ".", "dockerfile": "deploy/Dockerfile"}, f"{name}: {build}"
-        images.add(svc["image"])
+        want = {"context": ".", "dockerfile": "deploy/Dockerfile"}
+        if name == "sampler":
+            want["target"] = "sampler"
+        assert build == want, f"{name}: {build}"
+        images[name] = svc["image"]
         assert svc["command"] == [f"services.{name}"], f"{name}: command {svc['command']}"
-    assert len(images) == 1, f"the four services must share one image name, got {images}"
+    assert images == {"trainer": "flywheel:local", "paramsync": "flywheel:local", "admin": "flywheel:local",
+                      "sampler": "flywheel-sampler:local"}, images
+    stages = [rest.split() for instr, rest in _dockerfile_instructions() if instr == "FROM"]
+    assert ["runtime", "AS", "sampler"] in stages, "deploy/Dockerfile has no `sampler` target"
 
 
 @pytest.mark.parametrize("name", FLYWHEEL_SERVICES)
@@ -611,7 +620,8 @@ def test_dockerfile_runs_services_with_python_m() -> None:
     ]
     froms = [rest for instr, rest in instructions if instr == "FROM"]
     assert froms, "Dockerfile has no FROM"
-    assert froms[-1].split()[0] == "python:3.11-slim"
+    assert froms[-1].split()[0] == "runtime"  # the default image: the runtime stage, torch and the project
+    assert "python:3.11-slim AS runtime" in froms
 
     last = {instr: rest for instr, rest in instructions}  # the last of each instruction wins
     assert yaml.safe_load(last["ENTRYPOINT"]) == ["python", "-m"]
@@ -620,13 +630,40 @@ def test_dockerfile_runs_services_with_python_m() -> None:
     user = last["USER"].split(":")[0]
     assert user not in ("root", "0"), "the image must not run as root"
     runs = [rest.replace('"', "") for instr, rest in instructions if instr == "RUN"]
-    project_installs = [r for r in runs if re.search(r"pip install [^&;|]*\s\.(\s|$)", r)]
-    assert project_installs, "the image must `pip install .` the project"
-    assert all("--extra-index-url https://download.pytorch.org/whl/cpu" in r for r in project_installs), (
-        "install CPU torch: pass --extra-index-url https://download.pytorch.org/whl/cpu"
+    assert any("pip wheel --no-deps" in r for r in runs), "the project is built as a wheel without its dependencies"
+    project_installs = [r for r in runs if "pip install --no-deps /tmp/wheel/" in r]
+    assert len(project_installs) == 2, "both images install the project's wheel, without dependencies"
+    assert any("--index-url https://download.pytorch.org/whl/cpu" in r for r in runs), (
+        "install CPU torch: pip install --index-url https://download.pytorch.org/whl/cpu"
     )
     copies = [rest for instr, rest in instructions if instr == "COPY"]
     assert any(c.split()[0] == "configs" for c in copies), "the config files must be in the image"
+
+
+def test_dockerfile_installs_dependencies_before_the_source_is_copied() -> None:
+    """A source change rebuilds only the project's small layers: the dependency installs come from requirement
+    lists written from pyproject.toml's dependency lists (COPY --from=requirements), never after a COPY of
+    shared/ or services/ in the same stage, and the sampler's build fails if torch is importable."""
+    stage, seen_source, installs = "", set(), []
+    for instr, rest in _dockerfile_instructions():
+        if instr == "FROM":
+            stage = rest.split()[-1] if " AS " in rest else "final"
+        elif instr == "COPY" and rest.split()[0] in ("shared", "services"):
+            seen_source.add(stage)
+        elif instr == "RUN" and re.search(r"pip install -r /req/(base|train)\.txt", rest):
+            installs.append(stage)
+            assert stage not in seen_source, f"stage {stage}: dependencies installed after the source was copied"
+    assert installs == ["runtime", "final"], installs
+    # A stage does not inherit its parent's ARGs: the default image's stage declares pip's again (without them the
+    # wheelhouse build went to PyPI's torch index, offline, and failed in make test-compose).
+    final = DOCKERFILE.read_text().split("\nFROM runtime\n")[-1]
+    for arg in ("PIP_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX"):
+        assert f"ARG {arg}\n" in final[:final.index("pip install")], f"the default stage lacks ARG {arg}"
+    text = DOCKERFILE.read_text()
+    sampler = text[text.index("AS sampler"):text.index("FROM runtime\n")]
+    assert "find_spec('torch')" in sampler and "train.txt" not in sampler
+    reqs = text[text.index("AS requirements"):text.index("AS wheel")]
+    assert "['dependencies']" in reqs and "['optional-dependencies']['train']" in reqs
 
 
 def test_dockerignore_keeps_local_state_out() -> None:

@@ -101,5 +101,30 @@ def test_images_give_the_non_root_user_a_writable_flywheel_home() -> None:
     which the image's user cannot write): seen in make test-compose, the trainer stopped with PermissionError."""
     for name in ("Dockerfile", "Dockerfile.sampler", "Dockerfile.trainer"):
         text = (REPO / "deploy" / name).read_text()
-        runtime = text[text.rindex("FROM "):]
+        # the last stage, or the runtime stage that deploy/Dockerfile's images (default and sampler) build on
+        runtime = text[text.index("AS runtime"):] if "AS runtime" in text else text[text.rindex("FROM "):]
         assert "ENV FLYWHEEL_HOME=/tmp/" in runtime, f"{name}: no writable FLYWHEEL_HOME for the non-root user"
+
+
+def test_a_taken_published_port_moves_that_service_only() -> None:
+    """make test-compose beside the partition suite's stack (admin-fwd on 127.0.0.1:8080, Prometheus on
+    127.0.0.1:9090): Prometheus's port was not moved, and `up` failed with `bind: address already in use`."""
+    import yaml
+
+    from tests.compose.conftest import PUBLISHED, Compose, moved_ports
+
+    assert moved_ports(lambda port: "") == {}
+    both = moved_ports(lambda port: "LISTEN python" if port in (8080, 9090) else "", environ={})
+    assert both == {"admin": 18080, "prometheus": 19090}
+    assert moved_ports(lambda port: "x" if port == 9090 else "",
+                       environ={"FLYWHEEL_COMPOSE_PROMETHEUS_PORT": "29090"}) == {"prometheus": 29090}
+    c = Compose("t" * 64, both)
+    assert c.admin == "http://127.0.0.1:18080" and c.env["FLYWHEEL_COMPOSE_PROMETHEUS_PORT"] == "19090"
+    assert c.files() == ["-f", "docker-compose.yml", "-f", "tools/compose/admin-port.yml",
+                         "-f", "tools/compose/prometheus-port.yml"]
+    assert Compose("t" * 64).files() == ["-f", "docker-compose.yml"]
+    shipped = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    for service, (port, var, default, override) in PUBLISHED.items():
+        assert f"127.0.0.1:{port}:{port}" in shipped[service]["ports"], service
+        text = (REPO / override).read_text()
+        assert f"  {service}:\n    ports: !override\n      - \"127.0.0.1:${{{var}:-{default}}}:{port}\"" in text

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything `make test-compose` needs before `docker compose up`, on a machine that reaches no container
 # registry: the base image (base-image.sh), a wheelhouse, Docker Compose v2 built from the Go module proxy, the
-# stand-in third-party images (deploy/standins/) under the names docker-compose.yml uses, and flywheel:local
-# from deploy/Dockerfile as shipped, with only PYTHON_IMAGE and the pip wheelhouse arguments set. One image at a
+# stand-in third-party images (deploy/standins/) under the names docker-compose.yml uses, and flywheel:local and
+# flywheel-sampler:local from deploy/Dockerfile as shipped, with only PYTHON_IMAGE and the pip wheelhouse arguments set. One image at a
 # time (the machine has 2 cores). Caches in $FLYWHEEL_COMPOSE_CACHE (default /var/cache/flywheel-compose),
 # outside the clone. DOCKER_HOST must name the test engine (engine.sh).
 set -euo pipefail
@@ -37,18 +37,25 @@ say "base image $BASE"
 # ---- the wheelhouse: every dependency of the project (and the S3 stand-in), for Linux x86_64, CPython 3.11 -------
 WHEELS=$CACHE/wheels
 # Keyed by what the wheelhouse holds (the dependencies and build requirements), not by the rest of pyproject.toml.
-key=$(python3 -c 'import tomllib, json, hashlib; p = tomllib.load(open("pyproject.toml", "rb")); print(hashlib.sha256(json.dumps([p["project"]["dependencies"], p["build-system"]["requires"], "moto[server]>=5.1 boto3"]).encode()).hexdigest()[:16])')
+# The `train` extra is in it too: flywheel:local installs it (torch), flywheel-sampler:local does not.
+key=$(python3 -c 'import tomllib, json, hashlib; p = tomllib.load(open("pyproject.toml", "rb")); print(hashlib.sha256(json.dumps([p["project"]["dependencies"], p["project"]["optional-dependencies"]["train"], p["build-system"]["requires"], "moto[server]>=5.1 boto3"]).encode()).hexdigest()[:16])')
 if [ ! -f "$WHEELS/.complete-$key" ]; then
   say "pip download into $WHEELS (first run, or the dependencies changed)"
   mkdir -p "$WHEELS"
   python3 -m pip download --quiet --dest "$WHEELS" --python-version 3.11 --only-binary=:all: \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_34_x86_64 --platform linux_x86_64 \
-    . 'setuptools>=68' wheel pip 'moto[server]>=5.1' boto3
+    '.[train]' 'setuptools>=68' wheel pip 'moto[server]>=5.1' boto3
   rm -f "$WHEELS"/.complete-*; touch "$WHEELS/.complete-$key"
 fi
-# Served to the builds on the host's loopback (builds run with --network host).
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# Served to the builds on the host's loopback (builds run with --network host), on a fixed port where it is free:
+# the port is part of PIP_FIND_LINKS, a build argument, and the classic builder keys every RUN after an ARG by its
+# value, so a new port each run rebuilt the dependency layers (torch included) every time.
+port=${FLYWHEEL_COMPOSE_WHEEL_PORT:-18765}
+if ! python3 -c "import socket, sys; s = socket.socket(); s.bind(('127.0.0.1', $port))" 2>/dev/null; then
+  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  say "port ${FLYWHEEL_COMPOSE_WHEEL_PORT:-18765} is taken: the wheelhouse is served on $port (the dependency layers rebuild)"
+fi
 python3 -m http.server --bind 127.0.0.1 --directory "$WHEELS" "$port" >/dev/null 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
@@ -84,7 +91,10 @@ if ! docker image inspect prom/prometheus:v3.5.0 >/dev/null 2>&1 || [ -n "${REBU
   build prom/prometheus:v3.5.0 deploy/standins/prometheus
 fi
 
-# ---- the project's image: deploy/Dockerfile as shipped; only the base image and where pip finds wheels differ ----
+# ---- the project's images: deploy/Dockerfile as shipped; only the base image and where pip finds wheels differ ----
+# The sampler's target first (no torch; its build fails if torch is importable), then the default image: it shares
+# the stages before the sampler's, from the layer cache.
+build flywheel-sampler:local . -f deploy/Dockerfile --target sampler --build-arg "PYTHON_IMAGE=$BASE" "${PIP_ARGS[@]}"
 build flywheel:local . -f deploy/Dockerfile --build-arg "PYTHON_IMAGE=$BASE" "${PIP_ARGS[@]}"
 
 say "images:"
