@@ -7,10 +7,11 @@ the partitions Kafka assigned to it. They move in lock step (docs/architecture.m
   :class:`Vote`). When any rank holds a batch, every rank runs one update: a rank with no data takes
   part with a zero gradient, so collectives always match and nobody deadlocks. A rank with no data
   holds the others back by at most one poll (``Intake``'s poll timeout) plus the vote's round trip.
-- Inside an update every minibatch step all-reduces the KL and sample counts (:meth:`Ranks.sum`), then
-  the gradients weighted by each rank's share of the step's samples (:meth:`Ranks.average_grads`):
-  every rank applies the same gradient to the same weights with the same optimizer state, so the
-  weights stay identical (``/status`` shows each rank's weights digest).
+- Inside an update every minibatch step makes one all-reduce (:meth:`Ranks.sum_step`): the gradients
+  weighted by each rank's sample count together with the KL and sample counts; every rank divides by the
+  step's total (the gradient of the mean loss over every rank's samples) and applies the same gradient
+  to the same weights with the same optimizer state, so the weights stay identical (``/status`` shows
+  each rank's weights digest).
 - Rank 0 alone publishes candidates, writes checkpoints, runs the rollback guard and holds the trainer
   lease; ledgers are exchanged after every update (:meth:`Ranks.gather`), so rank 0's checkpoint holds
   what every rank trained and a partition that moves between ranks is read from where the model ends.
@@ -22,6 +23,7 @@ The collectives block, so the service calls them from a worker thread, one at a 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import time
@@ -79,9 +81,12 @@ class Ranks:
         self.waiting: tuple[str, float] | None = None
         """The collective this process is in (set from the worker thread that runs it) and since when."""
         self._stuck_logged = False
+        self.calls: collections.Counter[str] = collections.Counter()
+        """Collectives made so far, by what they were (each waits a round trip or more across a network)."""
 
     def _collective(self, what: str, fn: Callable[[], T]) -> T:
         self.waiting = (what, time.monotonic())
+        self.calls[what] += 1
         try:
             return fn()
         finally:
@@ -152,17 +157,21 @@ class Ranks:
         self._collective("all_reduce (update statistics)", lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM))
         return [float(v) for v in t.cpu()]
 
-    def average_grads(self, params: Iterable[torch.nn.Parameter], weight: float) -> None:
-        """Every parameter's gradient becomes the sum over ranks of ``weight_r * grad_r`` (the weights are
-        each rank's share of the step's samples, so this is the gradient of the mean loss over all of them).
-        A missing gradient counts as zero; a non-finite one stays non-finite everywhere (the step is then
-        refused by every rank alike)."""
+    def sum_step(self, params: Iterable[torch.nn.Parameter], scale: float, values: list[float]) -> list[float]:
+        """One minibatch step's only collective: every parameter's gradient becomes the sum over ranks of
+        ``scale_r * grad_r`` and the sums over ranks of ``values`` are returned, in one all-reduce (a step is
+        latency-bound across a network, so one collective instead of two halves its wait). A missing gradient
+        counts as zero; a non-finite one stays non-finite everywhere (the step is then refused by every rank
+        alike). ``values`` travel as float32 with the gradients: sample counts are exact below 2**24."""
         ps = list(params)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(torch.float32) * weight
-        self._collective("all_reduce (gradients)", lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM))
+        flat = torch.cat([g.reshape(-1).to(torch.float32) * scale for g in grads]
+                         + [torch.tensor(values, dtype=torch.float32, device=self.device)])
+        self._collective("all_reduce (gradients and step statistics)",
+                         lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM))
         at = 0
         for p in ps:
             n = p.numel()
             p.grad = flat[at:at + n].view_as(p).to(p.dtype).clone()
             at += n
+        return [float(v) for v in flat[at:].cpu()]

@@ -89,7 +89,7 @@ class GradSync(Protocol):
 
     def sum(self, values: list[float]) -> list[float]: ...
 
-    def average_grads(self, params: Iterable[nn.Parameter], weight: float) -> None: ...
+    def sum_step(self, params: Iterable[nn.Parameter], scale: float, values: list[float]) -> list[float]: ...
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -249,19 +249,14 @@ def ppo_update(
                 kl = 0.0
             local_samples = mb_size if have else 0
             step_samples = local_samples
-            if sync is not None:  # the step's KL and size over every rank
-                kl_sum, step_samples_f = sync.sum([kl * local_samples, float(local_samples)])
-                step_samples = int(step_samples_f)
-                kl = kl_sum / step_samples if step_samples else 0.0
-                if step_samples == 0:  # no rank has samples for this step
-                    continue
-            # KL early stopping (as CleanRL's target_kl): once the policy has moved this far from the
-            # proximal policy, further steps on the same batch overfit it; stop before stepping again.
-            # The first minibatch always trains (the policy is still the proximal one there).
-            if cfg.target_kl is not None and n > 0 and kl > cfg.target_kl:
-                stopped = True
-                break
             optimizer.zero_grad(set_to_none=True)
+            if sync is None:
+                # KL early stopping (as CleanRL's target_kl): once the policy has moved this far from the
+                # proximal policy, further steps on the same batch overfit it; stop before stepping again.
+                # The first minibatch always trains (the policy is still the proximal one there).
+                if cfg.target_kl is not None and n > 0 and kl > cfg.target_kl:
+                    stopped = True
+                    break
             if have:
                 ratio = torch.exp(logp - clip_logp[idx])
                 mb_adv = adv[idx]
@@ -285,7 +280,22 @@ def ppo_update(
                         if p.grad is not None:
                             p.grad.fill_(math.nan)
             if sync is not None:
-                sync.average_grads(model.parameters(), local_samples / step_samples)
+                # One collective a step (the step is latency-bound across a network: a round trip or two per
+                # collective): the sample-weighted gradients, the KL and the step's size summed over the ranks
+                # together. The KL stop is then decided on the sums, after this rank's backward pass, which
+                # the stopping step wastes (one backward an update at most).
+                kl_sum, step_samples_f = sync.sum_step(model.parameters(), float(local_samples),
+                                                       [kl * local_samples, float(local_samples)])
+                step_samples = round(step_samples_f)
+                if step_samples == 0:  # no rank has samples for this step
+                    continue
+                kl = kl_sum / step_samples
+                if cfg.target_kl is not None and n > 0 and kl > cfg.target_kl:  # as above, on every rank alike
+                    stopped = True
+                    break
+                for p in model.parameters():  # the sum of local_samples x gradient -> the gradient of the mean
+                    if p.grad is not None:
+                        p.grad.div_(step_samples)
             if cfg.separate_grad_clip:  # a large value gradient no longer shrinks the policy's step
                 grad_norm = torch.maximum(nn.utils.clip_grad_norm_(actor_params, cfg.max_grad_norm),
                                           nn.utils.clip_grad_norm_(critic_params, cfg.max_grad_norm))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -84,19 +85,29 @@ def reaches(name: str, host: str, port: int, timeout_s: float = 3.0) -> bool:
     return out.returncode == 0
 
 
-def kafka_rtt(name: str, host: str, port: int) -> float:
-    """Seconds from sending a Kafka ApiVersions request (v0) to its reply's first bytes, from ``name``'s host over a
-    new connection: the link's round trip as a Kafka client sees it."""
-    code = ("import socket, struct, time\n"
+def request_rtt(name: str, host: str, port: int, request: bytes) -> float:
+    """Seconds from sending ``request`` to its reply's first bytes, from ``name``'s host over a new connection: the
+    link's round trip as a client of ``host:port`` sees it."""
+    code = ("import socket, time\n"
             f"s = socket.create_connection(({host!r}, {port}), timeout=20)\n"
-            "req = struct.pack('>hhih', 18, 0, 7, -1)\n"
-            "t = time.monotonic(); s.sendall(struct.pack('>i', len(req)) + req)\n"
+            f"t = time.monotonic(); s.sendall({request!r})\n"
             "assert len(s.recv(4)) == 4\n"
             "print(time.monotonic() - t)\n")
     out = subprocess.run(["ip", "netns", "exec", mh.netns_name(name), sys.executable, "-c", code],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     return float(out.stdout.strip())
+
+
+def kafka_rtt(name: str, host: str, port: int) -> float:
+    """A Kafka ApiVersions request's (v0) round trip from ``name``'s host (:func:`request_rtt`)."""
+    req = struct.pack(">hhih", 18, 0, 7, -1)
+    return request_rtt(name, host, port, struct.pack(">i", len(req)) + req)
+
+
+def http_rtt(name: str, host: str, port: int) -> float:
+    """A ``GET /healthz``'s round trip from ``name``'s host to a service's HTTP port (:func:`request_rtt`)."""
+    return request_rtt(name, host, port, f"GET /healthz HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
 
 
 def not_ok(status: dict[str, Any]) -> list[str]:

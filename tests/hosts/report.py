@@ -27,12 +27,6 @@ def _secs(value: float | None) -> str:
 
 
 NOT_YET = [
-    "- **A slow link between the trainer ranks** is not a row: tried once (both ranks' links to each other through",
-    "  the slow-link proxy, +20 ms each way, 75 s; `hosts slow trainer trainer-1` and `hosts slow trainer-1 trainer`),",
-    "  the group restarted when its open connections were aborted, re-formed through the proxies (2 connections",
-    "  relayed), then trained 0.03 updates a second against 1.15 before, and took 118 s to advance after the heal;",
-    "  `flywheel verify` was ok. Whether gloo's collectives are that slow at a 40 ms round trip or stall through the",
-    "  proxy is not yet known; data-parallel ranks are meant for one fast network (docs/operations.md, timeouts).",
     "- **Alerts that fire**: the production rules' `for:` (FlywheelServiceDown 1 min, FlywheelServiceDegraded and",
     "  FlywheelKafkaUnderReplicated 5 min, FlywheelNoLiveSamplers 2 min) are longer than most cuts here, so most",
     "  rows show alerts *pending*, not firing. No test-only rule file with shorter `for:` is used: the column",

@@ -7,12 +7,13 @@ Opt-in (see conftest.py): ``make test-partitions`` as root."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
 from devstack import hosts as mh
 from tests.hosts.conftest import CHECKPOINT_EVERY
-from tests.hosts.net import Net, NetRow, kafka_rtt, reaches
+from tests.hosts.net import Net, NetRow, http_rtt, kafka_rtt, reaches
 
 pytestmark = [pytest.mark.hosts]
 S3_PORT = 9000
@@ -91,14 +92,19 @@ def test_trainer_ranks_cut_from_each_other_only(net: Net) -> None:
     assert "ranks" in row.detected or "trainer" in row.detected, f"the trainer never showed the split: {row.detected}"
     net.check(row, at_heal or 0, CHECKPOINT_EVERY)
     assert len(ranks) == 2
-    # One lineage of weights: the ranks' digests, taken at the same update, agree (heartbeats may straddle one).
+    _one_lineage(net, row)
+
+
+def _one_lineage(net: Net, row: NetRow) -> None:
+    """One lineage of weights: the ranks' digests, taken at the same update, agree (heartbeats may straddle one)."""
+    ranks: list[dict[str, Any]] = []
     for _ in range(20):
         ranks = (net.status() or {})["trainer"]["ranks"]
         if len(ranks) == 2 and ranks[0]["digest_update"] is not None \
                 and ranks[0]["digest_update"] == ranks[1]["digest_update"]:
             break
         time.sleep(1)
-    assert ranks[0]["digest_update"] == ranks[1]["digest_update"], ranks
+    assert len(ranks) == 2 and ranks[0]["digest_update"] == ranks[1]["digest_update"], ranks
     assert ranks[0]["weights_digest"] == ranks[1]["weights_digest"], f"the ranks' weights diverged: {ranks}"
     row.notes.append(f"both ranks' weights digest {ranks[0]['weights_digest']} at update {ranks[0]['digest_update']}")
 
@@ -209,3 +215,48 @@ def test_slow_links_between_the_samplers_and_the_brokers(net: Net) -> None:
     assert during["staleness_max"] <= MAX_STALENESS, during
     assert after < 0.1, f"the round trip stayed slow after the heal: {after:.3f} s"
     net.check(row, at_heal, CHECKPOINT_EVERY)
+
+
+@pytest.mark.timeout(900)
+def test_slow_link_between_the_trainer_ranks(net: Net) -> None:
+    """Rank 0's and rank 1's links to each other get +20 ms each way (a 40 ms round trip) for 150 s. The proxies
+    take new connections only, so the tool resets the open ones: the group fails its next collective, restarts
+    from rank 0's checkpoint and re-forms through the proxies. Then it trains on, slower (each collective waits
+    its round trips: one all-reduce a minibatch step, a few an update), the lag at training stays within
+    max_staleness, and after the heal the data is exact and the weights one lineage."""
+    row = _row(net, "slow link between the trainer ranks: +20 ms each way, 150 s")
+    rank1, rank1_http = mh.address("trainer-1"), net.http_port("trainer-1")
+    base = http_rtt("trainer", rank1, rank1_http)
+    restarts0 = (((net.status() or {}).get("services") or {}).get("trainer") or {}).get("restarts", 0)
+    reformed: list[float] = []
+
+    def happened() -> list[str]:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 30:  # the reset connections fail the group's next collective
+            svc = ((net.status() or {}).get("services") or {}).get("trainer") or {}
+            if svc.get("restarts", 0) > restarts0:
+                break
+            time.sleep(1)
+        net.settle(timeout_s=240)  # re-formed through the proxies and training
+        reformed.append(time.monotonic() - t0)
+        slowed = http_rtt("trainer", rank1, rank1_http)
+        row.fault = (f"a GET /healthz round trip from rank 0 to rank 1 {base * 1000:.1f} ms before, "
+                     f"{slowed * 1000:.0f} ms through the proxy; the group re-formed and trained again "
+                     f"{reformed[0]:.0f} s after the links were slowed")
+        return [] if slowed >= 0.04 > base else [f"round trips {slowed:.3f} s slowed, {base:.3f} s before"]
+
+    links = {"trainer": ["trainer-1"], "trainer-1": ["trainer"]}
+    before, during, at_heal = net.slowdown(row, links, 150.0, delay_ms=20, rate_kbps=0, happened=happened)
+    after = http_rtt("trainer", rank1, rank1_http)
+    relayed = sum(f.read_text().count("connection") for f in net.logs.glob("slowlink-trainer*.log"))
+    row.during = f"before: {before}; slowed (after the group re-formed): {during}"
+    cost = (f"updates/s {before['updates_per_s']} -> {during['updates_per_s']}"
+            if before["updates_per_s"] and during["updates_per_s"] is not None else "")
+    row.notes.append(f"{relayed} connection(s) relayed by the proxies; {cost}; round trip after the heal "
+                     f"{after * 1000:.1f} ms")
+    assert relayed >= 2, "no connection between the ranks went through the slow-link proxies"
+    assert during["updates_per_s"] and during["updates_per_s"] > 0, f"training stopped on the slow link: {during}"
+    assert during["staleness_max"] <= MAX_STALENESS, during
+    assert after < 0.04, f"the round trip stayed slow after the heal: {after:.3f} s"
+    net.check(row, at_heal, CHECKPOINT_EVERY)
+    _one_lineage(net, row)
