@@ -60,9 +60,10 @@ def run_ppo(env_id: str, seed: int, *, stop_last100: float | None = None,
     wall seconds and env steps of the whole run."""
     import torch
     from stable_baselines3 import PPO
-    from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
     from stable_baselines3.common.vec_env import VecNormalize
+
+    from bench.peers.sb3_watch import EpisodeWatch, SolvedWatch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -72,34 +73,13 @@ def run_ppo(env_id: str, seed: int, *, stop_last100: float | None = None,
     if cfg["normalize"]:
         env = VecNormalize(env)
     model = PPO("MlpPolicy", env, seed=seed, device="cpu", verbose=0, **kwargs)
-    curve: list[tuple[float, int, float]] = []
-    out: dict[str, Any] = {"solved": None}
-
-    class Watch(BaseCallback):
-        def _on_training_start(self) -> None:
-            self.t0 = time.monotonic()
-            self.recent: list[float] = []
-
-        def _on_step(self) -> bool:
-            t = time.monotonic() - self.t0
-            for info in self.locals["infos"]:
-                ep = info.get("episode")
-                if ep is None:
-                    continue
-                curve.append((t, self.num_timesteps, float(ep["r"])))
-                self.recent = (self.recent + [float(ep["r"])])[-100:]
-                if (stop_last100 is not None and out["solved"] is None and len(self.recent) == 100
-                        and sum(self.recent) / 100 >= stop_last100):
-                    out["solved"] = (t, self.num_timesteps)
-            return out["solved"] is None and t < max_s
-
-    watch = Watch()
+    watch = (SolvedWatch(stop_last100, max_s, announce=False) if stop_last100 is not None
+             else EpisodeWatch(max_s, announce=False))
     t0 = time.monotonic()
     try:
         model.learn(total_timesteps=cfg["n_timesteps"], callback=watch, progress_bar=False)
     finally:
         env.close()
         torch.set_num_threads(threads)
-    out.update(curve=curve, wall_s=time.monotonic() - t0, env_steps=int(model.num_timesteps), seed=seed,
-               normalize=cfg["normalize"])
-    return out
+    return {"solved": getattr(watch, "solved", None), "curve": watch.curve, "wall_s": time.monotonic() - t0,
+            "env_steps": int(model.num_timesteps), "seed": seed, "normalize": cfg["normalize"]}

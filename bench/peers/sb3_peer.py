@@ -130,12 +130,15 @@ def describe_flywheel(config: Path) -> str:
             f"net_arch pi/vf [{tr.hidden}, {tr.hidden}] tanh, {FLYWHEEL_TOTAL_STEPS:,}-step budget")
 
 
-def run_seed(seed: int, settings: str, *, threshold: float, timeout_s: float, config: Path) -> PeerRun:
-    """One SB3 run in a fresh ``sys.executable`` process: start-up from process start to ``learn()``."""
+def run_seed(seed: int, settings: str, *, threshold: float, timeout_s: float, config: Path,
+             threads: int = 1) -> PeerRun:
+    """One SB3 run in a fresh ``sys.executable`` process with ``threads`` torch threads: start-up from process start
+    to ``learn()``."""
     from bench.peers.proc import by_event, json_events, run_lines
 
     cmd = [sys.executable, "-m", "bench.peers.sb3_peer", "--settings", settings, "--seed", str(seed),
-           "--threshold", str(threshold), "--max-s", str(timeout_s), "--config", str(config)]
+           "--threshold", str(threshold), "--max-s", str(timeout_s), "--config", str(config),
+           "--threads", str(threads)]
     res = run_lines(cmd, timeout_s=timeout_s + 120.0, cwd=REPO_ROOT)
     events = by_event(json_events(line for _, line in res.lines))
     start, done = events.get("learn_start"), events.get("done")
@@ -160,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threshold", type=float, default=475.0)
     p.add_argument("--max-s", type=float, default=300.0)
     p.add_argument("--config", type=Path, default=Path("configs/cartpole.yaml"))
+    p.add_argument("--threads", type=int, default=1, help="torch threads (torch.set_num_threads)")
     a = p.parse_args(argv)
 
     import torch
@@ -169,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.peers.sb3_watch import SolvedWatch
     from bench.sb3 import _lin, zoo_config
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     if a.settings == "rl-zoo":
         cfg = zoo_config("CartPole-v1")
         n_envs, total = cfg["n_envs"], cfg["n_timesteps"]

@@ -21,9 +21,10 @@ from bench.peers.proc import emit
 
 
 class EpisodeWatch(BaseCallback):
-    def __init__(self, max_s: float = float("inf")) -> None:
+    def __init__(self, max_s: float = float("inf"), announce: bool = True) -> None:
         super().__init__()
         self.max_s = max_s
+        self.announce = announce  # the learn_start line: for a peer's child process, not an in-process run
         self.t0 = 0.0
         self.curve: list[tuple[float, int, float]] = []
         self.steps_within = 0
@@ -34,7 +35,8 @@ class EpisodeWatch(BaseCallback):
 
     def _on_training_start(self) -> None:
         self.t0 = time.monotonic()
-        emit({"event": "learn_start", "wall": time.time()})
+        if self.announce:
+            emit({"event": "learn_start", "wall": time.time()})
 
     def _on_step(self) -> bool:
         t = time.monotonic() - self.t0
@@ -52,8 +54,8 @@ class SolvedWatch(EpisodeWatch):
     """Stops once the mean of the last ``window`` returns reaches ``threshold``; ``solved`` is (seconds, env
     steps) of that step, or None."""
 
-    def __init__(self, threshold: float, max_s: float, window: int = 100) -> None:
-        super().__init__(max_s)
+    def __init__(self, threshold: float, max_s: float, window: int = 100, announce: bool = True) -> None:
+        super().__init__(max_s, announce)
         self.threshold = threshold
         self.window = window
         self.solved: tuple[float, int] | None = None

@@ -10,7 +10,7 @@ import pytest
 
 from bench.peers.run import PeerRun
 from bench.peers.sf_log import READY, SfLog, parse
-from bench.peers.stats import INF, MedianCI, order_statistic_ranks
+from bench.peers.stats import INF, MedianCI, RankTest, order_statistic_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,6 +55,30 @@ def test_median_interval_counts_failed_runs_as_not_reached() -> None:
     empty = MedianCI.of([])
     assert empty.n == 0 and math.isnan(empty.median) and empty.fmt() == "n/a"
     assert MedianCI.of([4.0]).fmt(1) == "4.0"
+
+
+def test_rank_test_is_exact_and_handles_ties_and_failures() -> None:
+    # Separated samples of 5 and 5: 1 split in C(10, 5) = 252 is as extreme on each side (scipy's exact
+    # mannwhitneyu gives 2/252 two-sided for these).
+    r = RankTest.of([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])
+    assert r.p_a_smaller == pytest.approx(1 / 252) and r.p_two_sided == pytest.approx(2 / 252)
+    assert r.p_a_larger == 1.0 and r.prob_a_smaller == 1.0
+    assert "lower than" in r.words("Flywheel", "SB3", "end-to-end s")
+    # One sample: no difference, whatever the ties.
+    same = RankTest.of([3, 1, 2], [1, 2, 3])
+    assert same.p_two_sided == 1.0 and same.prob_a_smaller == 0.5
+    assert "no difference shown" in same.words("a", "b", "x")
+    # Failed runs (None) rank last and tie with each other: a's one failure against b's two.
+    f = RankTest.of([1, None, 3], [4, 5, None])
+    assert f.rank_sum_a == 1 + 2 + 5.5 and f.prob_a_smaller == pytest.approx(6.5 / 9)
+    assert f.p_two_sided > 0.05 and "no difference shown" in f.words("a", "b", "x")
+    # Against scipy's exact test where it is defined (no ties).
+    scipy_stats = pytest.importorskip("scipy.stats")
+    a, b = [12.1, 15.3, 9.8, 20.4, 11.0], [14.2, 18.9, 22.5, 16.0, 25.1]
+    ref = scipy_stats.mannwhitneyu(a, b, method="exact", alternative="two-sided").pvalue
+    assert RankTest.of(a, b).p_two_sided == pytest.approx(ref)
+    with pytest.raises(ValueError):
+        RankTest.of([], [1.0])
 
 
 def test_sf_log_pairs_each_reward_with_the_frames_printed_before_it() -> None:
