@@ -27,6 +27,7 @@ from bench.common import (
     suite_cpu_seconds,
 )
 from bench.peers import flywheel_peer, sample_factory, sb3_peer
+from bench.peers.proc import adopt_orphans
 from bench.peers.run import PeerRun
 from bench.peers.stats import MedianCI, RankTest, order_statistic_ranks
 from bench.report import FigureResult, Row
@@ -151,6 +152,7 @@ def _interval_words(n: int, cover: float) -> str:
 
 def run(ctx: Context) -> FigureResult:
     seeds = bench_seeds(NAME, 5, 1, ctx)
+    adopted = adopt_orphans()  # a killed peer's orphaned workers are reaped here, their CPU counted
     timeout_s = float(os.environ.get("FLYWHEEL_BENCH_PEERS_TIMEOUT_S", 90.0 if ctx.quick else 300.0))
     sample_factory.ensure_venv()
     peers = _peers(ctx, timeout_s)
@@ -211,7 +213,9 @@ def run(ctx: Context) -> FigureResult:
         f"Cores: each run's CPU seconds over its wall time, medians [range] over seeds: the peer's processes, and "
         f"the bench's Kafka and S3 (idle for SB3 and SF). Other work: the machine's busy CPU less that; a run beside "
         f"more than {OTHER_WORK_LIMIT} cores of it is redone once. SB3 ran with {SB3_THREADS} torch thread(s) "
-        f"(`FLYWHEEL_BENCH_PEERS_SB3_THREADS`, default the machine's cores, which Flywheel's processes share).",
+        f"(`FLYWHEEL_BENCH_PEERS_SB3_THREADS`, default the machine's cores, which Flywheel's processes share). "
+        + ("The bench was its descendants' subreaper, so workers orphaned by a stop count too."
+           if adopted else "Workers orphaned by a stop are not counted (no subreaper here)."),
         *(["Redone:", *redone] if redone else ["No run was redone."]),
         "",
         "Rank tests (independent samples: two peers' runs of one seed number share no random stream, so they are "

@@ -16,7 +16,6 @@ that ran past W (the stack stops a few seconds late, SB3 finishes its update) ga
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,9 +30,8 @@ from bench.common import (
     provenance_md,
     read_samples,
     say,
-    stack,
 )
-from bench.peers import sb3_minatar, sb3_peer
+from bench.peers import flywheel_peer, sb3_minatar, sb3_peer
 from bench.peers.stats import MedianCI
 from bench.report import FigureResult, Row
 
@@ -144,14 +142,8 @@ def _batch() -> int:
 def run_flywheel(ctx: Context, seed: int, wall_s: float) -> BudgetRun:
     run = ctx.run_name(NAME, f"fw-seed{seed}")
     say(f"{NAME}: Flywheel seed {seed}, {wall_s:.0f} s from the first fragment")
-    error = None
-    startup: float | None = None
-    with stack(ctx, run, {"FLYWHEEL_TRAINER_SEED": seed, "FLYWHEEL_SAMPLER_SEED": seed}, config=CONFIG) as st:
-        try:
-            startup = st.up_to_first_fragment(SAMPLERS)
-            time.sleep(wall_s + STOP_MARGIN_S)
-        except TimeoutError as exc:
-            error = str(exc)
+    ran = flywheel_peer.run_stack(ctx, run, seed, CONFIG, lambda st, t: t < wall_s + STOP_MARGIN_S)
+    startup, error = ran.startup_s, ran.error
     if startup is None:
         return BudgetRun("Flywheel", seed, wall_s, None, None, (), error or "the stack never produced a fragment")
     frags = read_samples(ctx, run, env_id=ENV_ID)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
@@ -26,6 +25,7 @@ import yaml
 
 from bench.common import (
     BENCH_HOME,
+    BenchStack,
     Context,
     FragmentInfo,
     bench_seeds,
@@ -34,9 +34,8 @@ from bench.common import (
     provenance_md,
     read_samples,
     say,
-    stack,
 )
-from bench.peers import sb3_mujoco
+from bench.peers import flywheel_peer, sb3_mujoco
 from bench.peers.stats import MedianCI
 from bench.report import FigureResult, Row
 from devstack import REPO_ROOT
@@ -50,7 +49,7 @@ EXTENDS = True  # `--extend` pools new seeds with the earlier entry's (``earlier
 BUDGET = 300_000
 QUICK_BUDGET = 20_000
 LAST_N = 10
-SAMPLERS = 2
+SAMPLERS = flywheel_peer.SAMPLERS
 BASE_CONFIG = REPO_ROOT / "configs" / "halfcheetah.yaml"
 PEERS = ("SB3 PPO (rl-zoo)", "Flywheel (rl-zoo)")
 
@@ -208,21 +207,18 @@ def run_flywheel(ctx: Context, seed: int, config: Path, budget: int, timeout_s: 
     """The stack with ``config``, stopped once the trainer has trained ``budget`` env steps (admin /status) or
     ``timeout_s`` after the first fragment; every fragment is then read back from ``<run>.samples``."""
     run = ctx.run_name("peers-mujoco", f"fw-seed{seed}")
-    error: str | None = None
-    startup: float | None = None
     trained = 0
-    with stack(ctx, run, {"FLYWHEEL_TRAINER_SEED": seed, "FLYWHEEL_SAMPLER_SEED": seed}, config=config) as st:
+
+    def keep_going(st: BenchStack, t: float) -> bool:
+        nonlocal trained
         try:
-            startup = st.up_to_first_fragment(SAMPLERS)
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < timeout_s and trained < budget:
-                time.sleep(2.0)
-                try:
-                    trained = int(st.status()["trainer"]["samples_trained"])
-                except Exception:  # a busy admin: ask again; the samples decide afterwards anyway
-                    continue
-        except TimeoutError as exc:
-            error = str(exc)
+            trained = int(st.status()["trainer"]["samples_trained"])
+        except Exception:  # a busy admin: ask again; the samples decide afterwards anyway
+            pass
+        return t < timeout_s and trained < budget
+
+    ran = flywheel_peer.run_stack(ctx, run, seed, config, keep_going, poll_s=2.0)
+    startup, error = ran.startup_s, ran.error
     frags = read_samples(ctx, run, env_id=sb3_mujoco.ENV_ID) if startup is not None else []
     sampled = sum(f.steps for f in frags)
     if error is None and sampled < budget:  # the samples decide; the trainer's count only said when to stop

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.common import Context, Window, bench_seeds, env_seconds, say, stack
-from bench.peers import envpool_raw, sb3_atari, sf_atari
+from bench.common import BenchStack, Context, Window, bench_seeds, env_seconds, say
+from bench.peers import envpool_raw, flywheel_peer, sb3_atari, sf_atari
 from bench.peers.proc import run_lines
 from bench.peers.stats import MedianCI
 from bench.peers.throughput import FRAME_SKIP, ThroughputRun
@@ -34,7 +34,7 @@ TITLE = ("Peers on Pong: end-to-end trained frames/s of Flywheel (local stack, 2
          "Factory APPO and SB3 PPO (8 envs, Nature CNN), against EnvPool's raw rate of 8 envs, one machine, one run.")
 TARGET = "Flywheel's trained frames/s >= Sample Factory's and >= 0.7 x EnvPool's raw rate"
 CONFIG = REPO_ROOT / "configs" / "pong.yaml"
-SAMPLERS = 2
+SAMPLERS = flywheel_peer.SAMPLERS
 FLYWHEEL = "Flywheel"
 CEILING = envpool_raw.PEER
 ENVPOOL_MAX_S = 60.0  # the raw rate is steady within seconds: a minute is plenty
@@ -61,24 +61,18 @@ def run_flywheel(ctx: Context, seed: int, run_s: float, warmup_s: float,
     run = ctx.run_name(NAME, f"fw-seed{seed}")
     say(f"{NAME}: Flywheel seed {seed}, {run_s:.0f} s from the first fragment")
     snaps: list[tuple[float, dict[str, float]]] = []
-    startup: float | None = None
-    error: str | None = None
-    env = {"FLYWHEEL_TRAINER_SEED": seed, "FLYWHEEL_SAMPLER_SEED": seed, **(overrides or {})}
-    with stack(ctx, run, env, config=CONFIG) as st:
+
+    def scrape(st: BenchStack, t: float) -> bool:
         try:
-            startup = st.up_to_first_fragment(SAMPLERS, 180)
-            t0 = time.monotonic()
-            while True:
-                try:
-                    c = st.counters()
-                    snaps.append((c["t"] - t0, c))
-                except Exception as exc:  # a busy trainer may miss one scrape; the next one counts
-                    say(f"{NAME}: a counters scrape failed ({type(exc).__name__}), next in {POLL_S:.0f} s")
-                if time.monotonic() - t0 >= run_s:
-                    break
-                time.sleep(POLL_S)
-        except TimeoutError as exc:
-            error = str(exc)
+            c = st.counters()
+            snaps.append((c["t"] - (time.monotonic() - t), c))  # the scrape's own instant, from the first fragment
+        except Exception as exc:  # a busy trainer may miss one scrape; the next one counts
+            say(f"{NAME}: a counters scrape failed ({type(exc).__name__}), next in {POLL_S:.0f} s")
+        return t < run_s
+
+    ran = flywheel_peer.run_stack(ctx, run, seed, CONFIG, scrape, overrides=overrides, first_fragment_s=180,
+                                  poll_s=POLL_S)
+    startup, error = ran.startup_s, ran.error
     if startup is None or not snaps:
         return ThroughputRun(FLYWHEEL, seed, startup, (), error or "no counters were read")
     steady = [(t, c) for t, c in snaps if t >= warmup_s]

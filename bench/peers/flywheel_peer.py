@@ -11,12 +11,24 @@ trainer's own last-100 mean (admin /status) reaches the threshold, or at the tim
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from bench.common import DEFAULT_CONFIG, Context, episode_curve, first_reaching, read_samples, rolling_mean, say, stack
+from bench.common import (
+    DEFAULT_CONFIG,
+    BenchStack,
+    Context,
+    episode_curve,
+    first_reaching,
+    read_samples,
+    rolling_mean,
+    say,
+    stack,
+)
 from bench.peers.run import PeerRun
 
 SAMPLERS = 2
@@ -48,27 +60,55 @@ def describe_zoo() -> str:
             + ", ".join(f"{k} {v}" for k, v in ZOO_TRAINER.items()) + " (rest of configs/cartpole.yaml unchanged)")
 
 
+@dataclass(frozen=True)
+class StackRun:
+    """What :func:`run_stack` measured: the run's name (its ``<run>.samples`` topic), the start-up (None when the
+    stack never produced a fragment) and why it failed, if it did."""
+
+    run: str
+    startup_s: float | None
+    error: str | None
+
+
+def run_stack(ctx: Context, run: str, seed: int, config: Path, keep_going: Callable[[BenchStack, float], bool], *,
+              overrides: dict[str, Any] | None = None, first_fragment_s: float = 120.0,
+              poll_s: float = 1.0) -> StackRun:
+    """The one way a peer figure runs Flywheel: the bench's local stack (``SAMPLERS`` samplers) with ``config``,
+    the trainer and samplers seeded with ``seed`` and ``overrides`` (environment-variable style) on top. Start-up
+    is the stack's up plus the wait for the first fragment; then ``keep_going(stack, seconds since the first
+    fragment)`` is asked at once and every ``poll_s`` until it says stop (the figure's own rule: a budget, a
+    threshold, a counter to scrape). The stack is stopped at the end; a start that timed out is the error."""
+    env = {"FLYWHEEL_TRAINER_SEED": seed, "FLYWHEEL_SAMPLER_SEED": seed, **(overrides or {})}
+    startup: float | None = None
+    error: str | None = None
+    with stack(ctx, run, env, config=config) as st:
+        try:
+            startup = st.up_to_first_fragment(SAMPLERS, first_fragment_s)
+            t0 = time.monotonic()
+            while keep_going(st, time.monotonic() - t0):
+                time.sleep(poll_s)
+        except TimeoutError as exc:
+            error = str(exc)
+    return StackRun(run, startup, error)
+
+
 def run_seed(ctx: Context, seed: int, settings: str, config: Path, *, threshold: float,
              timeout_s: float) -> PeerRun:
     run = ctx.run_name("peers", f"fw-{settings}-seed{seed}")
     say(f"peers: Flywheel ({settings}) seed {seed}, at most {timeout_s:.0f} s from the first fragment")
-    error = None
-    startup: float | None = None
-    with stack(ctx, run, {"FLYWHEEL_TRAINER_SEED": seed, "FLYWHEEL_SAMPLER_SEED": seed}, config=config) as st:
+
+    def keep_going(st: BenchStack, t: float) -> bool:
         try:
-            startup = st.up_to_first_fragment(SAMPLERS)
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < timeout_s:
-                time.sleep(1.0)
-                try:
-                    mean = st.status()["episode_return"]["mean"]
-                except Exception:  # a busy admin: the samples decide afterwards anyway
-                    continue
-                if mean is not None and mean >= threshold:
-                    time.sleep(3.0)  # the trainer's mean lags the samplers' episodes; these are read back
-                    break
-        except TimeoutError as exc:
-            error = str(exc)
+            mean = st.status()["episode_return"]["mean"]
+        except Exception:  # a busy admin: the samples decide afterwards anyway
+            mean = None
+        if mean is not None and mean >= threshold:
+            time.sleep(3.0)  # the trainer's mean lags the samplers' episodes; these are read back
+            return False
+        return t < timeout_s
+
+    ran = run_stack(ctx, run, seed, config, keep_going)
+    startup, error = ran.startup_s, ran.error
     frags = read_samples(ctx, run) if startup is not None else []
     curve = [c for c in episode_curve(frags) if c[0] <= timeout_s]
     solved = first_reaching(rolling_mean(curve, 100), threshold)

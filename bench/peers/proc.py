@@ -20,6 +20,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def adopt_orphans() -> bool:
+    """Make this process the subreaper of its descendants (Linux): a peer's worker orphaned when its parent is
+    killed (Sample Factory's rollout and inference processes) is reparented here instead of to init, so reaping
+    it (``bench.common.reap_children``) counts its CPU time as this process's children's. False where the call
+    is not available."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
 
 def emit(obj: dict[str, Any]) -> None:
     """One JSON line on stdout, flushed: how a peer's child process reports to the bench."""

@@ -81,6 +81,34 @@ def test_rank_test_is_exact_and_handles_ties_and_failures() -> None:
         RankTest.of([], [1.0])
 
 
+def test_orphaned_workers_are_reaped_and_counted_after_adopt_orphans() -> None:
+    """A peer's worker orphaned when its parent exits (SF's workers when the bench stops SF) is reparented to the
+    bench, so its CPU time reaches the bench's children's count: what the peers figure reports as cores used. In
+    a process of its own: a subreaper pytest would collect every test's orphans."""
+    import subprocess
+    import sys
+
+    code = """
+import subprocess, time
+from bench.common import reap_children, suite_cpu_seconds
+from bench.peers.proc import adopt_orphans
+if not adopt_orphans():
+    print("skip"); raise SystemExit
+before = suite_cpu_seconds()
+# the child exits at once; its child burns a CPU for 1 s as an orphan
+subprocess.run(["bash", "-c", '(timeout 1 sh -c "while :; do :; done") & exit 0'], check=True)
+time.sleep(1.5)
+print(reap_children(), suite_cpu_seconds() - before)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "skip":
+        pytest.skip("no PR_SET_CHILD_SUBREAPER here")
+    reaped, cpu = out.stdout.split()
+    assert int(reaped) >= 1 and float(cpu) >= 0.5, out.stdout
+
+
 def test_sf_log_pairs_each_reward_with_the_frames_printed_before_it() -> None:
     log = parse(SF_LINES)
     assert log.ready_t == 22.9
