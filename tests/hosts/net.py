@@ -105,9 +105,11 @@ def kafka_rtt(name: str, host: str, port: int) -> float:
     return request_rtt(name, host, port, struct.pack(">i", len(req)) + req)
 
 
-def http_rtt(name: str, host: str, port: int) -> float:
-    """A ``GET /healthz``'s round trip from ``name``'s host to a service's HTTP port (:func:`request_rtt`)."""
-    return request_rtt(name, host, port, f"GET /healthz HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+def http_rtt(name: str, host: str, port: int, tries: int = 3) -> float:
+    """The shortest of ``tries`` ``GET /healthz`` round trips from ``name``'s host to a service's HTTP port
+    (:func:`request_rtt`): the link's, with as little of a busy server's own time in it as can be had."""
+    request = f"GET /healthz HTTP/1.0\r\nHost: {host}\r\n\r\n".encode()
+    return min(request_rtt(name, host, port, request) for _ in range(tries))
 
 
 def not_ok(status: dict[str, Any]) -> list[str]:
