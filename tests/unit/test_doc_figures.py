@@ -32,3 +32,28 @@ def test_scaling_page_quotes_the_scaling_figure() -> None:
     ]
     missing = [e for e in expected if e not in page]
     assert not missing, f"docs/scaling.md differs from docs/benchmarks.json: {missing}"
+
+
+def test_results_page_quotes_the_cartpole_peers_figure() -> None:
+    fig = json.loads((REPO / "docs" / "benchmarks.json").read_text())["figures"]["peers"]
+    page = " ".join((REPO / "docs" / "results.md").read_text().split())
+    peers, tests = fig["numbers"]["peers"], fig["numbers"]["rank_tests"]
+
+    def med(peer: str, key: str) -> float:
+        return float(peers[peer]["summary"][key]["median"])
+
+    fw, sb3 = "Flywheel (flywheel)", "SB3 PPO (flywheel)"
+    same = tests[f"{fw} vs {sb3}"]
+    expected = [
+        f"{len(fig['numbers']['seeds'])} seeds each, one run at `{fig['machine']['commit']}`",
+        f"Flywheel {med(fw, 'end_to_end_s'):.1f} s",
+        f"(start-up {med(fw, 'startup_s'):.1f} s, training {med(fw, 'train_s'):.1f} s)",
+        f"Stable-Baselines3 PPO {med(sb3, 'end_to_end_s'):.1f} s",
+        f"{med('SB3 PPO (rl-zoo)', 'end_to_end_s'):.1f} s with rl-zoo's",
+        f"Sample Factory 2.1.1 APPO {med('Sample Factory APPO (SF example)', 'end_to_end_s'):.1f} s",
+        f"SB3 ran with {fig['numbers']['sb3_threads']} torch threads",
+        f"(p = {same['end_to_end_s']['p_two_sided']:.2f} two-sided, same settings",
+        f"(one-sided p = {same['train_s']['p_a_smaller']:.3f})",
+    ]
+    missing = [e for e in expected if e not in page]
+    assert not missing, f"docs/results.md differs from docs/benchmarks.json: {missing}"
