@@ -20,6 +20,7 @@ from bench.common import (
     BENCH_HOME,
     DEFAULT_CONFIG,
     Context,
+    Spread,
     bench_seeds,
     machine_busy_seconds,
     reap_children,
@@ -101,8 +102,8 @@ def _measured(peer: str, settings: str, seed: int, fn: Runner) -> PeerRun:
 
 
 def _cores(runs: list[PeerRun], key: str) -> str:
-    vs = sorted(float(r.extra[key]) for r in runs if key in r.extra)
-    return "-" if not vs else f"{vs[len(vs) // 2]:.2f}" + (f" [{vs[0]:.2f}, {vs[-1]:.2f}]" if len(vs) > 1 else "")
+    s = Spread.of(float(r.extra[key]) for r in runs if key in r.extra)
+    return "-" if not s.n else f"{s.median:.2f}" + (f" [{s.lo:.2f}, {s.hi:.2f}]" if s.n > 1 else "")
 
 
 def compare(runs: dict[tuple[str, str], list[PeerRun]]) -> dict[str, dict[str, RankTest]]:

@@ -87,8 +87,6 @@ class UpdateStats:
 class GradSync(Protocol):
     """The collectives of a data-parallel update (``services.trainer.ranks.Ranks``)."""
 
-    def sum(self, values: list[float]) -> list[float]: ...
-
     def sum_step(self, params: Iterable[nn.Parameter], scale: float, values: list[float]) -> list[float]: ...
 
 
@@ -248,15 +246,7 @@ def ppo_update(
             else:
                 kl = 0.0
             local_samples = mb_size if have else 0
-            step_samples = local_samples
             optimizer.zero_grad(set_to_none=True)
-            if sync is None:
-                # KL early stopping (as CleanRL's target_kl): once the policy has moved this far from the
-                # proximal policy, further steps on the same batch overfit it; stop before stepping again.
-                # The first minibatch always trains (the policy is still the proximal one there).
-                if cfg.target_kl is not None and n > 0 and kl > cfg.target_kl:
-                    stopped = True
-                    break
             if have:
                 ratio = torch.exp(logp - clip_logp[idx])
                 mb_adv = adv[idx]
@@ -282,20 +272,23 @@ def ppo_update(
             if sync is not None:
                 # One collective a step (the step is latency-bound across a network: a round trip or two per
                 # collective): the sample-weighted gradients, the KL and the step's size summed over the ranks
-                # together. The KL stop is then decided on the sums, after this rank's backward pass, which
-                # the stopping step wastes (one backward an update at most).
+                # together, so the KL below is every rank's.
                 kl_sum, step_samples_f = sync.sum_step(model.parameters(), float(local_samples),
                                                        [kl * local_samples, float(local_samples)])
                 step_samples = round(step_samples_f)
                 if step_samples == 0:  # no rank has samples for this step
                     continue
                 kl = kl_sum / step_samples
-                if cfg.target_kl is not None and n > 0 and kl > cfg.target_kl:  # as above, on every rank alike
-                    stopped = True
-                    break
                 for p in model.parameters():  # the sum of local_samples x gradient -> the gradient of the mean
                     if p.grad is not None:
                         p.grad.div_(step_samples)
+            # KL early stopping (as CleanRL's target_kl): once the policy has moved this far from the proximal
+            # policy, further steps on the same batch overfit it; stop before stepping again. The first minibatch
+            # always trains (the policy is still the proximal one there). Decided after the backward pass, which
+            # the stopping step wastes (once an update), so that ranks decide on the KL summed with the gradients.
+            if cfg.target_kl is not None and n > 0 and kl > cfg.target_kl:
+                stopped = True
+                break
             if cfg.separate_grad_clip:  # a large value gradient no longer shrinks the policy's step
                 grad_norm = torch.maximum(nn.utils.clip_grad_norm_(actor_params, cfg.max_grad_norm),
                                           nn.utils.clip_grad_norm_(critic_params, cfg.max_grad_norm))
