@@ -19,6 +19,11 @@ pytestmark = [pytest.mark.hosts]
 S3_PORT = 9000
 
 
+def _trainer_restarts(status: dict[str, Any] | None) -> int:
+    """How often the supervisor restarted the trainer, from ``/status`` (0 when it says nothing)."""
+    return int((((status or {}).get("services") or {}).get("trainer") or {}).get("restarts", 0))
+
+
 def _row(net: Net, name: str) -> NetRow:
     row = NetRow(name)
     net.rows.append(row)
@@ -74,7 +79,7 @@ def test_trainer_ranks_cut_from_each_other_only(net: Net) -> None:
     at the timeout both ranks stop and restart from rank 0's checkpoint, and re-form once healed; no fragment
     trained twice, one lineage of weights (equal digests)."""
     before = net.status() or {}
-    restarts0 = ((before.get("services") or {}).get("trainer") or {}).get("restarts", 0)
+    restarts0 = _trainer_restarts(before)
     row = _row(net, "trainer rank 0 and rank 1 cut from each other, 75 s (past rank_timeout_s 60 s)")
     rank1_http = net.http_port("trainer-1")
 
@@ -87,7 +92,7 @@ def test_trainer_ranks_cut_from_each_other_only(net: Net) -> None:
     at_heal, _ = net.partition(row, "trainer", ["trainer-1"], 75.0, happened=happened)
     after = net.status() or {}
     ranks = (after.get("trainer") or {}).get("ranks") or []
-    restarts1 = ((after.get("services") or {}).get("trainer") or {}).get("restarts", 0)
+    restarts1 = _trainer_restarts(after)
     row.notes.append(f"trainer restarts {restarts0} -> {restarts1}")
     assert "ranks" in row.detected or "trainer" in row.detected, f"the trainer never showed the split: {row.detected}"
     net.check(row, at_heal or 0, CHECKPOINT_EVERY)
@@ -227,14 +232,13 @@ def test_slow_link_between_the_trainer_ranks(net: Net) -> None:
     row = _row(net, "slow link between the trainer ranks: +20 ms each way, 150 s")
     rank1, rank1_http = mh.address("trainer-1"), net.http_port("trainer-1")
     base = http_rtt("trainer", rank1, rank1_http)
-    restarts0 = (((net.status() or {}).get("services") or {}).get("trainer") or {}).get("restarts", 0)
+    restarts0 = _trainer_restarts(net.status())
     reformed: list[float] = []
 
     def happened() -> list[str]:
         t0 = time.monotonic()
         while time.monotonic() - t0 < 30:  # the reset connections fail the group's next collective
-            svc = ((net.status() or {}).get("services") or {}).get("trainer") or {}
-            if svc.get("restarts", 0) > restarts0:
+            if _trainer_restarts(net.status()) > restarts0:
                 break
             time.sleep(1)
         net.settle(timeout_s=240)  # re-formed through the proxies and training
