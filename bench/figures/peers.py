@@ -9,9 +9,8 @@ both, and Sample Factory 2.1.1 APPO with its documented CartPole-v1 command line
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,14 +19,11 @@ from bench.common import (
     BENCH_HOME,
     DEFAULT_CONFIG,
     Context,
-    Spread,
     bench_seeds,
-    machine_busy_seconds,
-    reap_children,
     say,
-    suite_cpu_seconds,
 )
 from bench.peers import flywheel_peer, sample_factory, sb3_peer
+from bench.peers.measure import OTHER_WORK_LIMIT, SB3_THREADS, cores_cell, cores_words, measured, redone_lines
 from bench.peers.proc import adopt_orphans
 from bench.peers.run import PeerRun
 from bench.peers.stats import MedianCI, RankTest, order_statistic_ranks
@@ -38,11 +34,6 @@ TITLE = ("Peers on CartPole-v1: Sample Factory APPO, Stable-Baselines3 PPO and F
          "settings), wall seconds and env steps to last-100 >= 475, start-up and end-to-end, one machine, one run.")
 TARGET = "every peer measured side by side (medians, 95% order-statistic intervals); failures reported"
 THRESHOLD = 475.0
-OTHER_WORK_LIMIT = 0.2
-"""Cores of other work on the machine during a run above which the run is redone (once)."""
-SB3_THREADS = int(os.environ.get("FLYWHEEL_BENCH_PEERS_SB3_THREADS", os.cpu_count() or 1))
-"""SB3's torch threads: as many as the machine's cores, which Flywheel's processes share (2 samplers, trainer,
-paramsync, admin, Kafka, S3), so neither side is held to fewer cores than the other can use."""
 COMPARED = [(("Flywheel", "flywheel"), ("SB3 PPO", "flywheel")), (("Flywheel", "rl-zoo"), ("SB3 PPO", "rl-zoo")),
             (("Flywheel", "flywheel"), ("Sample Factory APPO", "SF example"))]
 """The rank tests: each peer against Flywheel with the same settings where they can be shared, and SF's example."""
@@ -77,33 +68,6 @@ def _guarded(peer: str, settings: str, seed: int, fn: Runner) -> PeerRun:
     except Exception as exc:
         say(f"peers: {peer} ({settings}) seed {seed} failed: {type(exc).__name__}: {exc}")
         return PeerRun(peer, settings, seed, None, None, None, f"{type(exc).__name__}: {exc}")
-
-
-def _measured(peer: str, settings: str, seed: int, fn: Runner) -> PeerRun:
-    """``_guarded`` with the cores it used (this bench's CPU: the peer's processes once reaped, and the bench's
-    Kafka and S3) and the cores other work took meanwhile (the machine's busy CPU less the bench's), each over the
-    run's wall time; a run beside more than ``OTHER_WORK_LIMIT`` cores of other work is redone once."""
-    first: float | None = None
-    while True:
-        t0, own0, busy0 = time.monotonic(), suite_cpu_seconds(), machine_busy_seconds()
-        r = _guarded(peer, settings, seed, fn)
-        reap_children()
-        wall = max(time.monotonic() - t0, 1e-9)
-        own = suite_cpu_seconds() - own0
-        other = max(machine_busy_seconds() - busy0 - own, 0.0) / wall
-        extra = dict(r.extra, cores=round(own / wall, 2), other_work_cores=round(other, 2), wall_s=round(wall, 1))
-        if first is not None:
-            extra["redone_after_other_work_cores"] = first
-        r = dataclasses.replace(r, extra=extra)
-        if other <= OTHER_WORK_LIMIT or first is not None:
-            return r
-        first = round(other, 2)
-        say(f"peers: {peer} ({settings}) seed {seed} ran beside {other:.2f} cores of other work: redone once")
-
-
-def _cores(runs: list[PeerRun], key: str) -> str:
-    s = Spread.of(float(r.extra[key]) for r in runs if key in r.extra)
-    return "-" if not s.n else f"{s.median:.2f}" + (f" [{s.lo:.2f}, {s.hi:.2f}]" if s.n > 1 else "")
 
 
 def compare(runs: dict[tuple[str, str], list[PeerRun]]) -> dict[str, dict[str, RankTest]]:
@@ -161,7 +125,8 @@ def run(ctx: Context) -> FigureResult:
     for seed in seeds:  # per seed every peer, one after another: drift of the machine hits all alike
         for peer, settings, fn in peers:
             say(f"peers: {peer} ({settings}), seed {seed}")
-            r = _measured(peer, settings, seed, fn)
+            r = measured(f"peers: {peer} ({settings}) seed {seed}",
+                         functools.partial(_guarded, peer, settings, seed, fn))
             runs[(peer, settings)].append(r)
             say(f"peers:   -> {_cell(r)}" + (f" ({r.error.splitlines()[0]})" if r.error else ""))
     stats = {k: summarise(v) for k, v in runs.items()}
@@ -186,11 +151,9 @@ def run(ctx: Context) -> FigureResult:
         ok = sum(1 for r in runs[(peer, settings)] if r.train_s is not None)
         table.append(f"| {peer} | {settings} | {ok} of {n} | {st['train_s'].fmt(1)} | {st['env_steps'].fmt(0)} | "
                      f"{st['startup_s'].fmt(1)} | {st['end_to_end_s'].fmt(1)} | "
-                     f"{_cores(runs[(peer, settings)], 'cores')} | "
-                     f"{_cores(runs[(peer, settings)], 'other_work_cores')} |")
-    redone = [f"- {r.peer} ({r.settings}) seed {r.seed}: redone after {r.extra['redone_after_other_work_cores']:.2f} "
-              f"cores of other work; the redo ran beside {r.extra['other_work_cores']:.2f}"
-              for v in runs.values() for r in v if "redone_after_other_work_cores" in r.extra]
+                     f"{cores_cell(runs[(peer, settings)], 'cores')} | "
+                     f"{cores_cell(runs[(peer, settings)], 'other_work_cores')} |")
+    redone = redone_lines((r for v in runs.values() for r in v), lambda r: f"{r.peer} ({r.settings}) seed {r.seed}")
     per_seed = ["| seed | " + " | ".join(f"{p} ({s})" for p, s in runs) + " |",
                 "|---|" + "---|" * len(runs)]
     for i, seed in enumerate(seeds):
@@ -211,12 +174,7 @@ def run(ctx: Context) -> FigureResult:
         "Failures:" if failures else "No run failed.",
         *failures,
         "",
-        f"Cores: each run's CPU seconds over its wall time, medians [range] over seeds: the peer's processes, and "
-        f"the bench's Kafka and S3 (idle for SB3 and SF). Other work: the machine's busy CPU less that; a run beside "
-        f"more than {OTHER_WORK_LIMIT} cores of it is redone once. SB3 ran with {SB3_THREADS} torch thread(s) "
-        f"(`FLYWHEEL_BENCH_PEERS_SB3_THREADS`, default the machine's cores, which Flywheel's processes share). "
-        + ("The bench was its descendants' subreaper, so workers orphaned by a stop count too."
-           if adopted else "Workers orphaned by a stop are not counted (no subreaper here)."),
+        cores_words(adopted),
         *(["Redone:", *redone] if redone else ["No run was redone."]),
         "",
         "Rank tests (independent samples: two peers' runs of one seed number share no random stream, so they are "

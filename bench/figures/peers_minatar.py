@@ -3,8 +3,12 @@
 (``bench.peers.sb3_minatar``). The measure is the mean return of the last 100 episodes finished within W
 seconds of each side's first env step (and within W/2), the env steps taken in W, and start-up beside.
 
-Per seed SB3 runs, then Flywheel, one after another on the same machine (never two at once). Medians over
-seeds with the range (``bench.peers.stats``; two seeds by default, so the interval is the range). Sample
+Per seed SB3 runs, then Flywheel, one after another on the same machine (never two at once), each with the cores
+it used and the other work on the machine recorded and redone once beside more than 0.2 cores of it
+(``bench.peers.measure``); SB3 gets as many torch threads as the machine has cores, which Flywheel's processes
+share. Medians over seeds with order-statistic intervals (``bench.peers.stats``, 5 seeds by default), and an exact
+rank-sum test of the last-100 at W for "ahead" (independent samples: the sides' runs of one seed number share no
+random stream). Sample
 Factory is not run: its 2.1.1 release ships no MinAtar env (``sf_examples`` has Atari, MuJoCo, VizDoom, DMLab,
 Brax, EnvPool and IsaacGym), so it would need a custom env registration and a custom encoder for 10x10 frames,
 which would be our port, not the peer's documented setup.
@@ -15,6 +19,7 @@ that ran past W (the stack stops a few seconds late, SB3 finishes its update) ga
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,14 +37,16 @@ from bench.common import (
     say,
 )
 from bench.peers import flywheel_peer, sb3_minatar, sb3_peer
-from bench.peers.stats import MedianCI
+from bench.peers.measure import OTHER_WORK_LIMIT, SB3_THREADS, cores_cell, cores_words, measured, redone_lines
+from bench.peers.proc import adopt_orphans
+from bench.peers.stats import MedianCI, RankTest
 from bench.report import FigureResult, Row
 
 NAME = "peers_minatar"
 TITLE = ("Peers on MinAtar Breakout at a fixed wall budget: Flywheel (local stack, 2 samplers) against "
          "Stable-Baselines3 PPO with Flywheel's settings and CNN, last-100 return, env steps and start-up, one "
          "machine, each seed's sides one after the other.")
-TARGET = "Flywheel's last-100 at the budget >= SB3's"
+TARGET = "Flywheel's median last-100 at the budget >= SB3's"
 EXTENDS = True  # `--extend` pools new seeds with the earlier entry's (``earlier_runs``)
 CONFIG = sb3_minatar.CONFIG
 ENV_ID = "MinAtar/Breakout-v1"
@@ -126,7 +133,7 @@ Runner = Callable[[int, float], BudgetRun]
 
 def run_sb3(seed: int, wall_s: float) -> BudgetRun:
     say(f"{NAME}: SB3 PPO seed {seed}, {wall_s:.0f} s from learn()")
-    res = sb3_minatar.run_child(seed, wall_s=wall_s, config=CONFIG)
+    res = sb3_minatar.run_child(seed, wall_s=wall_s, config=CONFIG, threads=SB3_THREADS)
     if res.done is None:
         return BudgetRun("SB3 PPO", seed, wall_s, res.startup_s, None, (), res.error)
     curve = tuple((float(t), int(s), float(r)) for t, s, r in res.done["curve"])
@@ -173,6 +180,21 @@ def summarise(runs: Sequence[BudgetRun]) -> dict[str, MedianCI]:
             "startup_s": MedianCI.of(r.startup_s for r in runs if r.startup_s is not None)}
 
 
+def compare(fw: Sequence[BudgetRun], sb3: Sequence[BudgetRun]) -> dict[str, RankTest]:
+    """Flywheel against SB3, exact rank-sum tests of the last-100 at W and at W/2 and of the env steps in W (higher
+    is better for each: a failed run ranks worst), and of start-up (lower is better)."""
+    def ret(runs: Sequence[BudgetRun], half: bool) -> list[float | None]:
+        return [r.last_at(r.wall_s / 2 if half else r.wall_s) if r.ok else None for r in runs]
+
+    def steps(runs: Sequence[BudgetRun]) -> list[float | None]:
+        return [float(r.env_steps) if r.ok and r.env_steps is not None else None for r in runs]
+
+    return {"last100_at_budget": RankTest.of(ret(fw, False), ret(sb3, False), failed=-math.inf),
+            "last100_at_half": RankTest.of(ret(fw, True), ret(sb3, True), failed=-math.inf),
+            "env_steps": RankTest.of(steps(fw), steps(sb3), failed=-math.inf),
+            "startup_s": RankTest.of([r.startup_s for r in fw], [r.startup_s for r in sb3])}
+
+
 def verdict(fw: Sequence[BudgetRun], sb3: Sequence[BudgetRun]) -> bool | None:
     """The target: Flywheel's median last-100 at W >= SB3's. False when a Flywheel run failed; None (not
     decided) when only SB3 runs failed, since a missing rival proves nothing either way."""
@@ -198,14 +220,15 @@ def wall_budget(ctx: Context) -> float:
 
 def run(ctx: Context) -> FigureResult:
     wall_s = wall_budget(ctx)
-    new_seeds = bench_seeds(NAME, 2, 1, ctx)
+    new_seeds = bench_seeds(NAME, 5, 1, ctx)
+    adopted = adopt_orphans()  # orphaned workers of a stopped side are reaped here, their CPU counted
     peers: list[tuple[str, Runner]] = [("SB3 PPO", run_sb3),
                                        ("Flywheel", lambda seed, w: run_flywheel(ctx, seed, w))]
     kept = earlier_runs(ctx, NAME, new_seeds, {"wall_s": wall_s})  # --extend: the earlier entry's other seeds
     runs: dict[str, list[BudgetRun]] = {p: [BudgetRun.from_record(d) for d in kept.get(p, [])] for p, _ in peers}
     for seed in new_seeds:  # per seed both sides, one after another: drift of the machine hits both alike
         for peer, fn in peers:
-            r = _guarded(peer, seed, wall_s, fn)
+            r = measured(f"{NAME}: {peer} seed {seed}", functools.partial(_guarded, peer, seed, wall_s, fn))
             runs[peer].append(r)
             say(f"{NAME}:   -> {peer}: {_cell(r)}" + (f" ({r.error.splitlines()[0]})" if r.error else ""))
     for v in runs.values():
@@ -217,8 +240,9 @@ def run(ctx: Context) -> FigureResult:
     n = len(seeds)
     meets = verdict(runs["Flywheel"], runs["SB3 PPO"])
     fw, sb = stats["Flywheel"], stats["SB3 PPO"]
-    ahead = sum(1 for f, s in zip(runs["Flywheel"], runs["SB3 PPO"], strict=True)
-                if f.ok and s.ok and f.last_at(wall_s) >= s.last_at(wall_s))
+    tests = compare(runs["Flywheel"], runs["SB3 PPO"])
+    quantities = {"last100_at_budget": f"last-100 at {wall_s:.0f} s", "last100_at_half": f"last-100 at "
+                  f"{wall_s / 2:.0f} s", "env_steps": f"env steps in {wall_s:.0f} s", "startup_s": "start-up s"}
     headline = [Row(f"Flywheel: last-100 return at {wall_s:.0f} s (SB3 PPO: {sb['last100_at_budget'].fmt(2)})",
                     fw["last100_at_budget"].fmt(2), TARGET, meets)]
     for peer, st in stats.items():
@@ -228,23 +252,26 @@ def run(ctx: Context) -> FigureResult:
             f"({ok} of {n} ran)",
             f"{st['last100_at_budget'].fmt(2)} / {st['last100_at_half'].fmt(2)}; {st['env_steps'].fmt(0)}; "
             f"{st['startup_s'].fmt(1, ' s')}"))
-    headline.append(Row("seeds where Flywheel's last-100 at the budget >= SB3's", f"{ahead} of {n}"))
+    headline.append(Row("Flywheel vs SB3 PPO: exact rank-sum test",
+                        tests["last100_at_budget"].words("Flywheel", "SB3 PPO", quantities["last100_at_budget"])))
     table = [f"| peer | ran | last-100 at {wall_s:.0f} s | last-100 at {wall_s / 2:.0f} s | env steps in "
-             f"{wall_s:.0f} s | start-up s |", "|---|---|---|---|---|---|"]
+             f"{wall_s:.0f} s | start-up s | cores used | other work, cores |", "|---|---|---|---|---|---|---|---|"]
     for peer, st in stats.items():
         ok = sum(1 for r in runs[peer] if r.ok)
         table.append(f"| {peer} | {ok} of {n} | {st['last100_at_budget'].fmt(2)} | {st['last100_at_half'].fmt(2)} "
-                     f"| {st['env_steps'].fmt(0)} | {st['startup_s'].fmt(1)} |")
+                     f"| {st['env_steps'].fmt(0)} | {st['startup_s'].fmt(1)} | {cores_cell(runs[peer], 'cores')} | "
+                     f"{cores_cell(runs[peer], 'other_work_cores')} |")
     per_seed = ["| seed | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
     for i, seed in enumerate(seeds):
         per_seed.append(f"| {seed} | " + " | ".join(_cell(v[i]) for v in runs.values()) + " |")
     failures = [f"- {r.peer} seed {r.seed}: {r.error.splitlines()[0]}" for v in runs.values() for r in v if r.error]
     records = [r.as_dict() for v in runs.values() for r in v]
+    redone = redone_lines((r for v in runs.values() for r in v), lambda r: f"{r.peer} seed {r.seed}")
     pooled = provenance_md(records)
     details = "\n".join([
-        f"Medians over {n} seeds, [range] (with 2 seeds the order-statistic interval is the range). The wall "
+        f"Medians over {n} seeds, [interval] from order statistics (with up to 5 seeds, the range). The wall "
         f"budget W = {wall_s:.0f} s and the seeds come from `FLYWHEEL_BENCH_PEERS_MINATAR_WALL_S` / "
-        "`FLYWHEEL_BENCH_PEERS_MINATAR_SEEDS` (defaults 600 s and 2; --quick: 60 s and 1; a list such as `4,5` "
+        "`FLYWHEEL_BENCH_PEERS_MINATAR_SEEDS` (defaults 600 s and 5; --quick: 60 s and 1; a list such as `6,7` "
         "with `--extend` adds seeds to the earlier entry's).",
         *(["", pooled] if pooled else []),
         "",
@@ -257,6 +284,14 @@ def run(ctx: Context) -> FigureResult:
         "Failures:" if failures else "No run failed.",
         *failures,
         "",
+        cores_words(adopted),
+        *(["Redone:", *redone] if redone else ["No run was redone."]),
+        "",
+        "Exact rank-sum tests, Flywheel against SB3 PPO (independent samples: the sides' runs of one seed number "
+        "share no random stream, so they are not pairs; a failed run ranks worst):",
+        "",
+        *[f"- {tests[q].words('Flywheel', 'SB3 PPO', words)}" for q, words in quantities.items()],
+        "",
         "SB3 with Flywheel's settings cannot share: " + "; ".join(sb3_minatar.NOT_SHARED) + ".",
         "",
         "Sample Factory is not run: its 2.1.1 release has no MinAtar env (its `sf_examples` cover Atari, MuJoCo, "
@@ -265,16 +300,19 @@ def run(ctx: Context) -> FigureResult:
     ])
     return FigureResult(
         headline=headline,
-        numbers={"seeds": list(seeds), "wall_s": wall_s, "window": WINDOW,
+        numbers={"seeds": list(seeds), "wall_s": wall_s, "window": WINDOW, "sb3_threads": SB3_THREADS,
+                 "other_work_limit_cores": OTHER_WORK_LIMIT,
+                 "rank_tests": {"Flywheel vs SB3 PPO": {q: t.as_dict() for q, t in tests.items()}},
                  "peers": {p: {"summary": stats[p], "runs": [r.as_dict() for r in v]} for p, v in runs.items()}},
         settings={"config": "configs/minatar-breakout.yaml", "seeds": list(seeds), "wall_s": wall_s, "env": ENV_ID,
-                  "sb3": sb3_minatar.describe(CONFIG),
+                  "sb3": sb3_minatar.describe(CONFIG, SB3_THREADS),
                   "flywheel": f"configs/minatar-breakout.yaml, {SAMPLERS} samplers, the bench's local stack"},
         method=(
             f"Each side is started fresh per seed and stopped after W = {wall_s:.0f} s counted from its first env "
             "step; start-up (from starting it to its first env step) is reported beside. The return at the budget "
             f"is the mean of the last {WINDOW} episodes finished within W (and within W/2); env steps are those "
-            "taken within W. SB3: a fresh `python -m bench.peers.sb3_minatar` process (CPU torch, 1 thread), "
+            "taken within W. SB3: a fresh `python -m bench.peers.sb3_minatar` process (CPU torch, "
+            f"{SB3_THREADS} thread(s)), "
             "start-up until `learn()` begins, W from there (its callback stops `learn()` at the first env step "
             "after W, which is not counted); returns from its Monitor wrapper. Flywheel: the local stack as in "
             f"`peers` ({SAMPLERS} samplers), start-up = stack up (every service healthy) + first fragment, W from "

@@ -17,10 +17,10 @@ What is shared (``minatar_kwargs``, from ``configs/minatar-breakout.yaml`` run b
   channels last. SB3 sees a uint8 [0, 255] image space, transposes it to channels first (``VecTransposeImage``)
   and divides by 255 (``normalize_images``), as Flywheel's ``ImageActorCritic`` does: both nets see 0/1 inputs.
 
-``NOT_SHARED`` lists what SB3 cannot express. Run as ``python -m bench.peers.sb3_minatar --seed 1 --wall-s 600``
-(1 torch thread, CPU): it prints one JSON line ``{"event": "learn_start", "wall": ...}`` when ``learn()`` begins
-and one ``{"event": "done", ...}`` after stopping at the budget (``curve``: [seconds since learn() began, env
-steps, return] per finished episode within the budget).
+``NOT_SHARED`` lists what SB3 cannot express. Run as ``python -m bench.peers.sb3_minatar --seed 1 --wall-s 600
+--threads 2`` (torch threads, default 1; CPU): it prints one JSON line ``{"event": "learn_start", "wall": ...}``
+when ``learn()`` begins and one ``{"event": "done", ...}`` after stopping at the budget (``curve``: [seconds since
+learn() began, env steps, return] per finished episode within the budget).
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ WINDOW = 100  # episodes in the last-N mean
 NOT_SHARED = (
     "asynchrony: Flywheel's 2 samplers act on a policy ~2 versions old while the trainer trains "
     "(max_staleness 8, credit flow control); SB3 collects with the current policy, then trains, in turn",
-    "parallelism: Flywheel's samplers, trainer, paramsync and admin are separate processes spread over both "
-    "cores (samplers run the CNN in onnxruntime); SB3 steps its envs and trains in one process, one torch thread",
+    "parallelism: Flywheel's samplers, trainer, paramsync and admin are separate processes spread over the "
+    "machine's cores (samplers run the CNN in onnxruntime); SB3 steps its envs and trains in one process, with as "
+    "many torch threads as the machine has cores (the figure's `sb3_threads`), so only its torch ops spread",
     "the objective: configs/minatar-breakout.yaml trains with the decoupled objective (clip around the policy at "
     "the update's start, truncated importance weight to the behaviour policy, cap 5); SB3 has plain PPO, clipped "
     "around the behaviour policy: the two are the same at zero lag",
@@ -88,7 +89,7 @@ def minatar_kwargs(config: Path = CONFIG) -> tuple[int, dict[str, Any]]:
                                "share_features_extractor": True, "normalize_images": True})
 
 
-def describe(config: Path = CONFIG) -> str:
+def describe(config: Path = CONFIG, threads: int = 1) -> str:
     from shared.settings import load_settings
 
     n_envs, kw = minatar_kwargs(config)
@@ -102,7 +103,7 @@ def describe(config: Path = CONFIG) -> str:
             f"{kw['gamma']}, gae_lambda {kw['gae_lambda']}, ent_coef {kw['ent_coef']}, vf_coef {kw['vf_coef']:g} "
             f"(= {tr.vf_coef} x 0.5 MSE), max_grad_norm {kw['max_grad_norm']}, target_kl {kl}, features "
             "extractor shared.rl.model minatar_cnn (conv 3x3 16, 128 units), net_arch [], shared torso, "
-            "normalize_images (uint8 0/255 frames -> 0/1), CPU, 1 torch thread")
+            f"normalize_images (uint8 0/255 frames -> 0/1), CPU, {threads} torch thread(s)")
 
 
 @dataclass(frozen=True)
@@ -114,13 +115,14 @@ class ChildResult:
     error: str | None
 
 
-def run_child(seed: int, *, wall_s: float, config: Path = CONFIG, grace_s: float = 120.0) -> ChildResult:
-    """One SB3 run in a fresh ``sys.executable`` process, stopped by itself at ``wall_s`` of learning (killed
-    ``grace_s`` later if it did not stop)."""
+def run_child(seed: int, *, wall_s: float, config: Path = CONFIG, grace_s: float = 120.0,
+              threads: int = 1) -> ChildResult:
+    """One SB3 run in a fresh ``sys.executable`` process with ``threads`` torch threads, stopped by itself at
+    ``wall_s`` of learning (killed ``grace_s`` later if it did not stop)."""
     from bench.peers.proc import by_event, json_events, run_lines
 
     cmd = [sys.executable, "-m", "bench.peers.sb3_minatar", "--seed", str(seed), "--wall-s", str(wall_s),
-           "--config", str(config)]
+           "--config", str(config), "--threads", str(threads)]
     res = run_lines(cmd, timeout_s=wall_s + grace_s, cwd=REPO_ROOT)
     events = by_event(json_events(line for _, line in res.lines))
     start, done = events.get("learn_start"), events.get("done")
@@ -137,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--wall-s", type=float, required=True, help="seconds of learning, from learn()'s start")
     p.add_argument("--config", type=Path, default=CONFIG)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (torch.set_num_threads)")
     a = p.parse_args(argv)
     if a.wall_s <= 0:
         p.error(f"--wall-s must be > 0, got {a.wall_s}")
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     from shared.rl.envs import register_image_envs
     from shared.settings import load_settings
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     env_id = load_settings(str(a.config)).env.id
     register_image_envs(env_id)
     n_envs, kwargs = minatar_kwargs(a.config)

@@ -99,9 +99,11 @@ class RankTest:
     """P(a value of ``a`` < one of ``b``) + half P(equal), over every pair: the effect size (0.5 = no effect)."""
 
     @classmethod
-    def of(cls, a: Iterable[float | None], b: Iterable[float | None]) -> RankTest:
-        xs = [INF if v is None or v != v else float(v) for v in a]
-        ys = [INF if v is None or v != v else float(v) for v in b]
+    def of(cls, a: Iterable[float | None], b: Iterable[float | None], failed: float = INF) -> RankTest:
+        """``failed`` is what a failed run (None or NaN) counts as: ``inf`` where lower is better (seconds to a
+        target), ``-inf`` where higher is better (a return at a budget), so a failure always ranks worst."""
+        xs = [failed if v is None or v != v else float(v) for v in a]
+        ys = [failed if v is None or v != v else float(v) for v in b]
         if not xs or not ys:
             raise ValueError(f"both samples need values, got {len(xs)} and {len(ys)}")
         pooled = sorted(xs + ys)

@@ -139,7 +139,7 @@ def test_minatar_figure_pools_new_seeds_with_the_earlier_entry(monkeypatch: pyte
     monkeypatch.setattr(peers_minatar, "run_sb3", fake("SB3 PPO", 0.0))
     monkeypatch.setattr(peers_minatar, "run_flywheel", lambda ctx, seed, w: fake("Flywheel", 1.0)(seed, w))
     # describing SB3's settings imports stable-baselines3 (the bench extra, absent from `make test`)
-    monkeypatch.setattr(peers_minatar.sb3_minatar, "describe", lambda config: "SB3 settings")
+    monkeypatch.setattr(peers_minatar.sb3_minatar, "describe", lambda config, threads=1: "SB3 settings")
     monkeypatch.setenv("FLYWHEEL_BENCH_PEERS_MINATAR_SEEDS", "3,4")
     monkeypatch.delenv("FLYWHEEL_BENCH_PEERS_MINATAR_WALL_S", raising=False)
 
@@ -157,3 +157,6 @@ def test_minatar_figure_pools_new_seeds_with_the_earlier_entry(monkeypatch: pyte
     assert "seeds 1, 2 from `FLYWHEEL_BENCH_X_SEEDS=3" in res.details_md
     assert "seeds 3, 4 from this run" in res.details_md
     assert res.headline[0].meets is False  # median 2.0 against SB3's 52.0
+    test = res.numbers["rank_tests"]["Flywheel vs SB3 PPO"]["last100_at_budget"]
+    assert (test["n_a"], test["n_b"]) == (4, 4)  # over the pooled seeds
+    assert all("cores" in r for r in res.numbers["peers"]["Flywheel"]["runs"] if r["seed"] >= 3)  # this run's

@@ -212,3 +212,36 @@ def test_mujoco_says_why_a_missed_return_target_was_missed() -> None:
     apart = why_missed(_runs(PEERS[1], [100, 200, 300, 400, 500]), sb3, 300_000)  # type: ignore[arg-type]
     assert "do not overlap" in apart and "ahead on 0 of 5" in apart
     assert why_missed(_runs(PEERS[1], [3_200, 3_601, 3_496, 3_100, 3_300]), sb3, 300_000) == ""  # type: ignore[arg-type]
+
+
+def test_a_run_beside_other_work_is_redone_once_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``measured`` with the machine's busy CPU faked: 1 core of other work during the first attempt, none
+    during the redo; the redo is kept with the first attempt's figure, and a third attempt is never made."""
+    from bench.peers import measure
+    from bench.peers.run import PeerRun
+
+    busy = iter([0.0, 100.0, 100.0, 100.0])  # (start, end) of each attempt; monotonic time advances 100 s each
+    clock = iter([0.0, 100.0, 100.0, 200.0])
+    monkeypatch.setattr(measure, "machine_busy_seconds", lambda: next(busy))
+    monkeypatch.setattr(measure, "suite_cpu_seconds", lambda: 0.0)
+    monkeypatch.setattr(measure, "reap_children", lambda: 0)
+    monkeypatch.setattr(measure.time, "monotonic", lambda: next(clock))
+    calls: list[int] = []
+
+    def run() -> PeerRun:
+        calls.append(1)
+        return PeerRun("SB3 PPO", "flywheel", 1, 10.0, 20.0, 1000)
+
+    r = measure.measured("x", run)
+    assert len(calls) == 2
+    assert r.extra["redone_after_other_work_cores"] == 1.0 and r.extra["other_work_cores"] == 0.0
+    assert measure.redone_lines([r], lambda r: "SB3 seed 1") == [
+        "- SB3 seed 1: redone after 1.00 cores of other work; the redo ran beside 0.00"]
+    assert measure.cores_cell([r], "cores") == "0.00"
+
+
+def test_a_failed_run_ranks_worst_where_higher_is_better() -> None:
+    """A return at a budget: a failed run (None) counts as -inf, so it cannot make its side look ahead."""
+    t = RankTest.of([None, None, None], [1.0, 2.0, 3.0], failed=-INF)
+    assert t.p_a_smaller == pytest.approx(1 / 20) and t.prob_a_smaller == 1.0
+    assert "higher" not in t.words("a", "b", "return")
