@@ -27,20 +27,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from bench import report
-from bench.common import (
-    BENCH_HOME,
-    Context,
-    bench_infra,
-    delete_topics,
-    loadavg,
-    machine,
-    machine_busy_seconds,
-    now_iso,
-    reap_children,
-    say,
-    suite_cpu_seconds,
-)
+from bench.context import BENCH_HOME, Context, bench_infra, say
 from bench.figures import FIGURES
+from bench.machine import loadavg, machine, machine_busy_seconds, now_iso, reap_children, suite_cpu_seconds
+from bench.stack import delete_topics
 from devstack import REPO_ROOT
 from devstack import down as infra_down
 

@@ -18,8 +18,8 @@ import json
 import time
 from typing import Any
 
-from bench.common import return_at_steps, rolling_mean
 from bench.inproc import lockstep_curve
+from bench.samples import return_at_steps, rolling_mean
 from shared.settings import load_settings
 
 

@@ -8,6 +8,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from devstack.errors import StackError as StackError  # re-exported: the stack's one error, raised by every part
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KAFKA_POM = REPO_ROOT / "deploy" / "kafka" / "pom.xml"
 KAFKA_LOG4J2 = REPO_ROOT / "deploy" / "kafka" / "log4j2.properties"
@@ -56,10 +58,6 @@ _SCRAM_SAFE = re.compile(r"[A-Za-z0-9._@-]+")  # no ',', '=', ']', quotes: kafka
 
 HEALTHCHECK_TOPIC = "_flywheel_healthcheck"
 HEALTHCHECK_KEY = "_flywheel_healthcheck"
-
-
-class StackError(RuntimeError):
-    """The local stack could not start, check or stop a process (the message says why)."""
 
 
 InfraError = StackError  # the names the two former packages used
@@ -200,7 +198,7 @@ class InfraConfig:
         """
         resolved_home = Path(home).expanduser().resolve() if home else default_home()
         if hosts is None:
-            from devstack.hosts import active  # lazily: devstack.hosts imports this module
+            from devstack.hosts import active  # lazily: the multi-host parts load only when asked about
 
             hosts = active(resolved_home)
         cfg = cls(

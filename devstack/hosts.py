@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from devstack.config import StackError
+from devstack.errors import StackError
 from devstack.slowlink import SLOW_COMMENT, redirect_commands
 
 PREFIX = "fw-"

@@ -19,21 +19,13 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from bench.common import (
-    BenchStack,
-    Context,
-    Spread,
-    Window,
-    cpu_table,
-    episode_curve,
-    read_samples,
-    return_at_steps,
-    say,
-    stack,
-)
+from bench.context import Context, say
 from bench.figures.async_vs_sync import MEDIAN_MS, OVERRIDES, SIGMA
 from bench.plots import lines
 from bench.report import FigureResult, Row
+from bench.samples import episode_curve, read_samples, return_at_steps
+from bench.stack import BenchStack, Window, cpu_table, stack
+from bench.stats import Spread
 
 NAME = "actor_learner"
 TITLE = (f"Sampler:trainer ratio 2:1, 4:1, 8:1 on CartPole-v1 (env steps sleep log-normally, median {MEDIAN_MS:g} ms, "

@@ -7,20 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    Context,
-    Interval,
-    bench_seeds,
-    episode_curve,
-    read_samples,
-    return_at_steps,
-    rolling_mean,
-    say,
-    seconds_to_steps,
-    stack,
-)
+from bench.context import Context, say
 from bench.plots import panels
 from bench.report import FigureResult, Row
+from bench.samples import episode_curve, read_samples, return_at_steps, rolling_mean, seconds_to_steps
+from bench.seeds import bench_seeds
+from bench.stack import stack
+from bench.stats import Interval
 from devstack import REPO_ROOT
 
 NAME = "async_sync_return"

@@ -15,20 +15,12 @@ from typing import Any
 
 import gymnasium as gym
 
-from bench.common import (
-    Context,
-    Spread,
-    episode_curve,
-    percentile,
-    read_samples,
-    return_at_steps,
-    rolling_mean,
-    say,
-    seconds_to_steps,
-    stack,
-)
+from bench.context import Context, say
 from bench.plots import panels
 from bench.report import FigureResult, Row
+from bench.samples import episode_curve, read_samples, return_at_steps, rolling_mean, seconds_to_steps
+from bench.stack import stack
+from bench.stats import Spread, percentile
 from shared.rl.envs import LogNormalLatency
 
 NAME = "async_vs_sync"

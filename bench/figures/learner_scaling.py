@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import time
 
-from bench.common import Context, Spread, cpu_table, measure_windows, say, stack
+from bench.context import Context, say
 from bench.report import FigureResult, Row
+from bench.stack import cpu_table, measure_windows, stack
+from bench.stats import Spread
 
 NAME = "learner_scaling"
 TITLE = ("Trained env-steps/s with 2 data-parallel trainer ranks / 1 rank (CartPole, 4 samplers, same stack, "

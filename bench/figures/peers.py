@@ -15,19 +15,14 @@ from collections.abc import Callable
 from typing import Any
 
 from bench import sb3
-from bench.common import (
-    BENCH_HOME,
-    DEFAULT_CONFIG,
-    Context,
-    bench_seeds,
-    say,
-)
+from bench.context import BENCH_HOME, DEFAULT_CONFIG, Context, say
 from bench.peers import flywheel_peer, sample_factory, sb3_peer
 from bench.peers.measure import OTHER_WORK_LIMIT, SB3_THREADS, cores_cell, cores_words, measured, redone_lines
 from bench.peers.proc import adopt_orphans
 from bench.peers.run import PeerRun
 from bench.peers.stats import MedianCI, RankTest, order_statistic_ranks
 from bench.report import FigureResult, Row
+from bench.seeds import bench_seeds
 
 NAME = "peers"
 TITLE = ("Peers on CartPole-v1: Sample Factory APPO, Stable-Baselines3 PPO and Flywheel (rl-zoo's and Flywheel's "

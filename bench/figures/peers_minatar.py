@@ -25,22 +25,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.common import (
-    Context,
-    FragmentInfo,
-    bench_seeds,
-    earlier_runs,
-    env_seconds,
-    episode_curve,
-    provenance_md,
-    read_samples,
-    say,
-)
+from bench.context import Context, say
 from bench.peers import flywheel_peer, sb3_minatar, sb3_peer
 from bench.peers.measure import OTHER_WORK_LIMIT, SB3_THREADS, cores_cell, cores_words, measured, redone_lines
 from bench.peers.proc import adopt_orphans
 from bench.peers.stats import MedianCI, RankTest
 from bench.report import FigureResult, Row
+from bench.samples import FragmentInfo, episode_curve, read_samples
+from bench.seeds import bench_seeds, earlier_runs, env_seconds, provenance_md
 
 NAME = "peers_minatar"
 TITLE = ("Peers on MinAtar Breakout at a fixed wall budget: Flywheel (local stack, 2 samplers) against "

@@ -23,21 +23,13 @@ from typing import Any
 
 import yaml
 
-from bench.common import (
-    BENCH_HOME,
-    BenchStack,
-    Context,
-    FragmentInfo,
-    bench_seeds,
-    earlier_runs,
-    episode_curve,
-    provenance_md,
-    read_samples,
-    say,
-)
+from bench.context import BENCH_HOME, Context, say
 from bench.peers import flywheel_peer, sb3_mujoco
 from bench.peers.stats import MedianCI
 from bench.report import FigureResult, Row
+from bench.samples import FragmentInfo, episode_curve, read_samples
+from bench.seeds import bench_seeds, earlier_runs, provenance_md
+from bench.stack import BenchStack
 from devstack import REPO_ROOT
 
 NAME = "peers_mujoco"

@@ -21,12 +21,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.common import BenchStack, Context, Window, bench_seeds, env_seconds, say
+from bench.context import Context, say
 from bench.peers import envpool_raw, flywheel_peer, sb3_atari, sf_atari
 from bench.peers.proc import run_lines
 from bench.peers.stats import MedianCI
 from bench.peers.throughput import FRAME_SKIP, ThroughputRun
 from bench.report import FigureResult, Row
+from bench.seeds import bench_seeds, env_seconds
+from bench.stack import BenchStack, Window
 from devstack import REPO_ROOT
 
 NAME = "peers_pong"

@@ -6,19 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from bench import sb3
-from bench.common import (
-    Context,
-    Spread,
-    bench_seeds,
-    episode_curve,
-    read_samples,
-    return_at_steps,
-    rolling_mean,
-    say,
-    stack,
-)
+from bench.context import Context, say
 from bench.plots import panels
 from bench.report import FigureResult, Row
+from bench.samples import episode_curve, read_samples, return_at_steps, rolling_mean
+from bench.seeds import bench_seeds
+from bench.stack import stack
+from bench.stats import Spread
 from devstack import REPO_ROOT
 
 NAME = "pendulum"

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import time
 
-from bench.common import Context, Spread, cpu_table, measure_windows, say, stack
+from bench.context import Context, say
 from bench.inproc import inproc_windows
 from bench.report import FigureResult, Row
+from bench.stack import cpu_table, measure_windows, stack
+from bench.stats import Spread
 from shared.settings import load_settings
 
 NAME = "pipeline"

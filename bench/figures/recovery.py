@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.common import BenchStack, Context, Spread, say, stack
+from bench.context import Context, say
 from bench.report import FigureResult, Row
+from bench.stack import BenchStack, stack
+from bench.stats import Spread
 from devstack.procs import port_is_free
 
 NAME = "recovery"

@@ -7,10 +7,12 @@ from __future__ import annotations
 import functools
 import time
 
-from bench.common import BenchStack, Context, Spread, cpu_table, measure_windows, say, stack
+from bench.context import Context, say
 from bench.figures.async_vs_sync import MEDIAN_MS, OVERRIDES, SIGMA
 from bench.plots import lines
 from bench.report import FigureResult, Row
+from bench.stack import BenchStack, cpu_table, measure_windows, stack
+from bench.stats import Spread
 
 NAME = "scaling"
 TITLE = (f"Env-steps/s with 1, 2, 4, 8, 16, 32 samplers whose env steps sleep log-normally (median {MEDIAN_MS:g} ms, "

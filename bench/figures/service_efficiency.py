@@ -12,9 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import BENCH_HOME, BenchStack, Context, Spread, say, scrape, stack
+from bench.context import BENCH_HOME, Context, say
 from bench.inproc import bare_learner_rate, bare_rollout_rate
 from bench.report import FigureResult, Row
+from bench.stack import BenchStack, scrape, stack
+from bench.stats import Spread
 from shared.settings import load_settings
 
 NAME = "service_efficiency"

@@ -8,21 +8,14 @@ import time
 from typing import Any
 
 from bench import sb3
-from bench.common import (
-    Context,
-    FragmentInfo,
-    Spread,
-    bench_seeds,
-    episode_curve,
-    first_reaching,
-    read_samples,
-    rolling_mean,
-    say,
-    stack,
-)
+from bench.context import Context, say
 from bench.inproc import sequential_solve
 from bench.plots import panels
 from bench.report import FigureResult, Row
+from bench.samples import FragmentInfo, episode_curve, first_reaching, read_samples, rolling_mean
+from bench.seeds import bench_seeds
+from bench.stack import stack
+from bench.stats import Spread
 from shared.settings import load_settings
 
 NAME = "solve"

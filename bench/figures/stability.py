@@ -7,19 +7,13 @@ import os
 import time
 from typing import Any
 
-from bench.common import (
-    Context,
-    Spread,
-    bench_seeds,
-    episode_curve,
-    first_reaching,
-    read_samples,
-    rolling_mean,
-    say,
-    stack,
-)
+from bench.context import Context, say
 from bench.plots import panels
 from bench.report import FigureResult, Row
+from bench.samples import episode_curve, first_reaching, read_samples, rolling_mean
+from bench.seeds import bench_seeds
+from bench.stack import stack
+from bench.stats import Spread
 
 NAME = "stability"
 TITLE = ("CartPole-v1 on the full local stack (2 samplers, configs/cartpole.yaml): the lowest mean of the last 100 "

@@ -13,10 +13,13 @@ import os
 import time
 from typing import Any
 
-from bench.common import Context, Spread, bench_seeds, first_reaching, rolling_mean, say
+from bench.context import Context, say
 from bench.inproc import Curve, bench_jobs, lockstep_curve, parallel_map
 from bench.plots import panels
 from bench.report import FigureResult, Row
+from bench.samples import first_reaching, rolling_mean
+from bench.seeds import bench_seeds
+from bench.stats import Spread
 from shared.settings import Settings, load_settings
 
 NAME = "stability_ablation"

@@ -24,19 +24,11 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import (
-    _HTTP,
-    BENCH_HOME,
-    BenchStack,
-    Context,
-    cpu_seconds,
-    loadavg,
-    machine_busy_seconds,
-    percentile,
-    say,
-    stack,
-)
+from bench.context import BENCH_HOME, Context, say
+from bench.machine import cpu_seconds, loadavg, machine_busy_seconds
 from bench.report import FigureResult, Row
+from bench.stack import _HTTP, BenchStack, stack
+from bench.stats import percentile
 from devstack import REPO_ROOT, LocalStack
 from devstack import down as infra_down
 from devstack import hosts as multihost

@@ -15,8 +15,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import _HTTP, BenchStack, Context, percentile, say, stack
+from bench.context import Context, say
 from bench.report import FigureResult, Row
+from bench.stack import _HTTP, BenchStack, stack
+from bench.stats import percentile
 
 NAME = "sync_inline"
 TITLE = ("Policies on Kafka: store GETs of policy weights per published version and sync p99, inline against "

@@ -6,8 +6,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.common import Context, percentile, read_samples, say, stack
+from bench.context import Context, say
 from bench.report import FigureResult, Row
+from bench.samples import read_samples
+from bench.stack import stack
+from bench.stats import percentile
 
 NAME = "sync_latency"
 TITLE = "Policy sync latency p50/p95/p99: candidate -> every sampler acting on it; 4 samplers, default config."

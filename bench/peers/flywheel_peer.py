@@ -18,18 +18,10 @@ from typing import Any
 
 import yaml
 
-from bench.common import (
-    DEFAULT_CONFIG,
-    BenchStack,
-    Context,
-    episode_curve,
-    first_reaching,
-    read_samples,
-    rolling_mean,
-    say,
-    stack,
-)
+from bench.context import DEFAULT_CONFIG, Context, say
 from bench.peers.run import PeerRun
+from bench.samples import episode_curve, first_reaching, read_samples, rolling_mean
+from bench.stack import BenchStack, stack
 
 SAMPLERS = 2
 TINY = 1e-8  # Flywheel's schedule ends must be > 0; rl-zoo's lin_X schedules end at 0

@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
-from bench.common import Spread, machine_busy_seconds, reap_children, say, suite_cpu_seconds
+from bench.context import say
+from bench.machine import machine_busy_seconds, reap_children, suite_cpu_seconds
+from bench.stats import Spread
 
 OTHER_WORK_LIMIT = 0.2
 """Cores of other work on the machine during a run above which the run is redone (once)."""

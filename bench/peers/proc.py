@@ -26,7 +26,7 @@ PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 def adopt_orphans() -> bool:
     """Make this process the subreaper of its descendants (Linux): a peer's worker orphaned when its parent is
     killed (Sample Factory's rollout and inference processes) is reparented here instead of to init, so reaping
-    it (``bench.common.reap_children``) counts its CPU time as this process's children's. False where the call
+    it (``bench.machine.reap_children``) counts its CPU time as this process's children's. False where the call
     is not available."""
     import ctypes
 

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from bench.common import BENCH_HOME
+from bench.context import BENCH_HOME
 from bench.peers.proc import run_lines
 from bench.peers.run import PeerRun
 from bench.peers.sf_log import SfLog

@@ -10,7 +10,7 @@ from typing import Any
 from stable_baselines3.common.callbacks import BaseCallback
 
 from bench.peers.proc import emit
-from bench.peers.sb3_atari import UpdateClock
+from bench.peers.throughput import UpdateClock
 
 
 class UpdateWatch(BaseCallback):

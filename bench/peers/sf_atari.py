@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import BENCH_HOME, say
+from bench.context import BENCH_HOME, say
 from bench.peers import sample_factory as sf
 from bench.peers.proc import run_lines
 from bench.peers.sf_log import SfLog

@@ -64,3 +64,40 @@ class ThroughputRun:
         return {"peer": self.peer, "seed": self.seed, "startup_s": self.startup_s,
                 "env_steps_per_s": self.rate(warmup_s, until_s), "frames_per_s": self.frames_per_s(warmup_s, until_s),
                 "points": len(self.series), "last_point": last, "error": self.error, **self.extra}
+
+
+class UpdateClock:
+    """Cuts ``learn()`` into updates from SB3's callback hooks, on a clock passed in (seconds since learn start).
+
+    An update is a rollout (``rollout_start`` -> ``rollout_end``) and the ``train()`` after it (``rollout_end`` ->
+    the next ``rollout_start``, or ``learn_end``). Invariant: each update is reported once, only after its
+    ``train()`` returned, with the env steps of every rollout trained so far; a rollout cut short by the budget
+    (no ``rollout_end``) is never reported, since SB3 does not train on it."""
+
+    def __init__(self) -> None:
+        self._rollout_at: float | None = None
+        self._ended_at: float | None = None
+        self._rollout_s = 0.0
+        self._steps = 0
+
+    def rollout_start(self, now: float) -> dict[str, Any] | None:
+        report = self._finish(now)
+        self._rollout_at = now
+        return report
+
+    def rollout_end(self, now: float, steps: int) -> None:
+        if self._rollout_at is None:
+            raise ValueError("a rollout ended that never started")
+        self._rollout_s, self._ended_at, self._steps = now - self._rollout_at, now, steps
+        self._rollout_at = None
+
+    def learn_end(self, now: float) -> dict[str, Any] | None:
+        return self._finish(now)
+
+    def _finish(self, now: float) -> dict[str, Any] | None:
+        if self._ended_at is None:
+            return None
+        report = {"event": "progress", "t": round(now, 4), "trained": self._steps,
+                  "rollout_s": round(self._rollout_s, 4), "train_s": round(now - self._ended_at, 4)}
+        self._ended_at = None
+        return report

@@ -21,7 +21,7 @@ def build_venv(venv: Path, requirements: tuple[str, ...], *, probe: str, what: s
     """The python of ``venv``, creating it with ``python -m venv`` and installing ``requirements`` first when it
     is missing or was built for other requirements. ``probe`` must exit 0 there (its stdout is reported);
     otherwise RuntimeError names ``what`` and the probe's error."""
-    from bench.common import say
+    from bench.context import say
 
     marker = venv / ".flywheel-ready"
     want = " ".join(requirements)

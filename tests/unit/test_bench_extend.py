@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from bench.__main__ import main
-from bench.common import Context, bench_seeds, earlier_runs, parse_seeds, provenance_md
+from bench.context import Context
 from bench.figures import peers_minatar, peers_mujoco
+from bench.seeds import bench_seeds, earlier_runs, parse_seeds, provenance_md
 
 
 def test_seeds_are_a_count_or_a_list() -> None:

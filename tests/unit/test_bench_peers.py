@@ -90,7 +90,7 @@ def test_orphaned_workers_are_reaped_and_counted_after_adopt_orphans() -> None:
 
     code = """
 import subprocess, time
-from bench.common import reap_children, suite_cpu_seconds
+from bench.machine import reap_children, suite_cpu_seconds
 from bench.peers.proc import adopt_orphans
 if not adopt_orphans():
     print("skip"); raise SystemExit
@@ -182,7 +182,7 @@ def test_zoo_config_for_flywheel_is_a_valid_config(tmp_path: Path) -> None:
 
 
 def test_the_wall_budget_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from bench.common import Context
+    from bench.context import Context
     from bench.figures.peers_minatar import wall_budget
 
     assert wall_budget(Context(infra=None, stamp="t")) == 600.0  # type: ignore[arg-type]

@@ -16,9 +16,9 @@ pytest.importorskip("stable_baselines3")
 
 from stable_baselines3.common.policies import ActorCriticCnnPolicy  # noqa: E402
 
-from bench.common import FragmentInfo  # noqa: E402
 from bench.figures.peers_minatar import BudgetRun, fragments_within, last_n_at, summarise, verdict  # noqa: E402
 from bench.peers import sb3_minatar, sb3_minatar_policy  # noqa: E402
+from bench.samples import FragmentInfo
 from shared.settings import load_settings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

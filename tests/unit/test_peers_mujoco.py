@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.common import FragmentInfo
 from bench.figures.peers_mujoco import (
     BudgetRun,
     PeerSummary,
@@ -23,6 +22,7 @@ from bench.figures.peers_mujoco import (
 )
 from bench.peers.proc import by_event, json_events
 from bench.peers.sb3_mujoco import ZOO_HALFCHEETAH, zoo_kwargs
+from bench.samples import FragmentInfo
 from shared.settings import load_settings
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.common import Context
+from bench.context import Context
 from bench.figures import FIGURES, peers_pong
 from bench.peers.throughput import FRAME_SKIP, ThroughputRun, rate_between, series_of
 

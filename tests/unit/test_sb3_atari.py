@@ -13,6 +13,7 @@ import yaml
 
 from bench.peers import sb3_atari
 from bench.peers.proc import ProcResult
+from bench.peers.throughput import UpdateClock
 from shared.settings import load_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,7 +60,7 @@ def test_kwargs_refuse_what_sb3_cannot_express(tmp_path: Path) -> None:
 
 
 def test_update_clock_reports_each_update_once_after_its_training() -> None:
-    clock = sb3_atari.UpdateClock()
+    clock = UpdateClock()
     assert clock.rollout_start(0.0) is None  # nothing trained yet
     clock.rollout_end(2.0, 1024)
     first = clock.rollout_start(3.5)  # train() of the first rollout took 1.5 s
@@ -68,13 +69,13 @@ def test_update_clock_reports_each_update_once_after_its_training() -> None:
     assert clock.learn_end(6.0) == {"event": "progress", "t": 6.0, "trained": 2048, "rollout_s": 1.5, "train_s": 1.0}
     assert clock.learn_end(7.0) is None  # reported once
 
-    cut = sb3_atari.UpdateClock()
+    cut = UpdateClock()
     cut.rollout_start(0.0)
     cut.rollout_end(2.0, 1024)
     cut.rollout_start(3.0)  # the second rollout is cut by the budget: no rollout_end, no train()
     assert cut.learn_end(4.0) is None
     with pytest.raises(ValueError, match="never started"):
-        sb3_atari.UpdateClock().rollout_end(1.0, 8)
+        UpdateClock().rollout_end(1.0, 8)
 
 
 def _result(*lines: str, wall_start: float = 1000.0, rc: int | None = 0) -> ProcResult:
