@@ -1,8 +1,9 @@
 """Pong throughput, side by side: end-to-end trained frames per second of Flywheel (the local stack,
-``configs/pong.yaml``: 2 samplers x 4 envs), Sample Factory APPO (its Atari example, 8 envs,
-``bench.peers.sf_atari``) and Stable-Baselines3 PPO (8 envs, Flywheel's settings and Nature CNN,
-``bench.peers.sb3_atari``), against EnvPool's raw stepping rate of the same 8 envs with random actions
-(``bench.peers.envpool_raw``) as the ceiling of the machine.
+``configs/pong.yaml``: 2 samplers x 4 envs), Sample Factory APPO (its Atari example, 8 envs, as documented, which
+is synchronous, and in asynchronous mode with SF's faster settings for this machine's cores,
+``bench.peers.sf_atari``) and Stable-Baselines3 PPO (8 envs, Flywheel's settings and Nature CNN, as many torch
+threads as the machine has cores, ``bench.peers.sb3_atari``), against EnvPool's raw stepping rate of the same 8
+envs with random actions (``bench.peers.envpool_raw``) as the ceiling of the machine.
 
 Every side reports a series of (seconds since its first env step, env steps trained so far); the rate is taken
 over the steady part, from ``warmup_s`` to the end of the run (``bench.peers.throughput``), so start-up and the
@@ -11,11 +12,15 @@ ALE's frame skip makes it 4 frames, so frames/s = 4 x env steps/s on every side.
 ``Learner.update`` on the config's batches, one torch thread, no Kafka: ``bench.peers.learner_rate``) is
 measured too: on a CPU it, not the envs, bounds every side's trained rate, which is what the profile line says.
 
-Per seed each side runs once, one after another on the same machine (never two at once).
+Per seed each side runs once, one after another on the same machine (never two at once), with the other work on
+the machine recorded and a run beside more than 0.2 cores of it redone once (``bench.peers.measure``). "Ahead" is
+an exact rank-sum test of trained frames/s, Flywheel against each side (``bench.peers.stats.RankTest``).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -23,8 +28,9 @@ from typing import Any
 
 from bench.context import Context, say
 from bench.peers import envpool_raw, flywheel_peer, sb3_atari, sf_atari
-from bench.peers.proc import run_lines
-from bench.peers.stats import MedianCI
+from bench.peers.measure import OTHER_WORK_LIMIT, SB3_THREADS, cores_cell, cores_words, measured, redone_lines
+from bench.peers.proc import adopt_orphans, run_lines
+from bench.peers.stats import MedianCI, RankTest
 from bench.peers.throughput import FRAME_SKIP, ThroughputRun
 from bench.report import FigureResult, Row
 from bench.seeds import bench_seeds, env_seconds
@@ -33,8 +39,10 @@ from devstack import REPO_ROOT
 
 NAME = "peers_pong"
 TITLE = ("Peers on Pong: end-to-end trained frames/s of Flywheel (local stack, 2 samplers x 4 envs), Sample "
-         "Factory APPO and SB3 PPO (8 envs, Nature CNN), against EnvPool's raw rate of 8 envs, one machine, one run.")
-TARGET = "Flywheel's trained frames/s >= Sample Factory's and >= 0.7 x EnvPool's raw rate"
+         "Factory APPO (sync as documented, and async) and SB3 PPO (8 envs, Nature CNN), against EnvPool's raw rate "
+         "of 8 envs, one machine, one run.")
+TARGET = "Flywheel's median trained frames/s >= both Sample Factory modes' and >= 0.7 x EnvPool's raw rate"
+SF_SIDES = tuple(sf_atari.peer_name(m) for m in sf_atari.MODES)
 CONFIG = REPO_ROOT / "configs" / "pong.yaml"
 SAMPLERS = flywheel_peer.SAMPLERS
 FLYWHEEL = "Flywheel"
@@ -118,8 +126,8 @@ def frames_ci(runs: Sequence[ThroughputRun], warmup_s: float, until_s: float) ->
 
 
 def verdict(fw: float, sf: float, ceiling: float) -> bool | None:
-    """The target: Flywheel >= SF and >= 0.7 x EnvPool. False when Flywheel has no rate; None (not decided)
-    when a rival has none, since a missing rival proves nothing either way."""
+    """The target: Flywheel >= SF (the faster of its modes) and >= 0.7 x EnvPool. False when Flywheel has no
+    rate; None (not decided) when a rival has none, since a missing rival proves nothing either way."""
     if not fw == fw or fw <= 0:
         return False
     if not (sf == sf and ceiling == ceiling):
@@ -127,25 +135,42 @@ def verdict(fw: float, sf: float, ceiling: float) -> bool | None:
     return fw >= sf and fw >= 0.7 * ceiling
 
 
+def compare(runs: dict[str, list[ThroughputRun]], windows: dict[str, tuple[float, float]]) -> dict[str, RankTest]:
+    """Flywheel's trained frames/s against each other side's that ran (EnvPool's raw rate is a ceiling, not a
+    rival): exact rank-sum tests, a run with no rate ranking worst."""
+    def fps(peer: str) -> list[float | None]:
+        return [r.frames_per_s(*windows[peer]) for r in runs[peer]]
+
+    return {f"{FLYWHEEL} vs {peer}": RankTest.of(fps(FLYWHEEL), fps(peer), failed=-math.inf)
+            for peer in runs if peer not in (FLYWHEEL, CEILING) and runs[peer] and runs[FLYWHEEL]}
+
+
 def run(ctx: Context) -> FigureResult:
     run_s, warmup_s = timing(ctx)
-    seeds = bench_seeds(NAME, 2, 1, ctx)
+    seeds = bench_seeds(NAME, 5, 1, ctx)
+    adopted = adopt_orphans()  # SF's workers orphaned by its stop are reaped here, their CPU counted
     ep_s, ep_warm = min(run_s, ENVPOOL_MAX_S), min(warmup_s, 5.0)
     threads = os.cpu_count() or 1
     sf_atari.ensure_atari()
     envpool_raw.ensure_venv()
-    windows = {CEILING: (ep_warm, ep_s), FLYWHEEL: (warmup_s, run_s), sf_atari.PEER: (warmup_s, run_s),
-               sb3_atari.PEER: (warmup_s, run_s)}
+    windows = {CEILING: (ep_warm, ep_s), FLYWHEEL: (warmup_s, run_s), sb3_atari.PEER: (warmup_s, run_s),
+               **{peer: (warmup_s, run_s) for peer in SF_SIDES}}
+
+    def sf_side(mode: str) -> Runner:
+        return lambda seed: sf_atari.run_seed(seed, run_s=run_s, stamp=ctx.stamp, mode=mode)
+
     sides: list[tuple[str, Runner]] = [
         (CEILING, lambda seed: envpool_raw.run(seed, ep_s, threads)),
-        (sf_atari.PEER, lambda seed: sf_atari.run_seed(seed, run_s=run_s, stamp=ctx.stamp)),
-        (sb3_atari.PEER, lambda seed: sb3_atari.run_child(seed, run_s)),
+        *((sf_atari.peer_name(mode), sf_side(mode)) for mode in sf_atari.MODES),
+        (sb3_atari.PEER, lambda seed: sb3_atari.run_child(seed, run_s, SB3_THREADS)),
         (FLYWHEEL, lambda seed: run_flywheel(ctx, seed, run_s, warmup_s)),
     ]
     runs: dict[str, list[ThroughputRun]] = {p: [] for p, _ in sides}
     for seed in seeds:  # per seed every side, one after another: drift of the machine hits all alike
         for peer, fn in sides:
-            r = _guarded(peer, seed, fn)
+            # each side measures its own cores over the steady window (``cores``); the whole run's are ``run_cores``
+            r = measured(f"{NAME}: {peer} seed {seed}", functools.partial(_guarded, peer, seed, fn),
+                         cores_key="run_cores")
             runs[peer].append(r)
             fps = r.frames_per_s(*windows[peer])
             say(f"{NAME}:   -> {peer}: " + (f"{fps:,.0f} frames/s, start-up {r.startup_s or 0:.1f} s"
@@ -156,8 +181,11 @@ def run(ctx: Context) -> FigureResult:
     startup = {p: MedianCI.of(r.startup_s for r in v if r.startup_s is not None) for p, v in runs.items()}
     cores = {p: MedianCI.of(r.extra.get("cores") for r in v if r.extra.get("cores") is not None)
              for p, v in runs.items()}
-    fw, sf, ep = stats[FLYWHEEL].median, stats[sf_atari.PEER].median, stats[CEILING].median
+    fw, ep = stats[FLYWHEEL].median, stats[CEILING].median
+    sf_medians = [stats[p].median for p in SF_SIDES]
+    sf = math.nan if any(m != m for m in sf_medians) else max(sf_medians)
     meets = verdict(fw, sf, ep)
+    tests = compare(runs, windows)
     n = len(seeds)
     learner_fps = ceiling_learner.get("env_steps_per_s", float("nan")) * FRAME_SKIP
 
@@ -165,26 +193,30 @@ def run(ctx: Context) -> FigureResult:
         return f"{a / b:.2f}x" if a == a and b == b and b > 0 else "n/a"
 
     headline = [
-        Row(f"Flywheel: trained frames/s (Sample Factory {stats[sf_atari.PEER].fmt(0)}, EnvPool raw "
-            f"{stats[CEILING].fmt(0)})", f"{stats[FLYWHEEL].fmt(0)} ({ratio(fw, sf)} SF, {ratio(fw, ep)} EnvPool)",
-            TARGET, meets)]
+        Row(f"Flywheel: trained frames/s (Sample Factory sync / async {stats[SF_SIDES[0]].fmt(0)} / "
+            f"{stats[SF_SIDES[1]].fmt(0)}, EnvPool raw {stats[CEILING].fmt(0)})",
+            f"{stats[FLYWHEEL].fmt(0)} ({ratio(fw, sf)} the faster SF, {ratio(fw, ep)} EnvPool)", TARGET, meets)]
     for peer in runs:
         ok = sum(1 for r in runs[peer] if r.frames_per_s(*windows[peer]))
         headline.append(Row(f"{peer}: {'raw' if peer == CEILING else 'trained'} frames/s; start-up; cores "
                             f"({ok} of {n} ran)",
                             f"{stats[peer].fmt(0)}; {startup[peer].fmt(1, ' s')}; {cores[peer].fmt(2)}"))
+    for pair, t in tests.items():
+        headline.append(Row(f"{pair}: exact rank-sum test",
+                            t.words(FLYWHEEL, pair.split(" vs ")[1], "trained frames/s")))
     headline.append(Row("Flywheel's learner alone (1 torch thread, no Kafka): frames/s it can train",
                         f"{learner_fps:,.0f}" if learner_fps == learner_fps else "n/a"))
-    table = ["| side | ran | frames/s | env steps/s | start-up s | cores | update shape |",
-             "|---|---|---|---|---|---|---|"]
+    table = ["| side | ran | frames/s | env steps/s | start-up s | cores (steady window) | cores (whole run) | "
+             "other work, cores | update shape |", "|---|---|---|---|---|---|---|---|---|"]
     shapes = {CEILING: "none (random actions, nothing trained)",
               FLYWHEEL: "1,024 samples x 4 epochs (configs/pong.yaml), trainer 1 torch thread",
-              sb3_atari.PEER: sb3_atari.describe(CONFIG), sf_atari.PEER: _sf_shape(runs[sf_atari.PEER])}
+              sb3_atari.PEER: sb3_atari.describe(CONFIG), **{p: _sf_shape(runs[p]) for p in SF_SIDES}}
     for peer, st in stats.items():
         ok = sum(1 for r in runs[peer] if r.frames_per_s(*windows[peer]))
         steps = MedianCI.of(r.rate(*windows[peer]) for r in runs[peer] if r.rate(*windows[peer]))
         table.append(f"| {peer} | {ok} of {n} | {st.fmt(0)} | {steps.fmt(0)} | {startup[peer].fmt(1)} | "
-                     f"{cores[peer].fmt(2)} | {shapes[peer]} |")
+                     f"{cores[peer].fmt(2)} | {cores_cell(runs[peer], 'run_cores')} | "
+                     f"{cores_cell(runs[peer], 'other_work_cores')} | {shapes[peer]} |")
     per_seed = ["| seed | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
     for i, seed in enumerate(seeds):
         cells = []
@@ -194,12 +226,14 @@ def run(ctx: Context) -> FigureResult:
         per_seed.append(f"| {seed} | " + " | ".join(cells) + " |")
     failures = [f"- {r.peer} seed {r.seed}: {r.error.splitlines()[0]}" for v in runs.values() for r in v if r.error]
     fw_cores = [r.extra.get("cores_by_process", {}) for r in runs[FLYWHEEL] if r.extra.get("cores_by_process")]
+    redone = redone_lines((r for v in runs.values() for r in v), lambda r: f"{r.peer} seed {r.seed}")
     details = "\n".join([
-        f"Medians over {n} seeds, [range]. Each side runs {run_s:.0f} s from its first env step (EnvPool "
+        f"Medians over {n} seeds, [range] (order statistics; with up to 5 seeds, the range). Each side runs "
+        f"{run_s:.0f} s from its first env step (EnvPool "
         f"{ep_s:.0f} s); rates over [{warmup_s:.0f} s, end] ([{ep_warm:.0f} s, end] for EnvPool). frames/s = "
         f"{FRAME_SKIP} x env steps/s (ALE frame skip). `FLYWHEEL_BENCH_PEERS_PONG_RUN_S`, "
         "`FLYWHEEL_BENCH_PEERS_PONG_WARMUP_S`, `FLYWHEEL_BENCH_PEERS_PONG_SEEDS` set them (defaults 180 s, 45 s, "
-        "2; --quick 60 s, 20 s, 1).",
+        "5; --quick 60 s, 20 s, 1).",
         "",
         *table,
         "",
@@ -210,13 +244,23 @@ def run(ctx: Context) -> FigureResult:
         "Failures:" if failures else "No run failed.",
         *failures,
         "",
+        cores_words(adopted) + " Cores (steady window) are each side's own count over the rate's window: "
+        "Flywheel's processes, SF's process session, SB3's and EnvPool's child; cores (whole run) include start-up.",
+        *(["Redone:", *redone] if redone else ["No run was redone."]),
+        "",
+        "Exact rank-sum tests of trained frames/s (independent samples: the sides' runs of one seed number share no "
+        "random stream, so they are not pairs; a run with no rate ranks worst):",
+        "",
+        *[f"- {t.words(FLYWHEEL, pair.split(' vs ')[1], 'trained frames/s')}" for pair, t in tests.items()],
+        "",
         _why(stats, ceiling_learner, fw_cores),
         "",
         "Flywheel's cores by process over the steady window (per seed; `machine` is every process on it): "
         + "; ".join(", ".join(f"{k} {v:.2f}" for k, v in sorted(c.items(), key=lambda kv: (kv[0] == "machine", -kv[1])))
                     for c in fw_cores) + ".",
         "",
-        "Sample Factory: " + "; ".join(sf_atari.NOT_SHARED) + ".",
+        "Sample Factory: " + "; ".join(sf_atari.NOT_SHARED) + ". Its async mode: " + ", ".join(
+            f"{k}={v}" for k, v in sf_atari.async_layout(threads).items()) + " in place of the example's values.",
         "",
         "SB3: " + "; ".join(sb3_atari.NOT_SHARED) + ".",
         "",
@@ -225,11 +269,14 @@ def run(ctx: Context) -> FigureResult:
     return FigureResult(
         headline=headline,
         numbers={"seeds": list(seeds), "run_s": run_s, "warmup_s": warmup_s, "learner_alone": ceiling_learner,
+                 "sb3_threads": SB3_THREADS, "other_work_limit_cores": OTHER_WORK_LIMIT,
+                 "rank_tests": {pair: t.as_dict() for pair, t in tests.items()},
                  "peers": {p: {"frames_per_s": stats[p], "startup_s": startup[p], "cores": cores[p],
                                "runs": [r.as_dict(*windows[p]) for r in v]} for p, v in runs.items()}},
         settings={"config": "configs/pong.yaml", "seeds": list(seeds), "run_s": run_s, "warmup_s": warmup_s, "envs": 8,
                   "flywheel": f"configs/pong.yaml, {SAMPLERS} samplers, the bench's local stack",
-                  "sample_factory": " ".join(sf_atari.command(0, REPO_ROOT / "<train_dir>", "<experiment>")[1:]),
+                  **{f"sample_factory {mode}": " ".join(sf_atari.command(0, REPO_ROOT / "<train_dir>", "<experiment>",
+                                                                          mode=mode)[1:]) for mode in sf_atari.MODES},
                   "sb3": sb3_atari.describe(CONFIG), "envpool": dict(envpool_raw.SETTINGS)},
         method=(
             "Each side is started fresh per seed and runs for a fixed time from its first env step; its trained "

@@ -13,6 +13,13 @@ Those defaults already match Flywheel's Pong (``configs/pong.yaml``): 8 envs (8 
 passes over them. SF's example is synchronous (``async_rl`` False): sampling and training alternate.
 ``NOT_SHARED`` lists where the env or learner still differ.
 
+Two modes are run side by side (``MODES``): ``sync``, the example as documented, and ``async``, the same example
+with SF's own advice for throughput applied to this machine: its Atari page's "better parameters (more envs,
+double buffering, async learning)" turn on ``async_rl`` and double buffering (``worker_num_splits`` 2), and SF's
+``num_workers`` defaults to the machine's cores, so the async run has one rollout worker per core (at most 4) with
+the same 8 envs split among them (``async_layout``). Everything else, the update shape included, stays the
+example's, so the two modes differ only in how sampling and training overlap.
+
 Install: SF's documented ``pip install sample-factory[atari]`` is ``gymnasium[atari, accept-rom-license]``,
 whose AutoROM step downloads the ROMs while it builds and fails without the internet. ``ensure_atari`` installs
 ale-py 0.9.1 instead (it ships the ROMs and works with gymnasium 0.29.1). ale-py >= 0.9 registers
@@ -44,7 +51,8 @@ from bench.peers.proc import run_lines
 from bench.peers.sf_log import SfLog
 from bench.peers.throughput import FRAME_SKIP, ThroughputRun, series_of
 
-PEER = "Sample Factory APPO"
+PEER = "Sample Factory APPO, sync (its example)"
+PEER_ASYNC = "Sample Factory APPO, async"
 MODULE = "sf_examples.atari.train_atari"
 DOCUMENTED_ARGS = ("--algo=APPO", "--env=atari_pong")
 SOURCE = "docs/09-environment-integrations/atari.md and sf_examples/atari/atari_params.py, sample-factory v2.1.1"
@@ -78,8 +86,9 @@ NOT_SHARED = (
     "observations: SF normalises inputs with running mean/std (normalize_input, after obs_scale 255); Flywheel "
     "divides by 255",
     "returns: SF normalises returns (normalize_returns); Flywheel's update uses raw returns",
-    "asynchrony: SF's Atari example is synchronous (async_rl False: collect 1,024 samples, train, repeat); "
-    "Flywheel's samplers keep acting while the trainer trains",
+    "asynchrony: SF's Atari example is synchronous (async_rl False: collect 1,024 samples, train, repeat), so the "
+    "figure runs it as documented and also in async mode (async_layout); Flywheel's samplers keep acting while the "
+    "trainer trains",
 )
 ATARI_REQUIREMENTS = ("ale-py==0.9.1",)
 PTH_NAME = "flywheel_sf_atari.pth"
@@ -94,16 +103,39 @@ def flag(name: str, value: Any) -> str:
     return f"--{name}={value}"
 
 
+def async_layout(cores: int) -> dict[str, Any]:
+    """The async mode's options on a machine with ``cores`` cores: ``async_rl`` and double buffering (SF's Atari
+    "better parameters"), one rollout worker per core as SF's ``num_workers`` default (at most 4, so each worker
+    keeps 2 envs, one per split), and ``ENVS`` envs in all, as every side of the figure."""
+    workers = max(w for w in (1, 2, 4) if w <= max(cores, 1))
+    return {"async_rl": True, "num_workers": workers, "num_envs_per_worker": ENVS // workers, "worker_num_splits": 2}
+
+
+MODES = ("sync", "async")
+"""``sync``: the documented example; ``async``: the example with ``async_layout`` for this machine's cores."""
+
+
+def peer_name(mode: str) -> str:
+    return {"sync": PEER, "async": PEER_ASYNC}[mode]
+
+
 def changed_flags(seed: int, train_dir: Path, experiment: str) -> list[str]:
     """``CHANGED`` filled in for one run."""
     values = {"seed": seed, "experiment": experiment, "train_dir": train_dir}
     return [f.format(**values) for f, _ in CHANGED]
 
 
-def command(seed: int, train_dir: Path, experiment: str, python: Path | None = None) -> list[str]:
-    """SF's documented Atari command line, the pinned defaults, and ``CHANGED``."""
+def command(seed: int, train_dir: Path, experiment: str, python: Path | None = None, mode: str = "sync",
+            cores: int | None = None) -> list[str]:
+    """SF's documented Atari command line, the pinned defaults (in ``async`` mode with ``async_layout`` of
+    ``cores``, default the machine's, in their place and ``async_rl`` after them), and ``CHANGED``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    options: dict[str, Any] = {name: value for name, value, _ in PINNED}
+    if mode == "async":
+        options.update(async_layout(cores if cores is not None else os.cpu_count() or 1))
     return [str(python or sf.venv_python()), "-m", MODULE, *DOCUMENTED_ARGS,
-            *(flag(name, value) for name, value, _ in PINNED), *changed_flags(seed, train_dir, experiment)]
+            *(flag(name, value) for name, value in options.items()), *changed_flags(seed, train_dir, experiment)]
 
 
 def env_count(cfg: dict[str, Any]) -> int:
@@ -247,15 +279,18 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_seed(seed: int, *, run_s: float, stamp: str, startup_timeout_s: float = 600.0) -> ThroughputRun:
-    """One SF run, stopped ``run_s`` seconds after its READY line (or ``startup_timeout_s`` without one). An SF
-    failure comes back as the run's ``error`` with the output's tail; only a broken install raises."""
+def run_seed(seed: int, *, run_s: float, stamp: str, startup_timeout_s: float = 600.0,
+             mode: str = "sync") -> ThroughputRun:
+    """One SF run in ``mode`` (``MODES``), stopped ``run_s`` seconds after its READY line (or
+    ``startup_timeout_s`` without one). An SF failure comes back as the run's ``error`` with the output's tail;
+    only a broken install raises."""
     python = ensure_atari()
-    home = BENCH_HOME / "runs" / f"peers-pong-sf-{stamp}-seed{seed}"
+    peer = peer_name(mode)
+    home = BENCH_HOME / "runs" / f"peers-pong-sf-{mode}-{stamp}-seed{seed}"
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
-    experiment = f"pong-seed{seed}"
-    cmd = command(seed, home / "train_dir", experiment, python)
+    experiment = f"pong-{mode}-seed{seed}"
+    cmd = command(seed, home / "train_dir", experiment, python, mode)
     log, cpu = SfLog(), []  # cpu: (t, SF session's CPU seconds) at READY and at each report
     session: list[int] = []
 
@@ -286,7 +321,7 @@ def run_seed(seed: int, *, run_s: float, stamp: str, startup_timeout_s: float = 
         why = f"timed out after {startup_timeout_s + run_s:.0f} s" if res.timed_out else f"exited with {res.rc}"
         error = f"{why} before {'its config' if not cfg else 'READY' if log.ready_t is None else 'a report'}; " \
                 f"output tail:\n{res.tail()}"
-        return ThroughputRun(PEER, seed, log.ready_t, trained_series(log, FRAME_SKIP), error, extra)
+        return ThroughputRun(peer, seed, log.ready_t, trained_series(log, FRAME_SKIP), error, extra)
     per = frames_per_step(cfg)
     last = log.reports[-1]
     extra.update(
@@ -301,4 +336,4 @@ def run_seed(seed: int, *, run_s: float, stamp: str, startup_timeout_s: float = 
         cores_rusage_children=rusage_s / wall if wall else None)
     if res.rc not in (None, 0):
         error = f"exited with {res.rc} after {len(log.reports)} reports; output tail:\n{res.tail()}"
-    return ThroughputRun(PEER, seed, log.ready_t, trained_series(log, per), error, extra)
+    return ThroughputRun(peer, seed, log.ready_t, trained_series(log, per), error, extra)

@@ -57,3 +57,48 @@ def test_timing_reads_the_environment_and_refuses_a_warmup_that_eats_the_run(mon
 
 def test_the_figure_is_registered() -> None:
     assert FIGURES["peers_pong"] is peers_pong
+
+
+def test_the_figure_runs_every_side_per_seed_with_cores_and_tests_flywheel_against_each(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The figure's own ``run`` with every side replaced by a run at a fixed rate (the composition is under test,
+    not the peers): both Sample Factory modes run, each run carries the cores and other work ``measured`` adds,
+    and Flywheel is rank-tested against SF sync, SF async and SB3, not against EnvPool's ceiling."""
+    from bench.peers import envpool_raw, measure, sb3_atari, sf_atari
+
+    for name in ("machine_busy_seconds", "suite_cpu_seconds"):  # a quiet machine: fake runs take no time
+        monkeypatch.setattr(measure, name, lambda: 0.0)
+    monkeypatch.setattr(measure, "reap_children", lambda: 0)
+
+    def side(peer: str, per_s: int) -> ThroughputRun:
+        return ThroughputRun(peer, 1, 5.0, tuple((float(t), per_s * t) for t in range(0, 61, 5)), None,
+                             {"cores": 1.0})
+
+    order: list[str] = []
+
+    def fake(peer: str, per_s: int):  # type: ignore[no-untyped-def]
+        def run(seed: int, *args: object, **kw: object) -> ThroughputRun:
+            order.append(peer)
+            return side(peer, per_s)
+        return run
+
+    monkeypatch.setenv("FLYWHEEL_BENCH_PEERS_PONG_SEEDS", "2")
+    monkeypatch.setattr(sf_atari, "ensure_atari", lambda: None)
+    monkeypatch.setattr(envpool_raw, "ensure_venv", lambda: None)
+    monkeypatch.setattr(envpool_raw, "run", fake(peers_pong.CEILING, 4000))
+    rates = {"sync": 300, "async": 500}
+    monkeypatch.setattr(sf_atari, "run_seed", lambda seed, run_s, stamp, mode: fake(sf_atari.peer_name(mode),
+                                                                                       rates[mode])(seed))
+    monkeypatch.setattr(sb3_atari, "run_child", fake(sb3_atari.PEER, 200))
+    monkeypatch.setattr(sb3_atari, "describe", lambda config: "SB3 settings")
+    monkeypatch.setattr(peers_pong, "run_flywheel", lambda ctx, seed, run_s, warmup_s: fake("Flywheel", 400)(seed))
+    monkeypatch.setattr(peers_pong, "learner_ceiling", lambda: {"error": "not measured in a unit test"})
+    monkeypatch.setattr(peers_pong, "timing", lambda ctx: (60.0, 20.0))
+    res = peers_pong.run(Context(infra=None, stamp="t"))  # type: ignore[arg-type]
+    assert order == [peers_pong.CEILING, sf_atari.PEER, sf_atari.PEER_ASYNC, sb3_atari.PEER, "Flywheel"] * 2
+    assert set(res.numbers["rank_tests"]) == {f"Flywheel vs {p}" for p in (sf_atari.PEER, sf_atari.PEER_ASYNC,
+                                                                            sb3_atari.PEER)}
+    assert res.numbers["rank_tests"][f"Flywheel vs {sb3_atari.PEER}"]["prob_a_smaller"] == 0.0  # 400 > 200
+    for body in res.numbers["peers"].values():
+        assert all({"run_cores", "other_work_cores", "cores"} <= set(r) for r in body["runs"])
+    assert res.headline[0].meets is False  # 1,600 frames/s is behind SF async's 2,000

@@ -12,13 +12,18 @@ from bench.peers.sf_atari import (
     CHANGED,
     DOCUMENTED_ARGS,
     ENVS,
+    MODES,
     MODULE,
+    PEER,
+    PEER_ASYNC,
     PINNED,
     ProcStat,
+    async_layout,
     command,
     env_count,
     flag,
     frames_per_step,
+    peer_name,
     trained_series,
     update_shape,
 )
@@ -58,6 +63,23 @@ def test_command_is_the_documented_one_plus_the_pins_and_the_listed_changes_only
     assert all(why for _, why in CHANGED) and all(why for *_, why in PINNED)
     assert not any("wandb" in f for f in flags)  # with_wandb stays SF's default, off
     assert len({f.split("=")[0] for f in flags}) == len(flags)  # no option given twice
+
+
+def test_async_mode_is_the_example_with_async_rl_double_buffering_and_a_worker_per_core(tmp_path: Path) -> None:
+    """SF's Atari page's faster settings scaled to the machine: async_rl, 2 splits, workers = cores (SF's
+    num_workers default) up to 4, and still 8 envs; the rest of the line is the sync one's."""
+    sync = command(3, tmp_path / "td", "x", Path("/p"))
+    two = command(3, tmp_path / "td", "x", Path("/p"), "async", cores=2)
+    assert [f for f in two if f not in sync] == ["--num_workers=2", "--num_envs_per_worker=4", "--worker_num_splits=2",
+                                                 "--async_rl=True"]
+    assert [f for f in sync if f not in two] == ["--num_workers=8", "--num_envs_per_worker=1", "--worker_num_splits=1"]
+    assert len({f.split("=")[0] for f in two}) == len(two)  # no option given twice
+    for cores, workers in ((1, 1), (2, 2), (3, 2), (4, 4), (16, 4)):
+        layout = async_layout(cores)
+        assert layout["num_workers"] == workers and env_count(layout) == ENVS
+    with pytest.raises(ValueError, match="mode must be one of"):
+        command(3, tmp_path / "td", "x", Path("/p"), "serial")
+    assert {peer_name(m) for m in MODES} == {PEER, PEER_ASYNC}
 
 
 def test_pinned_env_count_is_flywheels_eight_and_respects_worker_num_splits() -> None:
