@@ -16,7 +16,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from shared.logging import RotatingFile, configure_logging, get_logger
@@ -81,30 +81,6 @@ def run_main(service: str, build: Callable[[Settings], tuple[Service, Any]],
         await serve(svc, settings, app=app)
 
     asyncio.run(amain())
-
-
-async def run_until_first_error(*coros: Any, beside: Sequence[Any] = ()) -> None:
-    """Run coroutines as tasks until all finish or one fails; cancel the rest; re-raise the error.
-
-    ``beside``: coroutines that never return by themselves (``shared.retry.read_forever`` loops) run
-    alongside; they are cancelled once every one of ``coros`` has finished (those watch the stop event
-    and finish what they are doing first), and an error of theirs stops the others like any error."""
-    tasks = [asyncio.create_task(c) for c in coros]
-    side = [asyncio.create_task(c) for c in beside]
-    try:
-        pending: set[asyncio.Task[Any]] = set(tasks)
-        while pending:
-            done, _ = await asyncio.wait(pending | {t for t in side if not t.done()},
-                                         return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                if t in side and not t.cancelled() and t.exception() is None:
-                    raise RuntimeError(f"background loop {t.get_name()} ended; it should run until cancelled")
-                t.result()  # raises the task's error
-            pending -= done
-    finally:
-        for t in tasks + side:
-            t.cancel()
-        await asyncio.gather(*tasks, *side, return_exceptions=True)
 
 
 def http_app(svc: Service) -> Any:

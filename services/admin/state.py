@@ -21,6 +21,7 @@ from prometheus_client import Gauge
 
 from services.admin.replication import ReplicationWatch
 from services.admin.rollbacks import RollbackRequests
+from shared.background import Background
 from shared.bus import Bus, Record, kafka_bus
 from shared.kafka import Topics, trainer_group
 from shared.logging import get_logger
@@ -28,7 +29,6 @@ from shared.marker import VersionedStore, VersionRecord
 from shared.messages import ControlCommand, SamplerBeat, TrainerBeat, parse_heartbeat
 from shared.retry import Health, Retrier, describe, every, read_forever, stop_clients
 from shared.runtime import AuditLog, RuntimeConfig
-from shared.service import run_until_first_error
 from shared.settings import Settings
 from shared.signing import PolicyVerifier, Refusals, SignatureRefused, record_audit_params
 from shared.store import StoreError, open_store
@@ -89,6 +89,7 @@ class AdminState:
         self.view = ClusterView()
         self.log = get_logger()
         self._started = False
+        self.background = Background("admin")  # the heartbeat reader
         self.health_state = Health("admin")
         self.retry = Retrier(self.health_state, self.log)
         self._last_published: VersionRecord | None = None
@@ -114,10 +115,12 @@ class AdminState:
         if self.replication is not None:
             periodic.append(every(lambda: self.settings.admin.refresh_interval_s, self.replication.check,
                                   name="replication", log=self.log, stop_event=stop_event))
-        await run_until_first_error(
-            *periodic, beside=[read_forever(self.heartbeats, self._on_heartbeat, name="heartbeats", log=self.log)])
+        self.background.start("heartbeats", read_forever(self.heartbeats, self._on_heartbeat, name="heartbeats",
+                                                         log=self.log))
+        await self.background.until_done(*periodic)
 
     async def stop(self) -> None:
+        await self.background.stop()
         await stop_clients([self.heartbeats, self.lag_reader, self.producer], self.log)
         if self.replication is not None:
             await self.replication.stop()

@@ -35,6 +35,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.paramsync.inline import BATCH_OVERHEAD_BYTES, InlinePayload
 from services.paramsync.rollbacks import RollbackQueue, RollbackRequest, Status, republish
 from services.paramsync.tracker import SyncTracker
+from shared.background import Background
 from shared.bus import Bus, Record, kafka_bus
 from shared.kafka import BROKER_DEFAULT_MESSAGE_BYTES, Topics, topic_max_message_bytes
 from shared.logging import get_logger
@@ -45,7 +46,6 @@ from shared.rl.arch import PolicyArch
 from shared.rl.envs import fragment_spec
 from shared.rl.model import ActorCritic, WeightsError, load_weights
 from shared.runtime import AuditLog
-from shared.service import run_until_first_error
 from shared.settings import Settings
 from shared.signing import PolicySigner
 from shared.store import open_store
@@ -116,6 +116,7 @@ class Paramsync:
         self.started_at = time.time()
         self._stop = asyncio.Event()
         self._publishes = 0
+        self.background = Background("paramsync")  # the inbox reader and, now and then, a pruning
         self._prune_task: asyncio.Task[None] | None = None
         self._started = False
 
@@ -141,13 +142,13 @@ class Paramsync:
     async def run(self, stop_event: asyncio.Event) -> None:
         self._stop = self.retry.stop_event = stop_event
         cfg, log = self.settings.paramsync, self.log
-        await run_until_first_error(
+        self.background.start("inbox", read_forever(self.inbox, self._on_inbox, name="inbox", log=log))
+        await self.background.until_done(
             self._candidate_loop(stop_event),
             every(lambda: cfg.heartbeat_interval_s, self._beat, name="heartbeats", log=log, stop_event=stop_event),
             self._reannouncements(stop_event),
             every(lambda: ROLLBACK_POLL_S, self._apply_pending_rollbacks, name="rollbacks", log=log,
                   stop_event=stop_event, wake=self._rollback_wanted),
-            beside=[read_forever(self.inbox, self._on_inbox, name="inbox", log=log)],
         )
 
     async def stop(self) -> None:
@@ -156,6 +157,7 @@ class Paramsync:
                 await asyncio.wait_for(self._prune_task, 10)
             except Exception as exc:  # housekeeping: the next start prunes again
                 self.log.warning("prune_unfinished_at_stop", error=describe(exc))
+        await self.background.stop()
         await stop_clients((self.candidates, self.inbox, self.producer), self.log)
 
     def health(self) -> dict[str, Any]:
@@ -170,8 +172,6 @@ class Paramsync:
     # ---- candidates ------------------------------------------------------------------------
     async def _candidate_loop(self, stop_event: asyncio.Event) -> None:
         while not stop_event.is_set():
-            if self._prune_task is not None and self._prune_task.done() and self._prune_task.exception():
-                raise RuntimeError("pruning old versions failed") from self._prune_task.exception()
             polled = await poll_or_pause(lambda: self.candidates.poll(max_records=50, timeout_ms=200),
                                          what="candidate poll", health=self.health_state)
             if polled is None:
@@ -272,7 +272,7 @@ class Paramsync:
         # one at a time, so the next candidate is published meanwhile. A slow publish makes the trainer
         # wait (it never runs more than max_staleness versions ahead of the published policy).
         if self._publishes % PRUNE_EVERY == 0 and (self._prune_task is None or self._prune_task.done()):
-            self._prune_task = asyncio.create_task(self._prune(), name="paramsync-prune")
+            self._prune_task = self.background.start("prune", self._prune(), once=True)  # its error stops paramsync
         self.log.info("policy_published", policy_version=msg.version, sha256=msg.sha256[:12],
                       trainer_step=msg.trainer_step)
         return "published"
@@ -282,7 +282,7 @@ class Paramsync:
             removed = await asyncio.to_thread(self.policies.prune, self.settings.paramsync.keep_versions)
         except Exception as exc:  # housekeeping: tried again at the next PRUNE_EVERY
             if not is_transient(exc):
-                raise  # surfaces in the candidate loop and stops paramsync
+                raise  # the background's watch (``until_done``) raises it and stops paramsync
             self.log.warning("prune_failed", error=describe(exc))
             return
         if removed:

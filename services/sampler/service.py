@@ -46,6 +46,7 @@ from services.sampler.adoption import AdoptInline, AdoptionPlan, FetchFromStore
 from services.sampler.backlog import BacklogGate
 from services.sampler.rollout import RolloutWorker
 from services.sampler.sender import FragmentSender
+from shared.background import Background
 from shared.bus import Bus, Record, kafka_bus
 from shared.credits import CreditGate, shard_of
 from shared.kafka import Topics
@@ -153,7 +154,7 @@ class Sampler:
         self.credits = CreditGate(self.id)
         self.credit_wait_s = 0.0  # finished waits; plus the one in progress since _credit_wait_since
         self._credit_wait_since: float | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self.background = Background(f"sampler-{self.id}")
         self.adopted_at: float | None = None
         self.recent_returns: deque[float] = deque(maxlen=100)
         self.plan = AdoptionPlan()  # which version next, inline or from the store
@@ -186,12 +187,12 @@ class Sampler:
         self._start_background(stop_event)
         await self._wait_for_first_policy(stop_event)
         # Heartbeats from the first policy on (adopting one beats at once: paramsync measures sync latency).
-        self._start_task("heartbeats", every(lambda: self.settings.sampler.heartbeat_interval_s, self._heartbeat,
+        self.background.start("heartbeats", every(lambda: self.settings.sampler.heartbeat_interval_s, self._heartbeat,
                                              name="heartbeats", log=self.log, stop_event=stop_event))
         next_send = time.monotonic()
         cap = self.settings.sampler.max_fragments_per_s
         while not stop_event.is_set():
-            self._check_background()
+            self.background.raise_if_ended(stop_event.is_set())
             await self._refresh_policy()
             await self._respect_pause(stop_event)
             await self.backlog.respect(stop_event, self._wait_and_refresh)
@@ -215,10 +216,7 @@ class Sampler:
                     next_send = time.monotonic()
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
+        await self.background.stop()
         if self.sender.pending:
             await asyncio.wait(self.sender.pending, timeout=CLIENT_STOP_TIMEOUT_S)
         # The producer flushes what is buffered.
@@ -229,29 +227,19 @@ class Sampler:
         return {"ok": True, "id": self.id, "policy_version": self.worker.policy_version,
                 "fragments": self.sender.fragments, **self.health_state.as_dict()}
 
-    def _start_task(self, name: str, job: Any) -> None:
-        self._tasks.append(asyncio.create_task(job, name=f"sampler-{name}-{self.id}"))
-
     def _start_background(self, stop_event: asyncio.Event) -> None:
-        if self._tasks:
-            return
+        """The readers of the inbox, commands and announcements, the marker poll and the backlog check: a task of
+        them that ends stops the sampler with its error (``raise_if_ended`` each pass), instead of leaving it
+        running without announcements, flow control or heartbeats."""
         log = self.log
-        self._start_task("inbox", read_forever(self.inbox, self._on_inbox, name="inbox", log=log))
-        self._start_task("commands", read_forever(self.commands, self._on_inbox, name="commands", log=log))
-        self._start_task("announcements", read_forever(self.announcements, self._on_announcement,
-                                                       name="announcements", log=log))
-        self._start_task("marker", every(lambda: self.settings.sampler.sync_interval_s, self._poll_marker,
-                                         name="marker", log=log, stop_event=stop_event, wake=self._poll_now))
-        self._start_task("backlog", every(lambda: self.settings.sampler.backlog_check_interval_s,
-                                          self.backlog.measure, name="backlog", log=log, stop_event=stop_event))
-
-    def _check_background(self) -> None:
-        """A background task that ended (they run until cancelled or stopped) stops the sampler with its
-        error, instead of leaving it running without announcements, flow control or heartbeats."""
-        for task in self._tasks:
-            if task.done() and not self._stop.is_set():
-                exc = None if task.cancelled() else task.exception()
-                raise RuntimeError(f"background task {task.get_name()} ended") from exc
+        self.background.start("inbox", read_forever(self.inbox, self._on_inbox, name="inbox", log=log))
+        self.background.start("commands", read_forever(self.commands, self._on_inbox, name="commands", log=log))
+        self.background.start("announcements", read_forever(self.announcements, self._on_announcement,
+                                                            name="announcements", log=log))
+        self.background.start("marker", every(lambda: self.settings.sampler.sync_interval_s, self._poll_marker,
+                                              name="marker", log=log, stop_event=stop_event, wake=self._poll_now))
+        self.background.start("backlog", every(lambda: self.settings.sampler.backlog_check_interval_s,
+                                               self.backlog.measure, name="backlog", log=log, stop_event=stop_event))
 
     async def _wait_wake(self, timeout: float) -> None:
         """Until ``_wake`` is set or ``timeout`` passed; then clear it."""

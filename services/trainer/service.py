@@ -45,7 +45,6 @@ from services.trainer.ranks import Ranks, Vote
 from services.trainer.tail import UpdateTail
 from services.trainer.tasks import (
     GRANT_REFRESH_S,
-    Background,
     Grants,
     HeldLease,
     LiveSamplers,
@@ -55,6 +54,7 @@ from services.trainer.tasks import (
 )
 from services.trainer.tracking import Tracker
 from services.trainer.update import UpdateStats
+from shared.background import Background
 from shared.bus import Bus, Record, kafka_bus
 from shared.credits import Consumption, auto_window
 from shared.kafka import Topics, trainer_group
@@ -164,7 +164,7 @@ class Trainer:
                              log=self.log)
         self.live = LiveSamplers()
         self.watch = PublicationWatch()
-        self.background = Background()
+        self.background = Background("trainer")
         self.tail = UpdateTail(self.group, self.publication, self.checkpoints, publish_extra=self._lineage_extra,
                                checkpoint_extra=self._checkpoint_extra, fence=self.lease.check)
         self._revision_actor: str | None = None  # who wrote the runtime revision being applied
@@ -216,7 +216,7 @@ class Trainer:
 
     async def run(self, stop_event: asyncio.Event) -> None:
         self._stop = self.retry.stop_event = stop_event
-        self.background.start(self._jobs(stop_event))
+        self.background.start_all(self._jobs(stop_event))
         while not stop_event.is_set() or self.ranks is not None:
             if self._fatal is not None:
                 raise self._fatal
@@ -253,26 +253,25 @@ class Trainer:
         rank 0 adds the lease and the rollback guard, and reads the other ranks' grants."""
         log = self.log
         jobs: list[tuple[str, Coroutine[Any, Any, None]]] = [
-            ("trainer-announcements", read_forever(self.announcements, self.saw_announcement, name="announcements",
-                                                   log=log)),
-            ("trainer-credit-grants", every(lambda: GRANT_REFRESH_S, self.grants.send, name="credit-grants", log=log,
-                                            stop_event=stop, wake=self.grants.consumed)),
-            ("trainer-heartbeats", every(lambda: self.cfg.heartbeat_interval_s, self.heartbeat, name="heartbeats",
-                                         log=log, stop_event=stop)),
-            ("trainer-runtime-config", every(lambda: RUNTIME_POLL_S, self.runtime_config, name="runtime-config",
-                                             log=log, stop_event=stop)),
-            ("trainer-marker-refresh", every(lambda: POLICY_REFRESH_S, self._refresh_marker, name="marker-refresh",
-                                             log=log, stop_event=stop)),
+            ("announcements", read_forever(self.announcements, self.saw_announcement, name="announcements", log=log)),
+            ("credit-grants", every(lambda: GRANT_REFRESH_S, self.grants.send, name="credit-grants", log=log,
+                                    stop_event=stop, wake=self.grants.consumed)),
+            ("heartbeats", every(lambda: self.cfg.heartbeat_interval_s, self.heartbeat, name="heartbeats", log=log,
+                                 stop_event=stop)),
+            ("runtime-config", every(lambda: RUNTIME_POLL_S, self.runtime_config, name="runtime-config", log=log,
+                                     stop_event=stop)),
+            ("marker-refresh", every(lambda: POLICY_REFRESH_S, self._refresh_marker, name="marker-refresh", log=log,
+                                     stop_event=stop)),
         ]
         if self.leader:  # data-parallel ranks: rank 0 holds the lease and guards the group's model
             jobs += [
-                ("trainer-lease", every(lambda: RENEW_S, self.lease.renew, name="lease", log=log, stop_event=stop)),
-                ("trainer-rollback-guard", every(lambda: GUARD_CHECK_S, self.guard_check, name="rollback-guard",
-                                                 log=log, stop_event=stop)),
+                ("lease", every(lambda: RENEW_S, self.lease.renew, name="lease", log=log, stop_event=stop)),
+                ("rollback-guard", every(lambda: GUARD_CHECK_S, self.guard_check, name="rollback-guard", log=log,
+                                         stop_event=stop)),
             ]
         if self.rank_grants is not None:
-            jobs.append(("trainer-rank-grants", read_forever(self.rank_grants, self.grants.saw_rank_grant,
-                                                             name="rank-grants", log=log)))
+            jobs.append(("rank-grants", read_forever(self.rank_grants, self.grants.saw_rank_grant, name="rank-grants",
+                                                     log=log)))
         return jobs
 
     async def heartbeat(self) -> None:

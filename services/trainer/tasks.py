@@ -2,8 +2,6 @@
 acts only on the objects it is handed. :class:`~services.trainer.service.Trainer` builds the named tasks from
 them, runs the per-pass checks and acts on what they decide; nothing here holds the trainer or its state.
 
-- :class:`Background`: the named tasks (``shared.retry.every``, ``read_forever``), started together, checked
-  every loop pass, cancelled together at stop.
 - :class:`HeldLease`: the trainer lease (``lease.py``) with the waits the trainer gives each step.
 - :class:`Grants`: credit grants to the samplers, and (rank 0) the other ranks' grants merged in.
 - :class:`LiveSamplers`: who is live, from the samplers' heartbeats (the synchronous baseline waits for them).
@@ -15,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from services.trainer import telemetry as m
@@ -37,31 +35,6 @@ GRANT_REFRESH_S = 1.0
 """Send a credit grant at least this often, even when nothing was consumed (a lost grant heals)."""
 PUBLICATION_WAIT_LOG_S = 5.0
 """``waiting_for_publication`` is logged at most this often (every wait is counted)."""
-
-
-class Background:
-    """The trainer's named tasks. One that ends while the trainer runs (with an error, or without one before the
-    stop) is raised by the loop: a trainer without its heartbeats, grants or lease must not go on."""
-
-    def __init__(self) -> None:
-        self._tasks: list[asyncio.Task[None]] = []
-
-    def start(self, jobs: Iterable[tuple[str, Coroutine[Any, Any, None]]]) -> None:
-        self._tasks = [asyncio.create_task(job, name=name) for name, job in jobs]
-
-    def raise_if_ended(self, stopping: bool) -> None:
-        for task in self._tasks:
-            if task.done() and not task.cancelled():
-                exc = task.exception()
-                if exc is not None:
-                    raise exc
-                if not stopping:
-                    raise RuntimeError(f"background task {task.get_name()} ended")
-
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 class HeldLease:
