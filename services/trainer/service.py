@@ -7,8 +7,9 @@ dead-lettering), :class:`~services.trainer.publication.Publication` (candidates,
 :mod:`~services.trainer.telemetry` (metrics, lag, heartbeats), with the pure rules in ``intake.py``,
 ``ledger.py``, ``learner.py`` and ``guard.py``. What follows an update (commit, publish, checkpoint, the held
 commits) has one owner, :class:`~services.trainer.tail.UpdateTail`. This class keeps the loop and the state the
-parts share: the update lock, revoke handling, rollback following, runtime settings. Its periodic work runs as
-named tasks (``shared.retry.every``) built here from the parts in ``tasks.py`` (the lease, grants, live
+parts share: the update lock, revoke handling, rollback following, runtime settings. One loop serves a single
+trainer and data-parallel ranks: what to do each pass is decided by :mod:`~services.trainer.agreement` (alone, or
+by the ranks' vote) and done here. Its periodic work runs as named tasks (``shared.background``) built here from the parts in ``tasks.py`` (the lease, grants, live
 samplers, the publication watch), which decide and return what to do; the acting that needs this trainer's
 state stays here. No part holds the trainer.
 
@@ -32,6 +33,7 @@ from typing import Any
 from aiokafka import TopicPartition
 
 from services.trainer import telemetry as m
+from services.trainer.agreement import Agreed, Agreement, Alone, Decision, Proposal
 from services.trainer.autorollback import GuardShell
 from services.trainer.checkpoints import Checkpoints
 from services.trainer.group import ConsumerGroup
@@ -41,7 +43,7 @@ from services.trainer.learner import Learner
 from services.trainer.lease import RENEW_S, TrainerLease
 from services.trainer.outcomes import RecordOutcomes
 from services.trainer.publication import Publication, announcement
-from services.trainer.ranks import Ranks, Vote
+from services.trainer.ranks import Ranks
 from services.trainer.tail import UpdateTail
 from services.trainer.tasks import (
     GRANT_REFRESH_S,
@@ -103,6 +105,7 @@ class Trainer:
                             timeout_s=self.cfg.rank_timeout_s, device=self.learner.device)
                       if self.cfg.world_size > 1 else None)
         self.leader = self.ranks is None or self.ranks.leader  # publishes, checkpoints, guards, holds the lease
+        self.agreement: Agreement = Alone() if self.ranks is None else Agreed(self.ranks)
         self.digest: tuple[int, str] | None = None  # (update, weights digest) for the heartbeat
         store = open_store(settings)
         self.store = store
@@ -215,32 +218,60 @@ class Trainer:
         self._started = True
 
     async def run(self, stop_event: asyncio.Event) -> None:
+        """One loop for one trainer or many ranks: poll, then decide (``self.agreement``) and act until the pass
+        is over; the agreement is the only part that differs between the two."""
         self._stop = self.retry.stop_event = stop_event
         self.background.start_all(self._jobs(stop_event))
-        while not stop_event.is_set() or self.ranks is not None:
+        while True:
             if self._fatal is not None:
                 raise self._fatal
             self.background.raise_if_ended(stop_event.is_set())
-            await self._poll_once()
-            if self.ranks is not None:  # one vote a pass; an update when any rank holds a batch
-                if not await self._rank_step(stop_event.is_set()):
-                    break
-                await self._after_pass()
-                continue
-            if self.pending_rollback is not None:
-                await self.follow_rollback(self.pending_rollback)
+            if not stop_event.is_set():
+                await self._poll_once()
             if self.beats is not None:
                 self.live.saw(await self.beats.poll(timeout_ms=0), time.monotonic(),
                               self.settings.paramsync.sampler_timeout_s)
-            while not stop_event.is_set():
-                batch = self.intake.form_batch(time.monotonic(), self._live_samplers())
-                self.outcomes.drop_stale(batch)
-                if batch.waiting_publication:
-                    self._note_publication_wait()
-                if not batch.train:
+            while True:
+                decision = await self._decide_and_act(stop_event.is_set())
+                if decision.stop:
+                    return
+                if not decision.again:
                     break
-                await self._train(batch)
             await self._after_pass()
+
+    async def _decide_and_act(self, stopping: bool) -> Decision:
+        """Form this trainer's batch, agree on what to do with it, and do that: adopt rank 0's settings, then
+        follow a rollback (releasing the batch, formed before it), stop, train, or nothing."""
+        now, live = time.monotonic(), self._live_samplers()
+        batch = self._form_batch(now, live)
+        decision = await self.agreement.decide(Proposal(
+            ready=bool(batch.train), stopping=stopping, rollback=self.pending_rollback,
+            learner=(self.learner.cfg, self.learner.update_cfg), checkpoint=self.checkpoints.last))
+        if decision.adopt is not None:  # rank 0's hyperparameters, rollbacks and checkpoints are the group's
+            self.pending_rollback = None
+            self.learner.cfg, self.learner.update_cfg = decision.adopt.learner
+            self.tail.adopt_checkpoint(decision.adopt.checkpoint)
+        if decision.rollback is not None:
+            self.intake.release(batch.train)
+            await self.follow_rollback(decision.rollback)
+        elif decision.stop:
+            self.intake.release(batch.train)
+            if self.ranks is not None:
+                async with self._update_lock:
+                    await self._exchange_ledgers()  # rank 0's final checkpoint holds every rank's outcomes
+                self.log.info("ranks_stopping", stopping=list(decision.stopping_ranks))
+        elif decision.train:
+            if decision.force:  # another rank's batch is due: train what this one holds with it
+                batch = self._form_batch(now, live, force=True)
+            await self._train(batch)
+        return decision
+
+    def _form_batch(self, now: float, live: set[str] | None, force: bool = False) -> Batch:
+        batch = self.intake.form_batch(now, live, force=force)
+        self.outcomes.drop_stale(batch)
+        if batch.waiting_publication:
+            self._note_publication_wait()
+        return batch
 
     async def _after_pass(self) -> None:
         await self.tail.after_pass()
@@ -413,43 +444,6 @@ class Trainer:
         self._note_digest()
         self.log.info("rank_state_shared", update=self.learner.counters.updates,
                       policy_version=self.learner.counters.policy_version, weights_digest=self.digest)
-
-    async def _rank_step(self, stopping: bool) -> bool:
-        """One vote; then, in the same order on every rank: follow rank 0's rollback, stop, or train (every
-        rank, with what it holds, when any rank holds a batch). False when the group stops."""
-        assert self.ranks is not None
-        now, live = time.monotonic(), self._live_samplers()
-        batch = self.intake.form_batch(now, live)
-        self.outcomes.drop_stale(batch)
-        if batch.waiting_publication:
-            self._note_publication_wait()
-        leader = self.ranks.leader
-        mine = Vote(ready=bool(batch.train), stop=stopping,
-                    rollback=self.pending_rollback if leader else None,
-                    learner=(self.learner.cfg, self.learner.update_cfg) if leader else None,
-                    checkpoint=self.checkpoints.last if leader else None)
-        votes = await asyncio.to_thread(self.ranks.vote, mine)
-        lead = votes[0]
-        if not leader:  # rank 0's hyperparameters, rollbacks and checkpoints are the group's
-            self.pending_rollback = None
-            self.learner.cfg, self.learner.update_cfg = lead.learner
-            self.tail.adopt_checkpoint(lead.checkpoint)
-        if lead.rollback is not None:
-            self.intake.release(batch.train)
-            await self.follow_rollback(lead.rollback)
-            return True
-        if any(v.stop for v in votes):
-            self.intake.release(batch.train)
-            async with self._update_lock:
-                await self._exchange_ledgers()  # rank 0's final checkpoint holds every rank's outcomes
-            self.log.info("ranks_stopping", stopping=[r for r, v in enumerate(votes) if v.stop])
-            return False
-        if any(v.ready for v in votes):
-            if not batch.train:  # another rank's batch is due: train what this one holds with it
-                batch = self.intake.form_batch(now, live, force=True)
-                self.outcomes.drop_stale(batch)
-            await self._train(batch)
-        return True
 
     async def _exchange_ledgers(self) -> None:
         """Every rank's ledger entries for the partitions it owns, to every rank (under the update lock)."""
