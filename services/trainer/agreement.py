@@ -1,8 +1,9 @@
 """What the trainer does at a loop pass, agreed with the other ranks or decided alone: one loop serves one trainer
 and data-parallel ranks alike (``Trainer.run``), and this part is the only place where they differ.
 
-Each pass the loop forms the batch this trainer holds and hands :meth:`Agreement.decide` a :class:`Proposal`
-(a batch due, stopping, a rollback to follow); the agreement returns a :class:`Decision` and the loop acts on it:
+Each pass the loop forms the batch this trainer holds and hands :meth:`Agreement.decide` its
+:class:`~services.trainer.ranks.Vote` (a batch due, stopping, a rollback to follow, its settings and newest
+checkpoint: what a rank sends the others); the agreement returns a :class:`Decision` and the loop acts on it:
 follow a rollback, stop, train, or end the pass. Invariant: on ranks every rank gets the same decision at the same
 pass (one vote each, an all-gather), so their collectives match; the agreement itself only decides and never
 touches the trainer's state.
@@ -21,21 +22,6 @@ import dataclasses
 from typing import Any, Protocol
 
 from services.trainer.ranks import Ranks, Vote
-
-
-@dataclasses.dataclass(frozen=True)
-class Proposal:
-    """This trainer's state at the pass."""
-
-    ready: bool
-    """A batch is due."""
-    stopping: bool
-    rollback: Any = None
-    """A rollback announced and not yet followed (a ``PolicyMessage``)."""
-    learner: Any = None
-    """``(TrainerSettings, UpdateConfig)`` this trainer would update with."""
-    checkpoint: int | None = None
-    """The update of this trainer's newest checkpoint."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,14 +50,14 @@ class Decision:
 
 
 class Agreement(Protocol):
-    async def decide(self, mine: Proposal) -> Decision: ...
+    async def decide(self, mine: Vote) -> Decision: ...
 
 
 class Alone:
     """A single trainer decides alone."""
 
-    async def decide(self, mine: Proposal) -> Decision:
-        if mine.stopping:
+    async def decide(self, mine: Vote) -> Decision:
+        if mine.stop:
             return Decision(stop=True)
         if mine.rollback is not None:
             return Decision(rollback=mine.rollback, again=True)
@@ -86,14 +72,13 @@ class Agreed:
     def __init__(self, ranks: Ranks) -> None:
         self.ranks = ranks
 
-    async def decide(self, mine: Proposal) -> Decision:
-        leader = self.ranks.leader
-        vote = Vote(ready=mine.ready, stop=mine.stopping, rollback=mine.rollback if leader else None,
-                    learner=mine.learner if leader else None, checkpoint=mine.checkpoint if leader else None)
-        votes = await asyncio.to_thread(self.ranks.vote, vote)
+    async def decide(self, mine: Vote) -> Decision:
+        if not self.ranks.leader:  # the group follows rank 0's rollback, settings and checkpoint only
+            mine = Vote(ready=mine.ready, stop=mine.stop)
+        votes = await asyncio.to_thread(self.ranks.vote, mine)
         return self.of(votes, mine)
 
-    def of(self, votes: list[Vote], mine: Proposal) -> Decision:
+    def of(self, votes: list[Vote], mine: Vote) -> Decision:
         """The decision ``votes`` make for this rank (pure: the tests feed it votes)."""
         lead = votes[0]
         adopt = None if self.ranks.leader else Adopt(lead.learner, lead.checkpoint)

@@ -9,9 +9,9 @@ dead-lettering), :class:`~services.trainer.publication.Publication` (candidates,
 commits) has one owner, :class:`~services.trainer.tail.UpdateTail`. This class keeps the loop and the state the
 parts share: the update lock, revoke handling, rollback following, runtime settings. One loop serves a single
 trainer and data-parallel ranks: what to do each pass is decided by :mod:`~services.trainer.agreement` (alone, or
-by the ranks' vote) and done here. Its periodic work runs as named tasks (``shared.background``) built here from the parts in ``tasks.py`` (the lease, grants, live
-samplers, the publication watch), which decide and return what to do; the acting that needs this trainer's
-state stays here. No part holds the trainer.
+by the ranks' vote) and done here. Its periodic work runs as named tasks (``shared.background``) built here
+from the parts in ``tasks.py`` (the lease, grants, live samplers, the publication watch), which decide and return
+what to do; the acting that needs this trainer's state stays here. No part holds the trainer.
 
 Every consumed record ends in exactly one typed outcome (trained, dropped as stale, dead-lettered),
 counted and logged once with the fragment's identity, and folded into the ledger the checkpoint stores
@@ -33,7 +33,7 @@ from typing import Any
 from aiokafka import TopicPartition
 
 from services.trainer import telemetry as m
-from services.trainer.agreement import Agreed, Agreement, Alone, Decision, Proposal
+from services.trainer.agreement import Agreed, Agreement, Alone, Decision
 from services.trainer.autorollback import GuardShell
 from services.trainer.checkpoints import Checkpoints
 from services.trainer.group import ConsumerGroup
@@ -43,7 +43,7 @@ from services.trainer.learner import Learner
 from services.trainer.lease import RENEW_S, TrainerLease
 from services.trainer.outcomes import RecordOutcomes
 from services.trainer.publication import Publication, announcement
-from services.trainer.ranks import Ranks
+from services.trainer.ranks import Ranks, Vote
 from services.trainer.tail import UpdateTail
 from services.trainer.tasks import (
     GRANT_REFRESH_S,
@@ -244,8 +244,8 @@ class Trainer:
         follow a rollback (releasing the batch, formed before it), stop, train, or nothing."""
         now, live = time.monotonic(), self._live_samplers()
         batch = self._form_batch(now, live)
-        decision = await self.agreement.decide(Proposal(
-            ready=bool(batch.train), stopping=stopping, rollback=self.pending_rollback,
+        decision = await self.agreement.decide(Vote(
+            ready=bool(batch.train), stop=stopping, rollback=self.pending_rollback,
             learner=(self.learner.cfg, self.learner.update_cfg), checkpoint=self.checkpoints.last))
         if decision.adopt is not None:  # rank 0's hyperparameters, rollbacks and checkpoints are the group's
             self.pending_rollback = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.trainer.agreement import Adopt, Agreed, Alone, Decision, Proposal
+from services.trainer.agreement import Adopt, Agreed, Alone, Decision
 from services.trainer.ranks import Ranks, Vote
 
 ROLLBACK = object()  # stands for a PolicyMessage: the agreement only passes it on
@@ -13,11 +13,11 @@ ROLLBACK = object()  # stands for a PolicyMessage: the agreement only passes it 
 
 async def test_alone_stops_first_then_follows_a_rollback_then_trains_every_due_batch() -> None:
     alone = Alone()
-    assert await alone.decide(Proposal(ready=True, stopping=True, rollback=ROLLBACK)) == Decision(stop=True)
-    assert await alone.decide(Proposal(ready=True, stopping=False, rollback=ROLLBACK)) == Decision(
+    assert await alone.decide(Vote(ready=True, stop=True, rollback=ROLLBACK)) == Decision(stop=True)
+    assert await alone.decide(Vote(ready=True, rollback=ROLLBACK)) == Decision(
         rollback=ROLLBACK, again=True)
-    assert await alone.decide(Proposal(ready=True, stopping=False)) == Decision(train=True, again=True)
-    assert await alone.decide(Proposal(ready=False, stopping=False)) == Decision()  # the pass ends: poll again
+    assert await alone.decide(Vote(ready=True)) == Decision(train=True, again=True)
+    assert await alone.decide(Vote()) == Decision()  # the pass ends: poll again
 
 
 def _agreed(rank: int) -> Agreed:
@@ -36,7 +36,7 @@ def test_every_rank_gets_the_same_decision_from_the_same_votes() -> None:
     ]
     for votes, want in cases:
         for rank in range(3):
-            mine = Proposal(ready=votes[rank].ready, stopping=votes[rank].stop)
+            mine = Vote(ready=votes[rank].ready, stop=votes[rank].stop)
             got = _agreed(rank).of(votes, mine)
             adopt = None if rank == 0 else Adopt(("cfg", "update"), 7)  # rank 0's settings are the group's
             force = bool(want.get("train")) and not votes[rank].ready  # a rank with nothing due takes part
