@@ -31,6 +31,7 @@ class Background:
         self.owner = owner
         self._tasks: list[asyncio.Task[Any]] = []
         self._once: set[asyncio.Task[Any]] = set()
+        self._started = asyncio.Event()  # wakes ``until_done`` to watch a task started while it waits
 
     def start(self, name: str, job: Job, *, once: bool = False) -> asyncio.Task[Any]:
         """Run ``job`` as the task ``<owner>-<name>``; ``once``: it ends by itself, only an error of it counts."""
@@ -38,6 +39,7 @@ class Background:
         self._tasks.append(task)
         if once:
             self._once.add(task)
+        self._started.set()
         return task
 
     def start_all(self, jobs: Iterable[tuple[str, Job]]) -> None:
@@ -74,12 +76,17 @@ class Background:
         try:
             pending: set[asyncio.Task[Any]] = set(main)
             while pending:
-                watched = pending | {t for t in self._tasks if not t.done()}
-                done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+                self._started.clear()
+                started = asyncio.create_task(self._started.wait())
+                watched = pending | {t for t in self._tasks if not t.done()} | {started}
+                try:
+                    done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    started.cancel()
                 for task in done & pending:
                     task.result()  # raises the job's error
                 pending -= done
-                self.raise_if_ended(stopping=False)
+                self.raise_if_ended(stopping=not pending)  # with every job done, the lasting tasks may end
         finally:
             lasting = [t for t in self._tasks if t not in self._once]
             for task in main + lasting:

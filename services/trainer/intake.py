@@ -394,6 +394,12 @@ class Intake:
         for tp, offset in self._recent.pop(sample_ids):
             self._forget_offset(tp, offset)
 
+    def put_back(self, items: Iterable[Pending]) -> None:
+        """A batch formed and not trained (a rollback or a stop was decided first): back at the front of the
+        buffer in its order, still pending in the ledger; the next :meth:`form_batch` checks its staleness again
+        (after a rollback, what belongs to abandoned versions is dropped with an outcome, not lost)."""
+        self.buffer[:0] = list(items)
+
     def release(self, items: Iterable[Pending]) -> None:
         """These admitted fragments were not trained after all: their records may come again."""
         items = list(items)

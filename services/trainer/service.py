@@ -228,9 +228,9 @@ class Trainer:
             self.background.raise_if_ended(stop_event.is_set())
             if not stop_event.is_set():
                 await self._poll_once()
-            if self.beats is not None:
-                self.live.saw(await self.beats.poll(timeout_ms=0), time.monotonic(),
-                              self.settings.paramsync.sampler_timeout_s)
+                if self.beats is not None:
+                    self.live.saw(await self.beats.poll(timeout_ms=0), time.monotonic(),
+                                  self.settings.paramsync.sampler_timeout_s)
             while True:
                 decision = await self._decide_and_act(stop_event.is_set())
                 if decision.stop:
@@ -252,24 +252,24 @@ class Trainer:
             self.learner.cfg, self.learner.update_cfg = decision.adopt.learner
             self.tail.adopt_checkpoint(decision.adopt.checkpoint)
         if decision.rollback is not None:
-            self.intake.release(batch.train)
+            self.intake.put_back(batch.train)  # formed before the rollback: staleness is checked again after it
             await self.follow_rollback(decision.rollback)
         elif decision.stop:
-            self.intake.release(batch.train)
+            self.intake.put_back(batch.train)
             if self.ranks is not None:
                 async with self._update_lock:
                     await self._exchange_ledgers()  # rank 0's final checkpoint holds every rank's outcomes
                 self.log.info("ranks_stopping", stopping=list(decision.stopping_ranks))
         elif decision.train:
             if decision.force:  # another rank's batch is due: train what this one holds with it
-                batch = self._form_batch(now, live, force=True)
+                batch = self._form_batch(now, live, force=True, note_wait=False)
             await self._train(batch)
         return decision
 
-    def _form_batch(self, now: float, live: set[str] | None, force: bool = False) -> Batch:
+    def _form_batch(self, now: float, live: set[str] | None, force: bool = False, note_wait: bool = True) -> Batch:
         batch = self.intake.form_batch(now, live, force=force)
         self.outcomes.drop_stale(batch)
-        if batch.waiting_publication:
+        if batch.waiting_publication and note_wait:  # a forced form in the same pass counts no second wait
             self._note_publication_wait()
         return batch
 

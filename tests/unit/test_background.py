@@ -113,3 +113,19 @@ async def test_stop_cancels_every_task_and_swallows_their_errors() -> None:
     await bg.stop()
     assert a.cancelled() and b.done()
     bg.raise_if_ended(stopping=False)  # nothing is left to look at
+
+
+async def test_until_done_watches_a_one_shot_task_started_while_it_waits() -> None:
+    """Paramsync starts its pruning from inside a main job: a failure of it must stop the service at once,
+    not at the stop."""
+    bg = Background("svc")
+    stop = asyncio.Event()
+
+    async def main() -> None:
+        bg.start("prune", fail_after(0.01), once=True)
+        await stop.wait()
+
+    with pytest.raises(Boom):
+        await asyncio.wait_for(bg.until_done(main()), 5)
+    assert not stop.is_set()
+    await bg.stop()

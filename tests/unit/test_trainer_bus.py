@@ -386,3 +386,31 @@ async def test_ahead_of_the_published_version_with_nothing_sent_offers_the_curre
     (msg,) = [m for m in (PolicyMessage.model_validate_json(r.value or b"") for r in mem.records(T.policy)
                           if r.key == KEY_CANDIDATE) if m.version == 5]
     assert t.policies.fetch(msg.record()) == t.learner.weights()
+
+
+async def test_a_batch_formed_before_a_rollback_is_trained_after_it_not_lost(tmp_path: Path) -> None:
+    """The agreement decides to follow a rollback just as a batch is due (it was formed first): the batch goes
+    back to the buffer, is checked for staleness again after the rollback and trained, and every record is
+    committed. Released instead, its records would stay pending in the ledger and hold the commit point."""
+    from services.trainer.agreement import Alone, Decision
+    from services.trainer.ranks import Vote
+
+    msg = object()
+    followed: list[object] = []
+
+    class RollbackAtFirstBatch(Alone):
+        async def decide(self, mine: Vote) -> Decision:
+            if mine.ready and not followed:
+                return Decision(rollback=msg, again=True)
+            return await super().decide(mine)
+
+    async def follow(m: Any) -> None:
+        followed.append(m)
+
+    t, mem = make(tmp_path)
+    t.agreement = RollbackAtFirstBatch()
+    t.follow_rollback = follow  # type: ignore[method-assign]
+    put(mem, TP0, 2)
+    put(mem, TP1, 2)
+    await run_until(t, lambda: trained(t) == 4 and mem.committed.get(TP0) == 2 and mem.committed.get(TP1) == 2)
+    assert followed == [msg]
