@@ -45,9 +45,19 @@ class Context:
     out_dir: Path = field(default_factory=lambda: REPO_ROOT / "docs")
     extend: bool = False  # --extend: keep the earlier entry's seeds that this run does not repeat
     earlier: Mapping[str, Any] | None = None  # the figure's entry before this run (set per figure by the driver)
+    _names: set[str] = field(default_factory=set, repr=False)
 
     def run_name(self, figure: str, suffix: str = "") -> str:
-        return f"bench-{figure}-{self.stamp}{('-' + suffix) if suffix else ''}".replace("_", "-")
+        """A run name no stack of this invocation had: a run redone (``bench.peers.measure``) gets ``-2``, ``-3``
+        appended, so it starts fresh (its own topics, consumer group, store prefix and home) instead of resuming
+        the first attempt's checkpoint and reading its fragments."""
+        base = f"bench-{figure}-{self.stamp}{('-' + suffix) if suffix else ''}".replace("_", "-")
+        name, n = base, 1
+        while name in self._names:
+            n += 1
+            name = f"{base}-{n}"
+        self._names.add(name)
+        return name
 
     def scale(self, seconds: float) -> float:
         """Window lengths shrink under --quick (a smoke run of the suite, not for the doc)."""

@@ -216,7 +216,8 @@ def run(ctx: Context) -> FigureResult:
     adopted = adopt_orphans()  # orphaned workers of a stopped side are reaped here, their CPU counted
     peers: list[tuple[str, Runner]] = [("SB3 PPO", run_sb3),
                                        ("Flywheel", lambda seed, w: run_flywheel(ctx, seed, w))]
-    kept = earlier_runs(ctx, NAME, new_seeds, {"wall_s": wall_s})  # --extend: the earlier entry's other seeds
+    # --extend: the earlier entry's other seeds, measured with the same budget and SB3's torch threads
+    kept = earlier_runs(ctx, NAME, new_seeds, {"wall_s": wall_s, "sb3_threads": SB3_THREADS})
     runs: dict[str, list[BudgetRun]] = {p: [BudgetRun.from_record(d) for d in kept.get(p, [])] for p, _ in peers}
     for seed in new_seeds:  # per seed both sides, one after another: drift of the machine hits both alike
         for peer, fn in peers:

@@ -1,7 +1,7 @@
 """Pong throughput, side by side: end-to-end trained frames per second of Flywheel (the local stack,
 ``configs/pong.yaml``: 2 samplers x 4 envs), Sample Factory APPO (its Atari example, 8 envs, as documented, which
-is synchronous, and in asynchronous mode with SF's faster settings for this machine's cores,
-``bench.peers.sf_atari``) and Stable-Baselines3 PPO (8 envs, Flywheel's settings and Nature CNN, as many torch
+is synchronous, and in asynchronous mode with double buffering and a rollout worker per core, the same envs and
+update, ``bench.peers.sf_atari``) and Stable-Baselines3 PPO (8 envs, Flywheel's settings and Nature CNN, as many torch
 threads as the machine has cores, ``bench.peers.sb3_atari``), against EnvPool's raw stepping rate of the same 8
 envs with random actions (``bench.peers.envpool_raw``) as the ceiling of the machine.
 
@@ -210,7 +210,7 @@ def run(ctx: Context) -> FigureResult:
              "other work, cores | update shape |", "|---|---|---|---|---|---|---|---|---|"]
     shapes = {CEILING: "none (random actions, nothing trained)",
               FLYWHEEL: "1,024 samples x 4 epochs (configs/pong.yaml), trainer 1 torch thread",
-              sb3_atari.PEER: sb3_atari.describe(CONFIG), **{p: _sf_shape(runs[p]) for p in SF_SIDES}}
+              sb3_atari.PEER: sb3_atari.describe(CONFIG, SB3_THREADS), **{p: _sf_shape(runs[p]) for p in SF_SIDES}}
     for peer, st in stats.items():
         ok = sum(1 for r in runs[peer] if r.frames_per_s(*windows[peer]))
         steps = MedianCI.of(r.rate(*windows[peer]) for r in runs[peer] if r.rate(*windows[peer]))
@@ -277,7 +277,7 @@ def run(ctx: Context) -> FigureResult:
                   "flywheel": f"configs/pong.yaml, {SAMPLERS} samplers, the bench's local stack",
                   **{f"sample_factory {mode}": " ".join(sf_atari.command(0, REPO_ROOT / "<train_dir>", "<experiment>",
                                                                           mode=mode)[1:]) for mode in sf_atari.MODES},
-                  "sb3": sb3_atari.describe(CONFIG), "envpool": dict(envpool_raw.SETTINGS)},
+                  "sb3": sb3_atari.describe(CONFIG, SB3_THREADS), "envpool": dict(envpool_raw.SETTINGS)},
         method=(
             "Each side is started fresh per seed and runs for a fixed time from its first env step; its trained "
             "env-step count is sampled as it runs (Flywheel: the trainer's env_steps_trained counter every "

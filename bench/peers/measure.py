@@ -4,7 +4,8 @@ given so that it has the cores Flywheel's processes share.
 
 A run's record is any dataclass with an ``extra`` dict (``bench.peers.run.PeerRun``,
 ``bench.figures.peers_minatar.BudgetRun``, ``bench.peers.throughput.ThroughputRun``); the fields added are
-``cores``, ``other_work_cores``, ``wall_s`` and, for a redo, ``redone_after_other_work_cores``.
+``cores``, ``other_work_cores``, ``run_wall_s`` (the whole run's seconds, start-up and stop included) and, for a
+redo, ``redone_after_other_work_cores``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def measured(label: str, run: Callable[[], R], limit: float = OTHER_WORK_LIMIT, 
         own = suite_cpu_seconds() - own0
         other = max(machine_busy_seconds() - busy0 - own, 0.0) / wall
         extra = {**r.extra, cores_key: round(own / wall, 2), "other_work_cores": round(other, 2),
-                 "wall_s": round(wall, 1)}
+                 "run_wall_s": round(wall, 1)}
         if first is not None:
             extra["redone_after_other_work_cores"] = first
         r = dataclasses.replace(r, extra=extra)  # type: ignore[type-var]

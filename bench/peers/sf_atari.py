@@ -14,11 +14,14 @@ passes over them. SF's example is synchronous (``async_rl`` False): sampling and
 ``NOT_SHARED`` lists where the env or learner still differ.
 
 Two modes are run side by side (``MODES``): ``sync``, the example as documented, and ``async``, the same example
-with SF's own advice for throughput applied to this machine: its Atari page's "better parameters (more envs,
-double buffering, async learning)" turn on ``async_rl`` and double buffering (``worker_num_splits`` 2), and SF's
-``num_workers`` defaults to the machine's cores, so the async run has one rollout worker per core (at most 4) with
-the same 8 envs split among them (``async_layout``). Everything else, the update shape included, stays the
-example's, so the two modes differ only in how sampling and training overlap.
+with SF's own defaults for asynchronous training on this machine (``async_layout``): ``async_rl`` True and double
+buffering (``worker_num_splits`` 2), both SF's general defaults and part of its Atari page's "better parameters
+(more envs, double buffering, async learning)", and one rollout worker per core (SF's ``num_workers`` default is
+the machine's core count), capped at 4 so that the same 8 envs split into an even number per worker (double
+buffering needs one env per split). Held back from those "better parameters", to keep every side's 8 envs and
+update shape: 16 workers x 8 envs, rollout 32, batch 1,024 x 1 (a 128-env configuration for a large machine).
+So the two modes differ in how sampling and training overlap and in the workers' layout, not in the envs or the
+update.
 
 Install: SF's documented ``pip install sample-factory[atari]`` is ``gymnasium[atari, accept-rom-license]``,
 whose AutoROM step downloads the ROMs while it builds and fails without the internet. ``ensure_atari`` installs
@@ -104,9 +107,10 @@ def flag(name: str, value: Any) -> str:
 
 
 def async_layout(cores: int) -> dict[str, Any]:
-    """The async mode's options on a machine with ``cores`` cores: ``async_rl`` and double buffering (SF's Atari
-    "better parameters"), one rollout worker per core as SF's ``num_workers`` default (at most 4, so each worker
-    keeps 2 envs, one per split), and ``ENVS`` envs in all, as every side of the figure."""
+    """The async mode's options on a machine with ``cores`` cores: ``async_rl`` and double buffering (SF's
+    defaults, and in its Atari "better parameters"), one rollout worker per core as SF's ``num_workers`` default
+    (at most 4, so each worker keeps an even number of envs, one or more per split), and ``ENVS`` envs in all, as
+    every side of the figure (the module's docstring lists what is held back)."""
     workers = max(w for w in (1, 2, 4) if w <= max(cores, 1))
     return {"async_rl": True, "num_workers": workers, "num_envs_per_worker": ENVS // workers, "worker_num_splits": 2}
 

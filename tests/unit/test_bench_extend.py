@@ -147,8 +147,11 @@ def test_minatar_figure_pools_new_seeds_with_the_earlier_entry(monkeypatch: pyte
     def rec(peer: str, seed: int, value: float) -> dict[str, Any]:
         return {"peer": peer, "seed": seed, "wall_s": 600.0, "startup_s": 5.0, "env_steps": 1000, "episodes": 9,
                 "last100_at_half": value, "last100_at_budget": value, "last100_curve": [], "error": None}
-    earlier = _entry({"SB3 PPO": [rec("SB3 PPO", s, 100.0) for s in (1, 2, 3)],
-                      "Flywheel": [rec("Flywheel", s, 0.0) for s in (1, 2, 3)]}, wall_s=600.0)
+    peers = {"SB3 PPO": [rec("SB3 PPO", s, 100.0) for s in (1, 2, 3)],
+             "Flywheel": [rec("Flywheel", s, 0.0) for s in (1, 2, 3)]}
+    with pytest.raises(ValueError, match="sb3_threads=None"):  # SB3 given other torch threads: not pooled
+        peers_minatar.run(_ctx(_entry(peers, wall_s=600.0)))
+    earlier = _entry(peers, wall_s=600.0, sb3_threads=peers_minatar.SB3_THREADS)
     res = peers_minatar.run(_ctx(earlier))
     assert res.numbers["seeds"] == [1, 2, 3, 4]
     fw = [r["last100_at_budget"] for r in res.numbers["peers"]["Flywheel"]["runs"]]

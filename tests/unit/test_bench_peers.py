@@ -245,3 +245,14 @@ def test_a_failed_run_ranks_worst_where_higher_is_better() -> None:
     t = RankTest.of([None, None, None], [1.0, 2.0, 3.0], failed=-INF)
     assert t.p_a_smaller == pytest.approx(1 / 20) and t.prob_a_smaller == 1.0
     assert "higher" not in t.words("a", "b", "return")
+
+
+def test_a_redone_run_gets_a_fresh_run_name() -> None:
+    """A redo must not resume the first attempt's checkpoint or read its fragments: its stack gets a new name."""
+    from bench.context import Context
+
+    ctx = Context(infra=None, stamp="s")  # type: ignore[arg-type]
+    first, again, third = (ctx.run_name("peers_minatar", "fw-seed1") for _ in range(3))
+    assert first == "bench-peers-minatar-s-fw-seed1"
+    assert (again, third) == (f"{first}-2", f"{first}-3")
+    assert ctx.run_name("peers_minatar", "fw-seed2") == "bench-peers-minatar-s-fw-seed2"

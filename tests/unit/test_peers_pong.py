@@ -90,7 +90,7 @@ def test_the_figure_runs_every_side_per_seed_with_cores_and_tests_flywheel_again
     monkeypatch.setattr(sf_atari, "run_seed", lambda seed, run_s, stamp, mode: fake(sf_atari.peer_name(mode),
                                                                                        rates[mode])(seed))
     monkeypatch.setattr(sb3_atari, "run_child", fake(sb3_atari.PEER, 200))
-    monkeypatch.setattr(sb3_atari, "describe", lambda config: "SB3 settings")
+    monkeypatch.setattr(sb3_atari, "describe", lambda config, threads=None: "SB3 settings")
     monkeypatch.setattr(peers_pong, "run_flywheel", lambda ctx, seed, run_s, warmup_s: fake("Flywheel", 400)(seed))
     monkeypatch.setattr(peers_pong, "learner_ceiling", lambda: {"error": "not measured in a unit test"})
     monkeypatch.setattr(peers_pong, "timing", lambda ctx: (60.0, 20.0))
