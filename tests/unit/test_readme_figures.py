@@ -21,12 +21,15 @@ def _figures() -> dict[str, Any]:
 
 def test_each_headline_number_comes_from_benchmarks_json() -> None:
     f, head = _figures(), " ".join(_headline().split())
-    solve, pipe = f["solve"]["numbers"], f["pipeline"]["numbers"]
+    solve, pipe, peers = f["solve"]["numbers"], f["pipeline"]["numbers"], f["peers"]["numbers"]
     speed = f["async_vs_sync"]["numbers"]
     scale = f["scaling"]["numbers"]["relative"]
     expected = [
         f"in {solve['solve100_s']['median']:.1f} s median on the local stack, {len(solve['seeds'])} seeds",
-        f"rl-zoo's settings took {solve['sb3_100_s']['median']:.1f} s in the same run",
+        f"the same {peers['sb3_threads']} cores, end to end (start-up included) "
+        f"{peers['peers']['Flywheel (flywheel)']['summary']['end_to_end_s']['median']:.1f} s against "
+        f"{peers['peers']['SB3 PPO (flywheel)']['summary']['end_to_end_s']['median']:.1f} s",
+        f"(p = {peers['rank_tests']['Flywheel (flywheel) vs SB3 PPO (flywheel)']['end_to_end_s']['p_two_sided']:.2f})",
         f"trains {pipe['ratio']:.2f}x the env steps/s of the same code joined in memory",
         f"busy {pipe['kafka_busy_fraction']['median']:.2f} of the time, "
         f"at a mean lag of {pipe['staleness']['mean']:.1f}",
