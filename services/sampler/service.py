@@ -167,7 +167,6 @@ class Sampler:
         self.backlog = BacklogGate(self.lag_probe, self.topics.samples, lambda: self.settings, self._wake,
                                    log=self.log, labels=self._labels)
         self.started_at = time.time()
-        self._stop = asyncio.Event()
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -182,7 +181,7 @@ class Sampler:
         await self.retry(self._refresh_operator_state, "read operator state", "store", timeout_s=timeout_s)
 
     async def run(self, stop_event: asyncio.Event) -> None:
-        self._stop = self.retry.stop_event = stop_event
+        self.retry.stop_event = stop_event
         # Starting the background readers does not wait; the loop itself begins with the first policy.
         self._start_background(stop_event)
         await self._wait_for_first_policy(stop_event)

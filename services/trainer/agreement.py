@@ -37,7 +37,7 @@ class Decision:
     """What the loop does at this pass, in this order: adopt, then one of rollback, stop, train; or nothing."""
 
     rollback: Any = None
-    """Follow this rollback (the batch formed is released first: it was formed before the rollback)."""
+    """Follow this rollback (the batch formed goes back to the buffer first: it was formed before the rollback)."""
     stop: bool = False
     train: bool = False
     force: bool = False
