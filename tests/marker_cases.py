@@ -17,6 +17,16 @@ def record_for(vs: VersionedStore, version: int, data: bytes) -> VersionRecord:
     return VersionRecord(version=version, blob=key, sha256=sha, size=len(data), trainer_step=version * 10)
 
 
+def publish_version(vs: VersionedStore, version: int, lineage: int = 0) -> VersionRecord:
+    """Publish ``version`` as paramsync does a candidate (payload, history record, marker), in ``lineage``."""
+    rec = record_for(vs, version, f"weights of version {version}".encode())
+    if lineage:
+        rec = VersionRecord(version=rec.version, blob=rec.blob, sha256=rec.sha256, size=rec.size,
+                            trainer_step=rec.trainer_step, extra={"lineage": lineage})
+    vs.publish_next(rec)
+    return rec
+
+
 def conditional_writes(store: ObjectStore, prefix: str) -> None:
     key = f"{prefix}/k"
     etag = store.put(key, b"one", if_none_match=True)

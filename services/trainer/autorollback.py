@@ -3,6 +3,10 @@
 - **keep what it may restore**: versions that hold the best are pinned against paramsync's pruning
   (``VersionedStore.pin``, with a TTL so a dead trainer pins nothing for good) and unpinned when the guard
   no longer names them;
+- **restore what paramsync can republish**: the guard names the trainer's versions, and paramsync publishes
+  only the newest candidate of a burst, so a version it passed over has no history record and cannot be
+  republished. Such a target is replaced by the newest published version below it of the same lineage
+  (trained before it); a target paramsync has not reached yet waits for the next check;
 - **roll back through the operator's path**: a durable rollback request (``shared.rollback``) plus a
   ``rollback`` control message to wake paramsync, which republishes the version's weights as the newest
   with a new lineage; the trainer follows that announcement like an operator's rollback (weights loaded,
@@ -22,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from services.trainer import telemetry as m
 from services.trainer.guard import Decision, RollbackGuard
 from shared.bus import Publisher
-from shared.marker import VersionedStore
+from shared.marker import VersionedStore, VersionRecord
 from shared.messages import ControlCommand
 from shared.retry import describe, is_transient
 from shared.rollback import create_request, new_request_id
@@ -39,11 +45,21 @@ GUARD_ACTOR = "trainer-guard"
 PIN_TTL_S = 3600.0
 
 
+class NotPublishedYet(Exception):
+    """The guard's target is newer than the published marker: paramsync has not reached it yet."""
+
+
+class NotRestorable(LookupError):
+    """Neither the guard's target nor an older version of its lineage is kept in the store."""
+
+
 class GuardShell:
     def __init__(self, guard: RollbackGuard, *, store: ObjectStore, run: str, policies: VersionedStore,
                  config: RuntimeConfig, producer: Publisher, control_topic: str, audit: m.Auditor, log: Any,
-                 holder: str) -> None:
+                 holder: str, lineage: Callable[[], int] = lambda: 0) -> None:
         self.guard = guard
+        self.lineage = lineage
+        """The rollback the trainer's weights descend from (0: none): the lineage a substitute must share."""
         self.store = store
         self.run = run
         self.policies = policies
@@ -56,6 +72,7 @@ class GuardShell:
         self.pinned: set[int] = set()
         self.restoring: int | None = None
         """The version of the rollback requested and not yet followed: pinned until the trainer follows it."""
+        self._said: set[tuple[str, int]] = set()  # (event, version) logged once: a decision is asked again each check
 
     def observe(self, now: float, version: int, mean: float | None, episodes: int, stats: Any) -> None:
         """After every update (no I/O: pins are written by :meth:`check`)."""
@@ -90,14 +107,32 @@ class GuardShell:
                              f"{self.guard.cfg.max_per_hour} automatic rollbacks within an hour: not trying again, "
                              "a human is needed")
             return decision
+        named = decision.to_version
+        assert named is not None
         try:
+            target = await asyncio.wait_for(asyncio.to_thread(self._restorable, named), 10)
+            decision = replace(decision, to_version=target.version,
+                               evidence={**decision.evidence, "to_version": target.version})
             outcome = await asyncio.wait_for(asyncio.to_thread(self._carry_out, decision, base, settings), 30)
+            outcome["to_sha256"] = target.sha256
+            if target.version != named:
+                outcome["named_version"] = named
+                self.log.warning("auto_rollback_substituted", named_version=named, to_version=target.version,
+                                 reason="paramsync passed over the named version (a newer candidate superseded it)")
             await self.producer.send(self.control_topic, ControlCommand(
-                command="rollback", request_id=outcome["request_id"], version=decision.to_version).to_bytes())
+                command="rollback", request_id=outcome["request_id"], version=target.version).to_bytes())
+        except NotPublishedYet:
+            self._say_once("info", "auto_rollback_waits", named,
+                           reason="the version is not published yet: decided again at the next check")
+            return None
+        except NotRestorable as exc:
+            # Loud, once per target; the decision stands (a later check may find it, e.g. a store back from a fault).
+            self._say_once("error", "auto_rollback_impossible", named, reason=str(exc))
+            return None
         except Exception as exc:
             if not is_transient(exc):
                 raise
-            self.log.warning("auto_rollback_deferred", to_version=decision.to_version, error=describe(exc))
+            self.log.warning("auto_rollback_deferred", to_version=named, error=describe(exc))
             return None  # decided again on the next check
         self.guard.rolled_back(time.time(), decision)
         m.AUTO_ROLLBACKS.labels(reason=decision.reason).inc()
@@ -107,6 +142,29 @@ class GuardShell:
         await self.audit("auto_rollback", {**decision.evidence, **outcome, "remedy": decision.remedy},
                          f"rollback to version {decision.to_version} requested; {decision.remedy}")
         return decision
+
+    def _say_once(self, level: str, event: str, version: int, **kw: Any) -> None:
+        if (event, version) not in self._said:
+            self._said.add((event, version))
+            getattr(self.log, level)(event, to_version=version, **kw)
+
+    def _restorable(self, version: int) -> VersionRecord:
+        """The history record of the version a rollback to ``version`` restores: its own, or, when paramsync
+        passed it over (the marker is past it and it has no record), the newest kept version below it of the
+        trainer's lineage. Raises NotPublishedYet (the marker is below it) or NotRestorable."""
+        records = self.policies.records()
+        own = next((r for r in records if r.version == version), None)
+        if own is not None:
+            return own
+        marker = self.policies.read_marker()
+        if marker is None or marker[0].version < version:
+            raise NotPublishedYet(version)
+        lineage = self.lineage()
+        older = [r for r in records if r.version < version and int(r.extra.get("lineage") or 0) == lineage]
+        if not older:
+            raise NotRestorable(f"version {version} was never published (paramsync passed over it) and no older "
+                                f"version of lineage {lineage} is kept")
+        return max(older, key=lambda r: r.version)
 
     def _carry_out(self, decision: Decision, base: Settings, settings: Settings) -> dict[str, Any]:
         assert decision.to_version is not None

@@ -159,7 +159,8 @@ class Trainer:
         rollback_guard = RollbackGuard(self.cfg.guard, return_window=self.cfg.return_window)
         self.guard = GuardShell(rollback_guard, store=store, run=settings.run, policies=self.policies,
                                 config=self.runtime.watcher.config, producer=self.producer,
-                                control_topic=self.topics.control, audit=self.audit, log=self.log, holder=self.id)
+                                control_topic=self.topics.control, audit=self.audit, log=self.log, holder=self.id,
+                                lineage=lambda: self.lineage)
         # TensorBoard (on by default), MLflow when configured; rank 0's only (the ranks train one model).
         self.tracker = Tracker.from_settings(settings) if self.leader else Tracker()
         self.lease = HeldLease(TrainerLease(store, settings.run, self.id), self.retry, self.log)

@@ -19,6 +19,7 @@ from shared.messages import ControlCommand
 from shared.runtime import AuditLog, RuntimeConfig, apply_runtime
 from shared.settings import GuardSettings, Settings, StoreSettings, TrainerSettings
 from shared.store import open_store
+from tests.marker_cases import publish_version
 
 RUN = "r"
 CFG = GuardSettings(enabled=True, drop=100.0, hold_tolerance=25.0, settle_updates=2, window=10, min_episodes=20,
@@ -52,6 +53,7 @@ def feed(sh: GuardShell, means: list[float], start_version: int, episodes: int) 
     for mean in means:
         v += 1
         episodes += 5
+        publish_version(sh.policies, v)  # paramsync published every candidate (none superseded)
         sh.observe(time.time(), v, mean, episodes, Stats())
     return v, episodes
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +31,13 @@ from services.trainer.telemetry import Auditor
 from shared.bus import MemoryBus
 from shared.kafka import Topics
 from shared.marker import VersionedStore
+from shared.messages import ControlCommand
 from shared.retry import every
 from shared.rollback import ROLLBACK_PREFIX
 from shared.runtime import AuditLog, RuntimeConfig
 from shared.settings import GuardSettings, Settings, StoreSettings, TrainerSettings
 from shared.store import PreconditionFailed, StoreError, open_store
+from tests.marker_cases import publish_version
 
 RUN = "r"
 CFG = GuardSettings(enabled=True, drop=100.0, hold_tolerance=25.0, settle_updates=2, window=10, min_episodes=20,
@@ -91,6 +94,9 @@ class FailingPins:
     def unpin(self, version: int) -> None:
         self.inner.unpin(version)
 
+    def __getattr__(self, name: str) -> Any:  # reads (records, marker) go to the store as they are
+        return getattr(self.inner, name)
+
 
 class FailingProducer:
     def __init__(self, error: BaseException) -> None:
@@ -113,10 +119,13 @@ class Rig:
     version: int = 0
     episodes: int = 0
 
-    def feed(self, means: list[float]) -> None:
+    def feed(self, means: list[float], published: bool = True) -> None:
+        """One update per mean; ``published``: paramsync published each new version (none superseded)."""
         for mean in means:
             self.version += 1
             self.episodes += 5
+            if published:
+                publish_version(self.store_pins, self.version)
             self.sh.observe(time.time(), self.version, mean, self.episodes, Stats())
 
     async def check(self) -> Any:
@@ -199,6 +208,69 @@ async def test_a_pinned_version_stays_pinned_while_the_guard_names_it(tmp_path: 
     before = r.stored()
     await r.check()
     assert r.stored() == before  # no churn: a check without a change keeps every pin
+
+
+# ---- the target: a version paramsync can republish ----
+
+def named(r: Rig) -> int:
+    """The version the guard names now (asking the pure guard decides nothing: it answers the same again)."""
+    d = r.sh.guard.decide(time.time())
+    assert d is not None and d.to_version is not None
+    return d.to_version
+
+
+async def test_a_version_paramsync_passed_over_is_replaced_by_the_newest_older_one_of_its_lineage(
+        tmp_path: Path) -> None:
+    r = rig(tmp_path)
+    r.feed([500.0] * 30)
+    await r.check()
+    r.feed([80.0] * 40)
+    target = named(r)
+    # Paramsync publishes only the newest candidate of a burst: the named version and the one below it were
+    # superseded (no history record), the marker is far past them.
+    for v in (target, target - 1):
+        r.sh.store.delete(r.store_pins.history_key(v))
+    d = await r.check()
+    assert d is not None and d.action == "rollback" and d.to_version == target - 2
+    (entry,) = r.audited("auto_rollback")
+    assert entry.params["to_version"] == target - 2 and entry.params["named_version"] == target
+    kept = next(rec for rec in r.store_pins.records() if rec.version == target - 2)
+    assert entry.params["to_sha256"] == kept.sha256
+    (key,) = r.requests()
+    assert json.loads(r.sh.store.get(key).data)["version"] == target - 2  # type: ignore[union-attr]
+    (cmd,) = [ControlCommand.model_validate_json(m.value or b"") for m in r.mem.records(Topics.for_run(RUN).control)]
+    assert cmd.version == target - 2
+    assert target - 2 in r.stored(), "the substitute is pinned until the trainer follows"
+    assert r.log.named("auto_rollback_substituted")
+
+
+async def test_a_version_not_published_yet_waits_for_paramsync(tmp_path: Path) -> None:
+    r = rig(tmp_path)
+    r.feed([500.0] * 20)
+    r.feed([500.0] * 10 + [80.0] * 40, published=False)  # paramsync is behind: the marker is at 20
+    target = named(r)
+    assert target > 20
+    assert await r.check() is None and await r.check() is None
+    assert not r.requests() and not r.audited("auto_rollback")
+    assert len(r.log.named("auto_rollback_waits")) == 1, "said once, not at every check"
+    for v in range(21, r.version + 1):  # paramsync catches up
+        publish_version(r.store_pins, v)
+    d = await r.check()
+    assert d is not None and d.to_version == target and len(r.requests()) == 1
+
+
+async def test_nothing_of_the_trainers_lineage_kept_is_said_loudly_and_requests_nothing(tmp_path: Path) -> None:
+    r = rig(tmp_path)
+    r.feed([500.0] * 30 + [80.0] * 40, published=False)
+    target = named(r)
+    for v in range(1, target):  # versions below the target, but of another lineage (abandoned by a rollback)
+        publish_version(r.store_pins, v, lineage=7)
+    publish_version(r.store_pins, r.version + 1, lineage=7)  # the marker is past the target
+    assert await r.check() is None and await r.check() is None
+    (said,) = r.log.named("auto_rollback_impossible")
+    assert said["to_version"] == target and "lineage 0" in said["reason"]
+    assert not r.requests() and not r.audited("auto_rollback") and r.sh.guard.rollbacks_last_hour(time.time()) == 0
+    assert not r.mem.records(Topics.for_run(RUN).control)
 
 
 # ---- errors: transient ones are logged and retried, every other one propagates ----

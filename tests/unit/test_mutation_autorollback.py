@@ -23,6 +23,7 @@ from shared.marker import VersionedStore
 from shared.runtime import AuditLog, RuntimeConfig, apply_runtime
 from shared.settings import GuardSettings, Settings, StoreSettings, TrainerSettings
 from shared.store import open_store
+from tests.marker_cases import publish_version
 
 RUN = "r"
 CFG = GuardSettings(enabled=True, drop=100.0, hold_tolerance=25.0, settle_updates=2, window=10, min_episodes=20,
@@ -55,6 +56,7 @@ def fall(sh: GuardShell, start: int = 0) -> int:
     v = start
     for mean in [500.0] * 30 + [80.0] * 40:
         v += 1
+        publish_version(sh.policies, v)  # paramsync published every candidate
         sh.observe(time.time(), v, mean, v * 5, Stats())
     return v
 
@@ -142,7 +144,8 @@ async def test_revert_config_goes_back_to_the_revision_before_the_blamed_one(tmp
 
 
 async def test_store_calls_are_bounded_in_time(tmp_path: Path, monkeypatch: Any) -> None:
-    """A store that hangs holds the check at most 10 s for the pins and 30 s for carrying a rollback out."""
+    """A store that hangs holds the check at most 10 s for the pins, 10 s for finding the version to restore
+    and 30 s for carrying a rollback out."""
     sh, settings = shell(tmp_path)
     fall(sh)
     limits: list[float] = []
@@ -154,7 +157,7 @@ async def test_store_calls_are_bounded_in_time(tmp_path: Path, monkeypatch: Any)
 
     monkeypatch.setattr(asyncio, "wait_for", recording)
     assert await sh.check(settings, settings) is not None
-    assert limits[:2] == [10, 30]  # the pins, then the rollback (the audit write has its own bound)
+    assert limits[:3] == [10, 10, 30]  # the pins, the target's record, the rollback (the audit has its own bound)
 
 
 async def test_a_remedy_is_matched_by_value(tmp_path: Path) -> None:
