@@ -57,3 +57,39 @@ def test_results_page_quotes_the_cartpole_peers_figure() -> None:
     ]
     missing = [e for e in expected if e not in page]
     assert not missing, f"docs/results.md differs from docs/benchmarks.json: {missing}"
+
+
+def test_results_and_pixels_pages_quote_the_minatar_peers_figure() -> None:
+    fig = json.loads((REPO / "docs" / "benchmarks.json").read_text())["figures"]["peers_minatar"]
+    n = fig["numbers"]
+    peers, same = n["peers"], n["rank_tests"]["Flywheel vs SB3 PPO"]
+
+    def cell(peer: str) -> str:
+        s = peers[peer]["summary"]["last100_at_budget"]
+        return f"{s['median']:.2f} [{s['ci_lo']:.2f}, {s['ci_hi']:.2f}]"
+
+    def startup(peer: str) -> str:
+        return f"{peers[peer]['summary']['startup_s']['median']:.1f} s"
+
+    other = [r["other_work_cores"] for p in peers.values() for r in p["runs"]]
+    versus = f"Flywheel {cell('Flywheel')} against SB3 PPO's {cell('SB3 PPO')}"
+    p_budget = f"two-sided p = {same['last100_at_budget']['p_two_sided']:.3f}"
+    commit, seeds = fig["machine"]["commit"], len(n["seeds"])
+    expected = {
+        "results.md": [
+            f"MinAtar Breakout at a {n['wall_s']:.0f} s budget ({seeds} seeds each, one run at `{commit}`",
+            f"and {n['sb3_threads']} torch threads, other work {min(other):.2f}-{max(other):.2f} cores per run",
+            versus, f"({p_budget})",
+            f"({startup('Flywheel')} against {startup('SB3 PPO')}, one-sided p = "
+            f"{same['startup_s']['p_a_larger']:.3f})",
+        ],
+        "pixels.md": [
+            f"{seeds} seeds a side in one run at `{commit}`, SB3 with {n['sb3_threads']} torch threads",
+            f"{versus} at {n['wall_s']:.0f} s", f"({p_budget})",
+        ],
+    }
+    for name, strings in expected.items():
+        page = " ".join((REPO / "docs" / name).read_text().split())
+        missing = [e for e in strings if e not in page]
+        assert not missing, f"docs/{name} differs from docs/benchmarks.json (peers_minatar): {missing}"
+    assert max(other) <= n["other_work_limit_cores"], "a run above the other-work limit was kept, not redone"
