@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from aiokafka.errors import KafkaConnectionError, UnsupportedVersionError
 
-from services.trainer.autorollback import GuardShell
+from services.trainer.autorollback import GUARD_ACTOR, GuardShell
 from services.trainer.guard import RollbackGuard
 from services.trainer.service import Trainer
 from services.trainer.telemetry import Auditor
@@ -389,6 +389,28 @@ async def test_the_trainers_guard_task_ends_on_a_non_transient_error_and_survive
     task = guard_task()
     with pytest.raises(RuntimeError, match="a bug"):
         await asyncio.wait_for(task, 5)
+
+
+async def test_the_trainer_applies_the_remedy_at_once_not_after_it_follows_the_rollback(tmp_path: Path) -> None:
+    """A rollback is followed within about a second; the remedy's revision must already be in force then, not
+    wait for the trainer's next runtime poll (updates at the blamed settings would break the restored weights)."""
+    r = rig(tmp_path)
+    r.feed([500.0] * 30)
+    await r.check()
+    r.feed([80.0] * 40)
+    applied: list[Any] = []
+
+    async def runtime_config() -> None:
+        applied.append(RuntimeConfig(r.sh.store, RUN).latest())
+
+    trainer = SimpleNamespace(guard=r.sh, base_settings=r.settings, settings=r.settings,
+                              runtime_config=runtime_config)
+    await Trainer.guard_check(trainer)  # type: ignore[arg-type]
+    assert len(r.requests()) == 1
+    (rev,) = applied
+    assert rev is not None and rev.actor == GUARD_ACTOR, "the remedy's revision was not applied with the rollback"
+    await Trainer.guard_check(trainer)  # type: ignore[arg-type]  # nothing decided (cooldown): nothing to apply
+    assert len(applied) == 1
 
 
 async def test_the_explosion_fallback_is_pinned_before_it_is_needed(tmp_path: Path) -> None:
