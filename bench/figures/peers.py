@@ -17,7 +17,15 @@ from typing import Any
 from bench import sb3
 from bench.context import BENCH_HOME, DEFAULT_CONFIG, Context, say
 from bench.peers import flywheel_peer, sample_factory, sb3_peer
-from bench.peers.measure import OTHER_WORK_LIMIT, SB3_THREADS, cores_cell, cores_words, measured, redone_lines
+from bench.peers.measure import (
+    OTHER_WORK_LIMIT,
+    SB3_THREADS,
+    cores_cell,
+    cores_words,
+    guarded,
+    measured,
+    redone_lines,
+)
 from bench.peers.proc import adopt_orphans
 from bench.peers.run import PeerRun
 from bench.peers.stats import MedianCI, RankTest, order_statistic_ranks
@@ -54,15 +62,6 @@ def _peers(ctx: Context, timeout_s: float) -> list[tuple[str, str, Runner]]:
             ("Flywheel", "flywheel", fw_run("flywheel", DEFAULT_CONFIG)),
             ("Flywheel", "rl-zoo", fw_run("rl-zoo", zoo_yaml)),
             ("Sample Factory APPO", "SF example", sf_run)]
-
-
-def _guarded(peer: str, settings: str, seed: int, fn: Runner) -> PeerRun:
-    """A run that raised is a failed run with the reason, not a lost figure."""
-    try:
-        return fn(seed)
-    except Exception as exc:
-        say(f"peers: {peer} ({settings}) seed {seed} failed: {type(exc).__name__}: {exc}")
-        return PeerRun(peer, settings, seed, None, None, None, f"{type(exc).__name__}: {exc}")
 
 
 def compare(runs: dict[tuple[str, str], list[PeerRun]]) -> dict[str, dict[str, RankTest]]:
@@ -120,8 +119,9 @@ def run(ctx: Context) -> FigureResult:
     for seed in seeds:  # per seed every peer, one after another: drift of the machine hits all alike
         for peer, settings, fn in peers:
             say(f"peers: {peer} ({settings}), seed {seed}")
-            r = measured(f"peers: {peer} ({settings}) seed {seed}",
-                         functools.partial(_guarded, peer, settings, seed, fn))
+            label = f"peers: {peer} ({settings}) seed {seed}"
+            r = measured(label, functools.partial(guarded, label, functools.partial(fn, seed),
+                                                  functools.partial(PeerRun, peer, settings, seed, None, None, None)))
             runs[(peer, settings)].append(r)
             say(f"peers:   -> {_cell(r)}" + (f" ({r.error.splitlines()[0]})" if r.error else ""))
     stats = {k: summarise(v) for k, v in runs.items()}

@@ -27,7 +27,15 @@ from typing import Any
 
 from bench.context import Context, say
 from bench.peers import flywheel_peer, sb3_minatar, sb3_peer
-from bench.peers.measure import OTHER_WORK_LIMIT, SB3_THREADS, cores_cell, cores_words, measured, redone_lines
+from bench.peers.measure import (
+    OTHER_WORK_LIMIT,
+    SB3_THREADS,
+    cores_cell,
+    cores_words,
+    guarded,
+    measured,
+    redone_lines,
+)
 from bench.peers.proc import adopt_orphans
 from bench.peers.stats import MedianCI, RankTest
 from bench.report import FigureResult, Row
@@ -153,15 +161,6 @@ def run_flywheel(ctx: Context, seed: int, wall_s: float) -> BudgetRun:
                      {"fragments": len(frags), "last_policy_version": max(f.policy_version for f in frags)})
 
 
-def _guarded(peer: str, seed: int, wall_s: float, fn: Runner) -> BudgetRun:
-    """A run that raised is a failed run with the reason, not a lost figure."""
-    try:
-        return fn(seed, wall_s)
-    except Exception as exc:
-        say(f"{NAME}: {peer} seed {seed} failed: {type(exc).__name__}: {exc}")
-        return BudgetRun(peer, seed, wall_s, None, None, (), f"{type(exc).__name__}: {exc}")
-
-
 def summarise(runs: Sequence[BudgetRun]) -> dict[str, MedianCI]:
     """Medians with the order-statistic interval over the runs that have a result (failed runs are counted
     beside, not as a return): last-100 at W and W/2, env steps in W, start-up."""
@@ -221,7 +220,9 @@ def run(ctx: Context) -> FigureResult:
     runs: dict[str, list[BudgetRun]] = {p: [BudgetRun.from_record(d) for d in kept.get(p, [])] for p, _ in peers}
     for seed in new_seeds:  # per seed both sides, one after another: drift of the machine hits both alike
         for peer, fn in peers:
-            r = measured(f"{NAME}: {peer} seed {seed}", functools.partial(_guarded, peer, seed, wall_s, fn))
+            label = f"{NAME}: {peer} seed {seed}"
+            r = measured(label, functools.partial(guarded, label, functools.partial(fn, seed, wall_s),
+                                                  functools.partial(BudgetRun, peer, seed, wall_s, None, None, ())))
             runs[peer].append(r)
             say(f"{NAME}:   -> {peer}: {_cell(r)}" + (f" ({r.error.splitlines()[0]})" if r.error else ""))
     for v in runs.values():

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
@@ -25,6 +24,7 @@ import yaml
 
 from bench.context import BENCH_HOME, Context, say
 from bench.peers import flywheel_peer, sb3_mujoco
+from bench.peers.measure import guarded
 from bench.peers.stats import MedianCI
 from bench.report import FigureResult, Row
 from bench.samples import FragmentInfo, episode_curve, read_samples
@@ -219,15 +219,6 @@ def run_flywheel(ctx: Context, seed: int, config: Path, budget: int, timeout_s: 
                       sampled, error, {"fragments": len(frags), "trained_at_stop": trained, "run": run})
 
 
-def _guarded(peer: str, seed: int, budget: int, fn: Callable[[], BudgetRun]) -> BudgetRun:
-    """A run that raised is a failed run with the reason, not a lost figure."""
-    try:
-        return fn()
-    except Exception as exc:
-        say(f"peers_mujoco: {peer} seed {seed} failed: {type(exc).__name__}: {exc}")
-        return BudgetRun(peer, seed, budget, None, None, None, 0, 0, f"{type(exc).__name__}: {exc}")
-
-
 # ---- the figure ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PeerSummary:
@@ -321,7 +312,8 @@ def run(ctx: Context) -> FigureResult:
             say(f"peers_mujoco: {peer}, seed {seed}, {budget:,} env steps, at most {timeout_s:.0f} s")
             fn = (partial(run_sb3, seed, budget, timeout_s) if peer == PEERS[0]
                   else partial(run_flywheel, ctx, seed, config, budget, timeout_s))
-            r = _guarded(peer, seed, budget, fn)
+            r = guarded(f"peers_mujoco: {peer} seed {seed}", fn,
+                        partial(BudgetRun, peer, seed, budget, None, None, None, 0, 0))
             runs[peer].append(r)
             say(f"peers_mujoco:   -> {_cell(r)}")
     for v in runs.values():

@@ -28,7 +28,15 @@ from typing import Any
 
 from bench.context import Context, say
 from bench.peers import envpool_raw, flywheel_peer, sb3_atari, sf_atari
-from bench.peers.measure import OTHER_WORK_LIMIT, SB3_THREADS, cores_cell, cores_words, measured, redone_lines
+from bench.peers.measure import (
+    OTHER_WORK_LIMIT,
+    SB3_THREADS,
+    cores_cell,
+    cores_words,
+    guarded,
+    measured,
+    redone_lines,
+)
 from bench.peers.proc import adopt_orphans, run_lines
 from bench.peers.stats import MedianCI, RankTest
 from bench.peers.throughput import FRAME_SKIP, ThroughputRun
@@ -111,15 +119,6 @@ def learner_ceiling(threads: int = 1, updates: int = 3) -> dict[str, Any]:
     return {"error": f"learner_rate exited with {res.rc}: {res.tail(5)}"}
 
 
-def _guarded(peer: str, seed: int, fn: Runner) -> ThroughputRun:
-    """A side that raised is a failed run with the reason, not a lost figure."""
-    try:
-        return fn(seed)
-    except Exception as exc:
-        say(f"{NAME}: {peer} seed {seed} failed: {type(exc).__name__}: {exc}")
-        return ThroughputRun(peer, seed, None, (), f"{type(exc).__name__}: {exc}")
-
-
 def frames_ci(runs: Sequence[ThroughputRun], warmup_s: float, until_s: float) -> MedianCI:
     """Median trained frames/s over the runs that have a rate (a failed run counts as no value, not as 0)."""
     return MedianCI.of(r.frames_per_s(warmup_s, until_s) for r in runs if r.frames_per_s(warmup_s, until_s) is not None)
@@ -169,7 +168,9 @@ def run(ctx: Context) -> FigureResult:
     for seed in seeds:  # per seed every side, one after another: drift of the machine hits all alike
         for peer, fn in sides:
             # each side measures its own cores over the steady window (``cores``); the whole run's are ``run_cores``
-            r = measured(f"{NAME}: {peer} seed {seed}", functools.partial(_guarded, peer, seed, fn),
+            label = f"{NAME}: {peer} seed {seed}"
+            r = measured(label, functools.partial(guarded, label, functools.partial(fn, seed),
+                                                  functools.partial(ThroughputRun, peer, seed, None, ())),
                          cores_key="run_cores")
             runs[peer].append(r)
             fps = r.frames_per_s(*windows[peer])

@@ -33,6 +33,17 @@ class HasExtra(Protocol):
 
 
 R = TypeVar("R", bound=HasExtra)
+T = TypeVar("T")
+
+
+def guarded(label: str, run: Callable[[], T], failed: Callable[[str], T]) -> T:
+    """``run()``; a run that raised is ``failed(reason)``, a failed run with its reason, not a lost figure."""
+    try:
+        return run()
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        say(f"{label} failed: {reason}")
+        return failed(reason)
 
 
 def measured(label: str, run: Callable[[], R], limit: float = OTHER_WORK_LIMIT, cores_key: str = "cores") -> R:

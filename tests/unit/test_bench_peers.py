@@ -256,3 +256,21 @@ def test_a_redone_run_gets_a_fresh_run_name() -> None:
     assert first == "bench-peers-minatar-s-fw-seed1"
     assert (again, third) == (f"{first}-2", f"{first}-3")
     assert ctx.run_name("peers_minatar", "fw-seed2") == "bench-peers-minatar-s-fw-seed2"
+
+
+def test_a_peer_run_that_raised_is_a_failed_run_with_its_reason_not_a_lost_figure() -> None:
+    import functools
+
+    from bench.peers.measure import guarded
+
+    def crash() -> PeerRun:
+        raise RuntimeError("the peer's child exited 1")
+
+    failed = functools.partial(PeerRun, "SB3 PPO", "flywheel", 3, None, None, None)
+    r = guarded("peers: SB3 PPO (flywheel) seed 3", crash, failed)
+    assert (r.peer, r.seed, r.end_to_end_s) == ("SB3 PPO", 3, None)
+    assert r.error == "RuntimeError: the peer's child exited 1"
+    ok = PeerRun("SB3 PPO", "flywheel", 3, 1.0, 2.0, 100, None)
+    assert guarded("x", lambda: ok, failed) is ok
+    with pytest.raises(KeyboardInterrupt):  # not an Exception: the bench stops
+        guarded("x", lambda: (_ for _ in ()).throw(KeyboardInterrupt()), failed)
