@@ -159,6 +159,8 @@ class GuardShell:
         marker = self.policies.read_marker()
         if marker is None or marker[0].version < version:
             raise NotPublishedYet(version)
+        if marker[0].version == version:  # published just now: the marker is written before its history record
+            return marker[0]
         lineage = self.lineage()
         older = [r for r in records if r.version < version and int(r.extra.get("lineage") or 0) == lineage]
         if not older:

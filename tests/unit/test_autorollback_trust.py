@@ -259,6 +259,13 @@ async def test_a_version_not_published_yet_waits_for_paramsync(tmp_path: Path) -
     assert d is not None and d.to_version == target and len(r.requests()) == 1
 
 
+def test_the_version_the_marker_names_is_restorable_before_its_history_record_is_written(tmp_path: Path) -> None:
+    r = rig(tmp_path)
+    r.feed([500.0] * 5)
+    r.sh.store.delete(r.store_pins.history_key(5))  # paramsync writes the marker first, then the history record
+    assert r.sh._restorable(5).version == 5 and r.sh._restorable(4).version == 4
+
+
 async def test_nothing_of_the_trainers_lineage_kept_is_said_loudly_and_requests_nothing(tmp_path: Path) -> None:
     r = rig(tmp_path)
     r.feed([500.0] * 30 + [80.0] * 40, published=False)
