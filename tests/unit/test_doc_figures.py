@@ -93,3 +93,51 @@ def test_results_and_pixels_pages_quote_the_minatar_peers_figure() -> None:
         missing = [e for e in strings if e not in page]
         assert not missing, f"docs/{name} differs from docs/benchmarks.json (peers_minatar): {missing}"
     assert max(other) <= n["other_work_limit_cores"], "a run above the other-work limit was kept, not redone"
+
+
+def test_results_and_pixels_pages_quote_the_pong_peers_figure() -> None:
+    fig = json.loads((REPO / "docs" / "benchmarks.json").read_text())["figures"]["peers_pong"]
+    n = fig["numbers"]
+    peers, tests = n["peers"], n["rank_tests"]
+    fw, sb3 = "Flywheel", "SB3 PPO"
+    sync, asyn = "Sample Factory APPO, sync (its example)", "Sample Factory APPO, async"
+
+    def cell(peer: str) -> str:
+        s = peers[peer]["frames_per_s"]
+        return f"{s['median']:,.0f} [{s['ci_lo']:,.0f}, {s['ci_hi']:,.0f}]"
+
+    def p(peer: str, key: str) -> str:
+        return f"{tests[f'{fw} vs {peer}'][key]:.3f}"
+
+    other = [r["other_work_cores"] for v in peers.values() for r in v["runs"]]
+    commit, seeds = fig["machine"]["commit"], len(n["seeds"])
+    row = {peer: f"| {cell(peer)} | {peers[peer]['startup_s']['median']:.1f} s | {peers[peer]['cores']['median']:.2f} |"
+           for peer in peers}
+    expected = {
+        "results.md": [
+            f"({seeds} seeds a side, one run at `{commit}`, {n['run_s']:.0f} s per side, other work "
+            f"{min(other):.2f}-{max(other):.2f} cores per run",
+            f"Flywheel {cell(fw)} against Stable-Baselines3 PPO {cell(sb3)}",
+            f"({n['sb3_threads']} torch threads; no difference shown, two-sided p = {p(sb3, 'p_two_sided')})",
+            f"asynchronous {cell(asyn)} (one-sided p = {p(asyn, 'p_a_larger')})",
+            f"synchronous Atari example {cell(sync)} (one-sided p = {p(sync, 'p_a_larger')})",
+            f"EnvPool steps the same envs at {cell('EnvPool (raw)')} raw",
+        ],
+        "pixels.md": [
+            f"{seeds} seeds a side in one run at `{commit}`, {n['run_s']:.0f} s per side",
+            f"rates over [{n['warmup_s']:.0f} s, end]",
+            f"other work on the machine {min(other):.2f}-{max(other):.2f} cores per run",
+            *row.values(),
+            f"asynchronous mode (one-sided p = {p(asyn, 'p_a_larger')})",
+            f"synchronous example (one-sided p = {p(sync, 'p_a_larger')})",
+            f"(two-sided p = {p(sb3, 'p_two_sided')})",
+            f"0.7x EnvPool ({0.7 * peers['EnvPool (raw)']['frames_per_s']['median']:,.0f} frames/s)",
+            f"reached {peers[fw]['frames_per_s']['median'] / peers['EnvPool (raw)']['frames_per_s']['median']:.2f}x",
+            f"trains {n['learner_alone']['env_steps_per_s'] * 4:,.0f} frames/s",
+        ],
+    }
+    for name, strings in expected.items():
+        page = " ".join((REPO / "docs" / name).read_text().split())
+        missing = [e for e in strings if e not in page]
+        assert not missing, f"docs/{name} differs from docs/benchmarks.json (peers_pong): {missing}"
+    assert max(other) <= n["other_work_limit_cores"], "a run above the other-work limit was kept, not redone"
