@@ -65,6 +65,11 @@ class VersionRecord:
     """When :meth:`VersionedStore.publish` stored it (its clock); None in records written before this
     field existed. Not part of equality: the same record read back from the store equals the one sent."""
 
+    @property
+    def lineage(self) -> int:
+        """The rollback these weights descend from (``extra["lineage"]``; 0: none)."""
+        return int(self.extra.get("lineage") or 0)
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
 

@@ -98,7 +98,7 @@ class PolicyMessage(_Msg):
         key_id, signature = (sig.get("key_id"), sig.get("hmac")) if isinstance(sig, dict) else (None, None)
         return cls(type=type_, version=rec.version, blob=rec.blob, sha256=rec.sha256, size=rec.size,
                    trainer_step=rec.trainer_step, created_at=rec.created_at,
-                   lineage=int(rec.extra.get("lineage") or 0), rollback_of=rec.extra.get("rollback_of"),
+                   lineage=rec.lineage, rollback_of=rec.extra.get("rollback_of"),
                    key_id=key_id if isinstance(key_id, str) else None,
                    signature=signature if isinstance(signature, str) else None)
 

@@ -69,7 +69,7 @@ def claims(run: str, version: int, sha256: str, size: int, trainer_step: int, li
 
 def record_claims(run: str, rec: VersionRecord) -> bytes:
     rollback_of = rec.extra.get("rollback_of")
-    return claims(run, rec.version, rec.sha256, rec.size, rec.trainer_step, int(rec.extra.get("lineage") or 0),
+    return claims(run, rec.version, rec.sha256, rec.size, rec.trainer_step, rec.lineage,
                   None if rollback_of is None else int(rollback_of))
 
 

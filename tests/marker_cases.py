@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -21,8 +22,7 @@ def publish_version(vs: VersionedStore, version: int, lineage: int = 0) -> Versi
     """Publish ``version`` as paramsync does a candidate (payload, history record, marker), in ``lineage``."""
     rec = record_for(vs, version, f"weights of version {version}".encode())
     if lineage:
-        rec = VersionRecord(version=rec.version, blob=rec.blob, sha256=rec.sha256, size=rec.size,
-                            trainer_step=rec.trainer_step, extra={"lineage": lineage})
+        rec = replace(rec, extra={"lineage": lineage})
     vs.publish_next(rec)
     return rec
 

@@ -166,7 +166,7 @@ class Paramsync:
     def _set_published(self, record: VersionRecord) -> None:
         self.published_version = record.version
         self.published_record = record
-        self.lineage_required = max(self.lineage_required, int(record.extra.get("lineage") or 0))
+        self.lineage_required = max(self.lineage_required, record.lineage)
         PUBLISHED.set(record.version)
 
     # ---- candidates ------------------------------------------------------------------------
@@ -238,7 +238,7 @@ class Paramsync:
             candidate's weights do not descend from. Checked against the marker read for the conditional
             write, so a rollback published meanwhile (by another task or process) is never overtaken."""
             current = self.policies.read_marker()
-            lineage = int(current[0].extra.get("lineage") or 0) if current is not None else 0
+            lineage = current[0].lineage if current is not None else 0
             if msg.lineage < lineage:
                 raise AbandonedLineage(lineage)
             if current is not None and record.version <= current[0].version:
@@ -404,7 +404,7 @@ class Paramsync:
                             lambda: asyncio.to_thread(republish, self.policies, self.model, req, self._signed),
                             "rollback", "store", timeout_s=60)
                         # At once, under the lock: no candidate of the abandoned lineage slips in after it.
-                        self.lineage_required = max(self.lineage_required, int(record.extra.get("lineage") or 0))
+                        self.lineage_required = max(self.lineage_required, record.lineage)
                         break
                     except MarkerConflict:  # another writer (a second paramsync?) moved it: read again
                         if attempt == 2:

@@ -162,7 +162,7 @@ class GuardShell:
         if marker[0].version == version:  # published just now: the marker is written before its history record
             return marker[0]
         lineage = self.lineage()
-        older = [r for r in records if r.version < version and int(r.extra.get("lineage") or 0) == lineage]
+        older = [r for r in records if r.version < version and r.lineage == lineage]
         if not older:
             raise NotRestorable(f"version {version} was never published (paramsync passed over it) and no older "
                                 f"version of lineage {lineage} is kept")

@@ -161,7 +161,7 @@ class Checkpoints:
                              "restored an older checkpoint")
         self.log.info("checkpoint_restored", update=record.version, fell_back=bool(refused), checkpoint_offsets=offsets)
         return Restored(step=record.version, offsets=offsets, ledger=dict(record.extra.get("ledger") or {}),
-                        lineage=int(record.extra.get("lineage") or 0),
+                        lineage=record.lineage,
                         abandoned=[(int(lo), int(hi)) for lo, hi in record.extra.get("abandoned") or []],
                         fresh_start_at=self.fresh_start_at)
 

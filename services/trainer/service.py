@@ -613,7 +613,7 @@ class Trainer:
             raise RuntimeError(f"policy version {marker[0].version} is published but no checkpoint exists (lost?); "
                                "refusing to train a new model from scratch under it: set trainer.fresh_start=true "
                                "to do so deliberately")
-        if marker is not None and int(marker[0].extra.get("lineage") or 0) > self.lineage:
+        if marker is not None and marker[0].lineage > self.lineage:
             # A rollback was published after this checkpoint: continue from the published weights.
             rec = marker[0]
             data = await self.retry(lambda: asyncio.to_thread(self.policies.fetch, rec), "fetch policy", "store")
