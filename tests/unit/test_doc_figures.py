@@ -141,3 +141,37 @@ def test_results_and_pixels_pages_quote_the_pong_peers_figure() -> None:
         missing = [e for e in strings if e not in page]
         assert not missing, f"docs/{name} differs from docs/benchmarks.json (peers_pong): {missing}"
     assert max(other) <= n["other_work_limit_cores"], "a run above the other-work limit was kept, not redone"
+
+
+def test_policies_and_scaling_pages_quote_the_sync_inline_figure() -> None:
+    fig = json.loads((REPO / "docs" / "benchmarks.json").read_text())["figures"]["sync_inline"]
+    n, window = fig["numbers"], fig["settings"]["window_s"]
+    i, s = n["inline"], n["store"]
+
+    def row(label: str, r: dict[str, Any]) -> str:
+        return (f"| {label} | {r['versions']} | {r['store_gets']:.0f} | {r['gets_per_version']:.2f} "
+                f"| {r['gets_per_s']:.1f} | {r['sync_p50']:.3f} | {r['sync_p95']:.3f} | {r['sync_p99']:.3f} |")
+
+    expected = {
+        "policies.md": [
+            f"One run at `{fig['machine']['commit']}`",
+            f"other work on the machine meanwhile: {fig['other_cpu_cores']:.2f} cores; {fig['duration_s']:.0f} s in all",
+            f"{i['samplers']} samplers, {window:.0f} s windows",
+            row("inline", i), row("store (`inline_max_bytes: 0`)", s),
+            f"({i['inline_adoptions']:,.0f} inline adoptions, about {i['inline_adoptions'] / i['versions']:.0f} per version)",
+            f"{s['gets_per_s']:.1f} GETs/s from {s['samplers']} samplers",
+            f"({s['versions'] / window:.1f}/s here) each version cost {s['gets_per_version']:.2f} GETs",
+            f"Sync p99 was {s['sync_p99'] / i['sync_p99']:.1f}x lower inline "
+            f"({i['sync_p99']:.3f} s against {s['sync_p99']:.3f} s)",
+        ],
+        "scaling.md": [
+            f"| p50 {i['sync_p50']:.3f} / {s['sync_p50']:.3f} s, p99 {i['sync_p99']:.3f} / {s['sync_p99']:.3f} s; "
+            f"store GETs of weights per version {i['gets_per_version']:.0f} / {s['gets_per_version']:.2f} "
+            f"(one run each, {fig['other_cpu_cores']:.2f} cores of other work) |",
+        ],
+    }
+    for name, strings in expected.items():
+        page = " ".join((REPO / "docs" / name).read_text().split())
+        missing = [e for e in strings if e not in page]
+        assert not missing, f"docs/{name} differs from docs/benchmarks.json (sync_inline): {missing}"
+    assert i["store_gets"] == 0 and i["inline_refused"] == 0, "the inline run read weights from the store"
