@@ -1,14 +1,24 @@
-"""Figures quoted in docs/scaling.md are the ones in docs/benchmarks.json, rounded as the page writes them (the
-README's headline has its own test, test_readme_figures.py)."""
+"""Figures quoted in the docs (scaling, results, pixels, policies) are the ones in docs/benchmarks.json, and the
+rollback guard's in operations and results are the fault suite's row in docs/reliability.md, rounded as each page
+writes them (the README's headline has its own test, test_readme_figures.py)."""
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _assert_quoted(expected: dict[str, list[str]], source: str) -> None:
+    """Each page (under docs/, whitespace folded) contains each of its strings."""
+    for name, strings in expected.items():
+        page = " ".join((REPO / "docs" / name).read_text().split())
+        missing = [e for e in strings if e not in page]
+        assert not missing, f"docs/{name} differs from {source}: {missing}"
 
 
 def _scaling() -> dict[str, Any]:
@@ -88,10 +98,7 @@ def test_results_and_pixels_pages_quote_the_minatar_peers_figure() -> None:
             f"{versus} at {n['wall_s']:.0f} s", f"({p_budget})",
         ],
     }
-    for name, strings in expected.items():
-        page = " ".join((REPO / "docs" / name).read_text().split())
-        missing = [e for e in strings if e not in page]
-        assert not missing, f"docs/{name} differs from docs/benchmarks.json (peers_minatar): {missing}"
+    _assert_quoted(expected, "docs/benchmarks.json (peers_minatar)")
     assert max(other) <= n["other_work_limit_cores"], "a run above the other-work limit was kept, not redone"
 
 
@@ -136,10 +143,7 @@ def test_results_and_pixels_pages_quote_the_pong_peers_figure() -> None:
             f"trains {n['learner_alone']['env_steps_per_s'] * 4:,.0f} frames/s",
         ],
     }
-    for name, strings in expected.items():
-        page = " ".join((REPO / "docs" / name).read_text().split())
-        missing = [e for e in strings if e not in page]
-        assert not missing, f"docs/{name} differs from docs/benchmarks.json (peers_pong): {missing}"
+    _assert_quoted(expected, "docs/benchmarks.json (peers_pong)")
     assert max(other) <= n["other_work_limit_cores"], "a run above the other-work limit was kept, not redone"
 
 
@@ -155,10 +159,12 @@ def test_policies_and_scaling_pages_quote_the_sync_inline_figure() -> None:
     expected = {
         "policies.md": [
             f"One run at `{fig['machine']['commit']}`",
-            f"other work on the machine meanwhile: {fig['other_cpu_cores']:.2f} cores; {fig['duration_s']:.0f} s in all",
+            f"other work on the machine meanwhile: {fig['other_cpu_cores']:.2f} cores; "
+            f"{fig['duration_s']:.0f} s in all",
             f"{i['samplers']} samplers, {window:.0f} s windows",
             row("inline", i), row("store (`inline_max_bytes: 0`)", s),
-            f"({i['inline_adoptions']:,.0f} inline adoptions, about {i['inline_adoptions'] / i['versions']:.0f} per version)",
+            f"({i['inline_adoptions']:,.0f} inline adoptions, "
+            f"about {i['inline_adoptions'] / i['versions']:.0f} per version)",
             f"{s['gets_per_s']:.1f} GETs/s from {s['samplers']} samplers",
             f"({s['versions'] / window:.1f}/s here) each version cost {s['gets_per_version']:.2f} GETs",
             f"Sync p99 was {s['sync_p99'] / i['sync_p99']:.1f}x lower inline "
@@ -170,8 +176,37 @@ def test_policies_and_scaling_pages_quote_the_sync_inline_figure() -> None:
             f"(one run each, {fig['other_cpu_cores']:.2f} cores of other work) |",
         ],
     }
-    for name, strings in expected.items():
-        page = " ".join((REPO / "docs" / name).read_text().split())
-        missing = [e for e in strings if e not in page]
-        assert not missing, f"docs/{name} differs from docs/benchmarks.json (sync_inline): {missing}"
+    _assert_quoted(expected, "docs/benchmarks.json (sync_inline)")
     assert i["store_gets"] == 0 and i["inline_refused"] == 0, "the inline run read weights from the store"
+
+
+def test_operations_and_results_pages_quote_the_fault_suites_guard_row() -> None:
+    """The guard's figures in docs/operations.md and docs/results.md are the fault suite's row in
+    docs/reliability.md (written by `make test-faults`; after a local run rewrote it, update the quotes or
+    `git checkout docs/reliability.md`)."""
+    rel = (REPO / "docs" / "reliability.md").read_text()
+    commit = re.search(r"^Last run: .*?, commit `(\w+)`", rel, re.M)
+    row = next((line for line in rel.splitlines() if line.startswith("| learning_rate(_end)=1.0")), None)
+    assert commit and row, "docs/reliability.md has no guard row or no commit line"
+    m = re.search(r"auto_rollback \((\w+), (\w+)\) ([\d.]+) s after the change; v\d+ republished as v\d+, followed "
+                  r"([\d.]+) s after the change; last-100 return (\d+) -> (\d+) \(best (\d+) - drop (\d+)\) "
+                  r"([\d.]+) s after the change", row)
+    assert m, f"the guard row's note has a shape this test does not know: {row}"
+    cause, remedy, decided, followed, low, back, best, drop, recovered = m.groups()
+    assert row.split("|")[2].strip() == "ok", "the recorded guard row did not pass"
+    expected = {
+        "operations.md": [
+            f"In its recorded run (commit `{commit[1]}`) `auto_rollback` ({cause}, {remedy}) was audited "
+            f"{decided} s after the change",
+            f"trainer followed the republished version {followed} s after it",
+            f"the last-100 return went from {low} back to {back} (within `drop` of its best, {best}) "
+            f"{recovered} s after the change",
+        ],
+        "results.md": [
+            f"recorded at `{commit[1]}` in `reliability.md`",
+            f"rolled back {decided} s after the change and the last-100 return was back within `drop` of its best "
+            f"{recovered} s after it",
+        ],
+    }
+    _assert_quoted(expected, "docs/reliability.md's guard row")
+    assert int(back) >= int(best) - int(drop)
