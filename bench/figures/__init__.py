@@ -14,6 +14,7 @@ from bench.figures import (
     peers_minatar,
     peers_mujoco,
     peers_pong,
+    payloads,
     pendulum,
     pipeline,
     recovery,
@@ -31,6 +32,6 @@ from bench.figures import (
 FIGURES: dict[str, ModuleType] = {
     m.NAME: m for m in (pipeline, async_vs_sync, scaling, sync_latency, solve, stability, stability_ablation,
                         async_sync_return, forced_staleness, pendulum, recovery, service_efficiency,
-                        learner_scaling, actor_learner, peers, sync_inline, sampler_inference,
+                        learner_scaling, actor_learner, peers, sync_inline, sampler_inference, payloads,
                         peers_minatar, peers_mujoco, peers_pong, swarm)
 }
