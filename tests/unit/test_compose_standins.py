@@ -16,6 +16,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 STANDINS = REPO / "deploy" / "standins"
 BUILD = (REPO / "tools" / "compose" / "build.sh").read_text()
+# deploy/Dockerfile: compose's two images and Kubernetes' CPU ones; Dockerfile.trainer: Kubernetes' GPU trainer.
+DOCKERFILES = ("Dockerfile", "Dockerfile.trainer")
 
 
 def load(path: Path) -> ModuleType:
@@ -79,11 +81,26 @@ def test_stand_in_mc_knows_every_mc_call_of_the_compose_files() -> None:
 
 
 def test_dockerfiles_take_the_wheelhouse_arguments_before_pip() -> None:
-    for name in ("Dockerfile", "Dockerfile.sampler", "Dockerfile.trainer"):
+    for name in DOCKERFILES:
         text = (REPO / "deploy" / name).read_text()
         first_pip = text.index("pip install")
         for arg in ("PIP_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX"):
             assert f"ARG {arg}\n" in text[:first_pip], f"{name}: ARG {arg} missing before the first pip install"
+
+
+def test_dockerfiles_are_the_ones_the_tests_know() -> None:
+    assert sorted(p.name for p in (REPO / "deploy").glob("Dockerfile*")) == sorted(DOCKERFILES)
+
+
+def test_only_the_compose_builds_default_image_lifts_the_cpu_only_torch_check() -> None:
+    """deploy/Dockerfile's default stage refuses a CUDA torch unless TORCH_CPU_ONLY=0; the wheelhouse here has only
+    PyPI's torch (the CUDA build: download.pytorch.org cannot be reached), so build.sh lifts the check for that
+    image, and for it alone."""
+    builds = [line for line in BUILD.splitlines() if line.startswith("build flywheel")]
+    assert [line.split()[1] for line in builds] == ["flywheel-sampler:local", "flywheel:local"], builds
+    sampler, default = builds
+    assert "TORCH_CPU_ONLY" not in sampler and default.endswith(" --build-arg TORCH_CPU_ONLY=0"), builds
+    assert "\nARG TORCH_CPU_ONLY=1\n" in (REPO / "deploy" / "Dockerfile").read_text()
 
 
 def test_the_test_engine_never_uses_the_default_socket() -> None:
@@ -99,7 +116,7 @@ def test_the_test_engine_never_uses_the_default_socket() -> None:
 def test_images_give_the_non_root_user_a_writable_flywheel_home() -> None:
     """The trainer writes TensorBoard files under $FLYWHEEL_HOME (default .flywheel in the working directory, /app,
     which the image's user cannot write): seen in make test-compose, the trainer stopped with PermissionError."""
-    for name in ("Dockerfile", "Dockerfile.sampler", "Dockerfile.trainer"):
+    for name in DOCKERFILES:
         text = (REPO / "deploy" / name).read_text()
         # the last stage, or the runtime stage that deploy/Dockerfile's images (default and sampler) build on
         runtime = text[text.index("AS runtime"):] if "AS runtime" in text else text[text.rindex("FROM "):]

@@ -10,7 +10,10 @@ runs reuse the binary (make rebuilds it only when tools/k8s-check changes).
 
 The other tests read what the overlays deploy (`k8s-check -dump`): the settings every container gets
 are ones the services accept (shared.settings.load_settings), the cluster overlay's KafkaTopics are
-exactly the topics the services would create, and each role reads only its own credentials.
+exactly the topics the services would create, and each role reads only its own credentials. Each image they run is
+checked against the Dockerfile stages it is built from (deploy/Dockerfile's `sampler` target and default stage, the
+images compose builds, and Dockerfile.trainer): a numeric USER equal to the pods' runAsUser, home and caches under
+/tmp (the pods' only writable path), and torch as the role needs it (none, CPU-only, CUDA).
 
 Strimzi's objects are validated against Strimzi's own CRDs (tools/k8s-check/crds, pinned). The cluster
 overlay's KafkaUsers, ACLs and KafkaTopics are generated from shared/acl.py and shared/kafka.py
@@ -21,6 +24,7 @@ than shared/acl.py grants its role, however the overlay grants it (the last test
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -373,22 +377,91 @@ def test_each_role_reads_only_its_own_secrets(checker: Path) -> None:
         assert f"flywheel-{role}" in users  # Strimzi writes that Secret for this KafkaUser
 
 
+# Each image the overlays run: the Dockerfile and target it is built from (docs/kubernetes.md, "Images"). The first
+# two are the images docker-compose.yml builds (flywheel-sampler:local, flywheel:local).
+K8S_IMAGES = {"flywheel-sampler": ("Dockerfile", "sampler"),   # no torch: samplers
+              "flywheel": ("Dockerfile", None),                # the default stage, CPU-only torch
+              "flywheel-trainer": ("Dockerfile.trainer", None)}  # CUDA torch: the GPU trainer
+
+
+def _image_name(image: str) -> str:
+    """``registry.example.com/flywheel/flywheel:dev`` -> ``flywheel``."""
+    name, tag = image.rsplit("/", 1)[-1].split(":")
+    assert tag == "dev", image
+    return name
+
+
+def _image_build(name: str, copies: bool = False) -> str:
+    """The stages an image is built from, in file order: its own and those it is FROM (whose ENV and USER it
+    inherits); with ``copies``, also those it copies from (COPY --from), which the build runs as well."""
+    dockerfile, target = K8S_IMAGES[name]
+    stages: dict[str, str] = {}  # stage name -> its text, in file order
+    for chunk in ("\n" + (REPO / "deploy" / dockerfile).read_text()).split("\nFROM ")[1:]:
+        words = chunk.split("\n", 1)[0].split()
+        stages[words[2] if words[1:2] == ["AS"] else f"<stage {len(stages)}>"] = "FROM " + chunk
+    wanted, todo = set(), [target or list(stages)[-1]]  # no target: the last stage, docker build's default
+    while todo:
+        stage = todo.pop()
+        if stage in stages and stage not in wanted:
+            wanted.add(stage)
+            text = stages[stage]
+            todo.append(text.split()[1])
+            if copies:
+                todo += re.findall(r"^COPY --from=(\S+)", text, re.MULTILINE)
+    return "\n".join(text for stage, text in stages.items() if stage in wanted)
+
+
 def test_images_cuda_only_for_the_gpu_trainer(checker: Path) -> None:
     local, gpu, cluster = (_dump(checker, o) for o in OVERLAYS)
+    images = {"sampler": "flywheel-sampler", "trainer": "flywheel", "paramsync": "flywheel", "admin": "flywheel"}
     for role in ROLES:
-        assert _container(local, role)["image"] == "flywheel-sampler:dev", role
+        assert _container(local, role)["image"] == f"{images[role]}:dev", role
     for docs in (gpu, cluster):
         trainer = _container(docs, "trainer")
-        assert trainer["image"].endswith("flywheel-trainer:dev")
+        assert _image_name(trainer["image"]) == "flywheel-trainer"
         assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert {"name": "FLYWHEEL_TRAINER_DEVICE", "value": "cuda"} in trainer["env"]
         for role in ("sampler", "paramsync", "admin"):
-            assert _container(docs, role)["image"].endswith("flywheel-sampler:dev"), role
-    dockerfiles = {n: (REPO / "deploy" / f"Dockerfile.{n}").read_text() for n in ("sampler", "trainer")}
-    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu\n" in dockerfiles["sampler"]
-    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu" in dockerfiles["trainer"]
-    for text in dockerfiles.values():
-        assert "\nUSER 10001:10001\n" in text
+            assert _image_name(_container(docs, role)["image"]) == images[role], role
+    assert _container(cluster, "paramsync")["image"] == "registry.example.com/flywheel/flywheel:dev"
+    assert not (REPO / "deploy" / "Dockerfile.sampler").exists(), "k8s runs deploy/Dockerfile's two images"
+    # torch as each image's role needs it, and each build fails when it comes out otherwise.
+    sampler, cpu, cuda = (_image_build(n, copies=True) for n in K8S_IMAGES)
+    assert "find_spec('torch')" in sampler and "/req/train.txt" not in sampler and "torch.version" not in sampler
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu\n" in cpu
+    assert "ARG TORCH_CPU_ONLY=1\n" in cpu  # the check is on unless a build lifts it (only make test-compose does)
+    assert "os.environ['TORCH_CPU_ONLY'] == '0' or torch.version.cuda is None" in cpu
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu" in cuda
+    assert "assert torch.version.cuda, " in cuda
+
+
+def test_images_run_under_the_pods_security_context(checker: Path) -> None:
+    """Every image the overlays run has a numeric USER (the kubelet verifies runAsNonRoot from the image alone),
+    the pods' runAsUser, and writes nothing outside /tmp, the pods' only writable path (read-only root)."""
+    seen = set()
+    for overlay in OVERLAYS:
+        docs = _dump(checker, overlay)
+        for role in ROLES:
+            pod = _pod(_workload(docs, role))
+            [container] = pod["containers"]
+            name = _image_name(container["image"])
+            seen.add(name)
+            users = [line.split()[1] for line in _image_build(name).splitlines() if line.startswith("USER ")]
+            assert users and re.fullmatch(r"[1-9][0-9]*:[0-9]+", users[-1]), (name, users)  # numeric, not root
+            context = pod["securityContext"]
+            assert context["runAsNonRoot"] is True, (overlay, role)
+            assert users[-1] == f"{context['runAsUser']}:{context['runAsGroup']}" == "10001:10001", (overlay, role)
+            assert container["securityContext"]["readOnlyRootFilesystem"] is True, role
+            [tmp] = [m for m in container["volumeMounts"] if m["mountPath"] == "/tmp"]
+            [volume] = [v for v in pod["volumes"] if v["name"] == tmp["name"]]
+            assert "emptyDir" in volume, (overlay, role)
+    assert seen == set(K8S_IMAGES), seen
+    for name in K8S_IMAGES:
+        build = _image_build(name)
+        for env in ("XDG_CACHE_HOME=/tmp/.cache", "MPLCONFIGDIR=/tmp/.matplotlib", "FLYWHEEL_HOME=/tmp/flywheel"):
+            assert env in build, (name, env)
+        # the user's home is /tmp, the emptyDir: nothing that writes under ~ meets the read-only root
+        assert "useradd --system --uid 10001 --gid flywheel --no-create-home --home-dir /tmp " in build, name
 
 
 def test_trainer_ranks_have_stable_dns_names(checker: Path) -> None:

@@ -2,9 +2,10 @@
 # Everything `make test-compose` needs before `docker compose up`, on a machine that reaches no container
 # registry: the base image (base-image.sh), a wheelhouse, Docker Compose v2 built from the Go module proxy, the
 # stand-in third-party images (deploy/standins/) under the names docker-compose.yml uses, and flywheel:local and
-# flywheel-sampler:local from deploy/Dockerfile as shipped, with only PYTHON_IMAGE and the pip wheelhouse arguments set. One image at a
-# time (the machine has 2 cores). Caches in $FLYWHEEL_COMPOSE_CACHE (default /var/cache/flywheel-compose),
-# outside the clone. DOCKER_HOST must name the test engine (engine.sh).
+# flywheel-sampler:local from deploy/Dockerfile as shipped, with only PYTHON_IMAGE and the pip wheelhouse arguments set
+# (and TORCH_CPU_ONLY=0 for flywheel:local: the wheelhouse has PyPI's CUDA torch). One image at a time (the machine
+# has 2 cores). Caches in $FLYWHEEL_COMPOSE_CACHE (default /var/cache/flywheel-compose), outside the clone.
+# DOCKER_HOST must name the test engine (engine.sh).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CACHE=${FLYWHEEL_COMPOSE_CACHE:-/var/cache/flywheel-compose}
@@ -91,11 +92,12 @@ if ! docker image inspect prom/prometheus:v3.5.0 >/dev/null 2>&1 || [ -n "${REBU
   build prom/prometheus:v3.5.0 deploy/standins/prometheus
 fi
 
-# ---- the project's images: deploy/Dockerfile as shipped; only the base image and where pip finds wheels differ ----
+# ---- the project's images: deploy/Dockerfile as shipped; only build arguments differ (the base image, the wheelhouse) --
 # The sampler's target first (no torch; its build fails if torch is importable), then the default image: it shares
-# the stages before the sampler's, from the layer cache.
+# the stages before the sampler's, from the layer cache. TORCH_CPU_ONLY=0: download.pytorch.org cannot be reached
+# here, so the wheelhouse holds PyPI's torch, the CUDA build, which the default image's CPU-only check would refuse.
 build flywheel-sampler:local . -f deploy/Dockerfile --target sampler --build-arg "PYTHON_IMAGE=$BASE" "${PIP_ARGS[@]}"
-build flywheel:local . -f deploy/Dockerfile --build-arg "PYTHON_IMAGE=$BASE" "${PIP_ARGS[@]}"
+build flywheel:local . -f deploy/Dockerfile --build-arg "PYTHON_IMAGE=$BASE" "${PIP_ARGS[@]}" --build-arg TORCH_CPU_ONLY=0
 
 say "images:"
 docker image ls --format '  {{.Repository}}:{{.Tag}}  {{.Size}}' | grep -v '<none>' | sort
