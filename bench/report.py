@@ -8,6 +8,7 @@ the two never disagree.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,3 +197,20 @@ def _section(e: dict[str, Any]) -> str:
                  f"({m.get('cpu_model')}), {m.get('mem_gib')} GiB, Python {m.get('python')}, torch {m.get('torch')}; "
                  f"1-min load average {before:.1f} before, {after:.1f} after" + _other(e) + ".\n")
     return "\n".join(lines)
+
+
+def standalone_main(prog: str, measure: Callable[..., dict[str, Any]], table: Callable[[dict[str, Any]], str]) -> None:
+    """``python -m <figure>`` for a figure that needs no services: ``--quick`` and ``--json``, the table printed."""
+    import argparse
+    import time
+
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--quick", action="store_true", help="a shorter, smaller run")
+    p.add_argument("--json", type=Path, help="also write the numbers here")
+    args = p.parse_args()
+    t0 = time.time()
+    results = measure(quick=args.quick)
+    print(table(results))
+    print(f"\n({time.time() - t0:.0f} s)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))

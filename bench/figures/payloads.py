@@ -17,14 +17,12 @@ reported as skipped with the reason, never left out silently.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import FigureResult, Row
+from bench.report import FigureResult, Row, standalone_main
 
 NAME = "payloads"
 TITLE = ("Payloads: bytes per fragment (none / zstd) and per policy blob, encode and decode time, per config, "
@@ -158,16 +156,7 @@ def run(ctx: Any) -> FigureResult:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.figures.payloads")
-    p.add_argument("--quick", action="store_true", help="fewer fragments and repeats")
-    p.add_argument("--json", type=Path, help="also write the numbers here")
-    args = p.parse_args()
-    t0 = time.time()
-    results = measure(quick=args.quick)
-    print(table(results))
-    print(f"\n({time.time() - t0:.0f} s)")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    standalone_main("python -m bench.figures.payloads", measure, table)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ overlap; numpy keeps torch and onnxruntime out of the sampler process): the head
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import time
@@ -29,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bench.report import FigureResult, Row
+from bench.report import FigureResult, Row, standalone_main
 
 if TYPE_CHECKING:
     from shared.rl.arch import PolicyArch
@@ -198,16 +196,7 @@ def run(ctx: Any) -> FigureResult:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.figures.sampler_inference")
-    p.add_argument("--quick", action="store_true", help="fewer, shorter rounds")
-    p.add_argument("--json", type=Path, help="also write the numbers here")
-    args = p.parse_args()
-    t0 = time.time()
-    results = measure(quick=args.quick)
-    print(table(results))
-    print(f"\n({time.time() - t0:.0f} s)")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    standalone_main("python -m bench.figures.sampler_inference", measure, table)
 
 
 if __name__ == "__main__":
