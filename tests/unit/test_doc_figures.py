@@ -210,3 +210,125 @@ def test_operations_and_results_pages_quote_the_fault_suites_guard_row() -> None
     }
     _assert_quoted(expected, "docs/reliability.md's guard row")
     assert int(back) >= int(best) - int(drop)
+
+
+def _figure(name: str) -> dict[str, Any]:
+    return dict(json.loads((REPO / "docs" / "benchmarks.json").read_text())["figures"][name])
+
+
+def test_pixels_page_quotes_the_payloads_and_sampler_inference_figures() -> None:
+    pay, inf = _figure("payloads"), _figure("sampler_inference")
+    configs, cases = pay["numbers"]["configs"], inf["numbers"]["cases"]
+    mn, pg = configs["configs/minatar-breakout.yaml"], configs["configs/pong.yaml"]
+
+    def payload(c: dict[str, Any], k: str) -> str:
+        e = c["encodings"][k]
+        ratio = f" ({c['zstd_ratio']:.1f}x)" if k == "zstd" else ""
+        return f"{e['bytes_median']:,.0f} B{ratio}; encode {e['encode_ms']:.2f} ms, decode {e['decode_ms']:.2f} ms"
+
+    def us(c: dict[str, Any], label: str) -> str:
+        x = c["us_per_batch"].get(label)
+        return "-" if x is None else f"{x['median']:,.0f} ({x['min']:,.0f}-{x['max']:,.0f})"
+
+    def ratio(path: str) -> str:
+        u = cases[path]["us_per_batch"]
+        return f"{u['onnxruntime, 1 thread']['median'] / u['torch, 1 thread']['median']:.2f}x"
+
+    labels = ["numpy", "torch, 1 thread", "torch, 2 threads", "onnxruntime, 1 thread", "onnxruntime, 2 threads"]
+    rows = [f"| {Path(path).name} ({' x '.join(str(d) for d in c['obs_shape'])}) | "
+            + " | ".join(us(c, label) for label in labels) + f" | {c['auto_picks']} |" for path, c in cases.items()]
+    pong_us = cases["configs/pong.yaml"]["us_per_batch"]
+    learner = _figure("peers_pong")["numbers"]["learner_alone"]
+    expected = {"pixels.md": [
+        f"one run at `{pay['machine']['commit']}`, the 2-core {pay['machine']['cpu_model']}, other work "
+        f"{pay['other_cpu_cores']:.2f} cores; `docs/benchmarks.md`, payloads",
+        f"makes {pay['settings']['fragments']} fragments", f"{pay['settings']['repeats']} times (medians)",
+        f"| minatar-breakout.yaml, {mn['fragment_steps']} steps x {mn['num_envs']} envs, 10x10x4 frames "
+        f"| {payload(mn, 'none')} | {payload(mn, 'zstd')} |",
+        f"| pong.yaml, {pg['fragment_steps']} steps x {pg['num_envs']} envs, 84x84 frames + {pg['history_frames']} "
+        f"history frames | {payload(pg, 'none')} | {payload(pg, 'zstd')} |",
+        f"fits one record at {pg['encodings']['none']['bytes_median'] / (1 << 20):.2f} MiB",
+        f"against {statistics.median(learner['seconds']):.1f} s for one of Pong's updates",
+        f"MinAtar's CNN {mn['policy_blob_bytes']:,} B", f"Pong's Nature CNN {pg['policy_blob_bytes']:,} B",
+        f"zstd schema-3 fragments (about {pg['encodings']['zstd']['bytes_median'] / 1e3:.0f} KB, above)",
+        f"one run at `{inf['machine']['commit']}`, the 2-core {inf['machine']['cpu_model']}, other work "
+        f"{inf['other_cpu_cores']:.2f} cores",
+        f"median (min-max) of {inf['settings']['repeats']} interleaved rounds of at least "
+        f"{inf['settings']['block_s']} s",
+        *rows,
+        f"onnxruntime takes {ratio('configs/minatar-breakout.yaml')} torch's time for MinAtar's CNN and "
+        f"{ratio('configs/pong.yaml')} for Pong's Nature CNN at one thread",
+        f"({pong_us['onnxruntime, 1 thread']['median']:,.0f} against "
+        f"{pong_us['onnxruntime, 2 threads']['median']:,.0f} µs at 1 and 2 threads)",
+        f"(Pong's: {cases['configs/pong.yaml']['onnx_session_1_s'] * 1e3:.0f} ms in the run above)",
+        f"trains {learner['env_steps_per_s']:.1f} env steps/s of Pong, {learner['env_steps_per_s'] * 4:,.0f} frames/s",
+    ]}
+    _assert_quoted(expected, "docs/benchmarks.json (payloads, sampler_inference)")
+    assert all(c["one_record_each"] for c in configs.values()) and not pay["numbers"]["skipped"]
+    assert all(c["auto_is_fastest_or_tied"] for c in cases.values())
+
+
+def test_pixels_page_quotes_the_mujoco_peers_figure() -> None:
+    n = _figure("peers_mujoco")["numbers"]
+    fw, sb3 = n["peers"]["Flywheel (rl-zoo)"], n["peers"]["SB3 PPO (rl-zoo)"]
+
+    def by_seed(peer: dict[str, Any], key: str) -> list[float]:
+        return [float(r[key]) for r in sorted(peer["runs"], key=lambda r: r["seed"])]
+
+    def row(label: str, values: list[float], summary: str) -> str:
+        return f"| {label} | " + " | ".join(f"{v:,.0f}" for v in values) + f" | {summary} |"
+
+    def med_range(values: list[float]) -> str:
+        return f"{statistics.median(values):,.0f} [{min(values):,.0f}, {max(values):,.0f}]"
+
+    fr, sr = by_seed(fw, "return_at_budget"), by_seed(sb3, "return_at_budget")
+    fwall, swall = by_seed(fw, "wall_s"), by_seed(sb3, "wall_s")
+    fup, sup = by_seed(fw, "startup_s"), by_seed(sb3, "startup_s")
+    expected = {"pixels.md": [
+        row("Flywheel return", fr, med_range(fr)), row("SB3-zoo return", sr, med_range(sr)),
+        row("Flywheel wall s to 300k", fwall, f"{statistics.median(fwall):,.0f}"),
+        row("SB3-zoo wall s to 300k", swall, f"{statistics.median(swall):,.0f}"),
+        f"Start-up (outside those clocks): Flywheel {min(fup):.1f}-{max(fup):.1f} s, "
+        f"SB3 {min(sup):.1f}-{max(sup):.1f} s",
+        f"far below every SB3 seed ({fr[3]:,.0f} and {fr[4]:,.0f})",
+    ]}
+    _assert_quoted(expected, "docs/benchmarks.json (peers_mujoco)")
+    assert len(fr) == len(sr) == 5 and not any(r["error"] for p in (fw, sb3) for r in p["runs"])
+
+
+def test_scaling_page_quotes_the_payloads_figure_and_the_models_sizes() -> None:
+    """The fragment and blob sizes in docs/scaling.md are the payloads figure's, and its policy sizes table is
+    what the models weigh (parameters and ``weights_to_bytes``, built here as the trainer builds them)."""
+    import torch
+
+    from shared.fragment import FragmentSpec
+    from shared.rl.model import ActorCritic, weights_to_bytes
+
+    configs = _figure("payloads")["numbers"]["configs"]
+    c, pe, pg = (configs[f"configs/{n}.yaml"] for n in ("cartpole", "pendulum", "pong"))
+    mn = configs["configs/minatar-breakout.yaml"]
+    n = c["encodings"]["none"]
+    expected = [
+        f"| {n['bytes_median'] / 1e3:.1f} KB ({n['bytes_min']:,}-{n['bytes_max']:,} B over "
+        f"{len(n['bytes'])} fragments), "
+        f"i.e. {n['bytes_per_env_step']:.1f} B per env step, before Kafka's lz4 | `docs/benchmarks.md`, payloads |",
+        f"| {pe['encodings']['none']['bytes_median'] / 1e3:.1f} KB, "
+        f"{pe['encodings']['none']['bytes_per_env_step']:.1f} B per env step | `docs/benchmarks.md`, payloads |",
+        f"| {c['policy_blob_bytes'] / 1e3:.1f} KB / {pe['policy_blob_bytes'] / 1e3:.1f} KB | `docs/benchmarks.md`, "
+        f"payloads |",
+        f"| {pg['encodings']['zstd']['bytes_median'] / 1e3:.1f} KB | `docs/benchmarks.md`, payloads;",
+    ]
+    torch.manual_seed(0)
+    for label, spec, model, blob in (
+            ("MinAtar Breakout, `minatar_cnn`", FragmentSpec((10, 10, 4), 3, obs_dtype="uint8"), "minatar_cnn",
+             mn["policy_blob_bytes"]),
+            ("Pong, `nature_cnn`", FragmentSpec((84, 84), 6, obs_dtype="uint8", frame_stack=4), "nature_cnn",
+             pg["policy_blob_bytes"]),
+            ("Nature CNN on full 210x160 Atari frames", FragmentSpec((210, 160), 6, obs_dtype="uint8", frame_stack=4),
+             "nature_cnn", None)):
+        m = ActorCritic.for_spec(spec, 64, model=model)
+        size = len(weights_to_bytes(m))
+        assert blob is None or size == blob, f"{label}: {size} B built here, {blob} B in the payloads figure"
+        expected.append(f"| {label}")
+        expected.append(f"| {sum(p.numel() for p in m.parameters()):,} | {size:,} B |")
+    _assert_quoted({"scaling.md": expected}, "docs/benchmarks.json (payloads) and the models' sizes")
