@@ -332,3 +332,64 @@ def test_scaling_page_quotes_the_payloads_figure_and_the_models_sizes() -> None:
         expected.append(f"| {label}")
         expected.append(f"| {sum(p.numel() for p in m.parameters()):,} | {size:,} B |")
     _assert_quoted({"scaling.md": expected}, "docs/benchmarks.json (payloads) and the models' sizes")
+
+
+def test_results_page_quotes_the_learning_figures() -> None:
+    """docs/results.md's "Learning, and what staleness costs": solve, stability, async_sync_return,
+    forced_staleness, pendulum, async_vs_sync and pipeline, as the json has them."""
+    solve, stab = _figure("solve"), _figure("stability")["numbers"]
+    asr, forced = _figure("async_sync_return")["numbers"], _figure("forced_staleness")["numbers"]
+    pend, avs = _figure("pendulum")["numbers"]["table"], _figure("async_vs_sync")["headline"]
+    pipe = _figure("pipeline")["numbers"]
+    s, r = solve["numbers"], solve["numbers"]["ratios"]
+    seeds = stab["seeds"]
+    lags = [x["staleness"]["mean"] for x in seeds]
+    cp, ac = asr["CartPole-v1"], asr["Acrobot-v1"]
+
+    def pm(side: dict[str, Any], fmt: str = ".0f") -> str:
+        ret = side["return"]
+        return f"{ret['mean']:{fmt}} +- {ret['ci95_half_width']:.0f}"
+
+    def head(rows: list[dict[str, Any]], start: str) -> str:
+        return str(next(x["value"] for x in rows if x["metric"].startswith(start)))
+
+    def times(start: str) -> float:
+        return float(head(avs, f"async / sync {start}").rstrip("x"))
+
+    pendulum_lag = forced["Pendulum-v1"]["at_budget"]
+    cart_solved = head(_figure("forced_staleness")["headline"], "CartPole-v1: seeds solved").split(" vs ")
+    expected = {"results.md": [
+        f"5 seeds (at `{solve['machine']['commit']}`): {s['solve100_s']['median']:.1f} s median on the local stack",
+        f"{s['sb3_100_s']['median']:.1f} s for Stable-Baselines3 PPO with rl-zoo's settings "
+        f"({r['flywheel_over_sb3_wall']:.2f}x;",
+        f"{s['sequential100_s']['median']:.1f} s for the same code at zero staleness in one process "
+        f"({r['flywheel_over_zero_staleness_wall']:.2f}x), using {r['flywheel_over_sb3_env_steps']:.2f}x SB3's env "
+        f"steps ({s['solve100_steps']['median'] / 1e3:.0f}k against {s['sb3_100_steps']['median'] / 1e3:.0f}k;",
+        f"One seed of five took {s['solve100_s']['max']:.1f} s / {s['solve100_steps']['max'] / 1e3:.0f}k env steps",
+        f"their {s['budget_s']:.0f} s",
+        f"at `{_figure('stability')['machine']['commit']}`, {len(seeds)} seeds): every seed stayed >= 475 (lowest "
+        f"{min(x['min_after'] for x in seeds):.1f}; "
+        f"~{round(statistics.median(x['episodes_after'] for x in seeds), -3):,.0f} "
+        f"episodes after solving per seed, lag {min(lags):.1f}-{max(lags):.1f} mean, "
+        f"{max(x['staleness']['max'] for x in seeds)} max)",
+        f"(full stack, {len(cp['async']['return']['values'])} seeds, mean with 95% interval, at "
+        f"`{_figure('async_sync_return')['machine']['commit'].removesuffix('-dirty')}`",
+        f"CartPole {pm(cp['async'])} against {pm(cp['sync'])} at {cp['steps'] // 1000}k ({cp['ratio']:.2f}x",
+        f"Acrobot {pm(ac['async'])} against {pm(ac['sync'])} at {ac['steps'] // 1000}k ({ac['ratio']:.3f}x",
+        f"plain PPO solved {cart_solved[1]} and the decoupled objective {cart_solved[0]}",
+        f"reached a last-100 mean of {pendulum_lag['decoupled, lag 16']['median']:.0f} at 100k env steps "
+        f"({pendulum_lag['decoupled, lag 0']['median']:.0f} without lag) while plain PPO stayed at "
+        f"{pendulum_lag['ppo, lag 16']['median']:.0f}",
+        f"last-100 mean {pend['Flywheel']['50000']['median']:.0f} at 50k env steps and "
+        f"{pend['Flywheel']['100000']['median']:.0f} at 100k against Stable-Baselines3's "
+        f"{pend['SB3 PPO']['50000']['median']:.0f} and {pend['SB3 PPO']['100000']['median']:.0f}",
+        f"(medians; our worst seed {pend['Flywheel']['100000']['min']:.0f} at 100k)",
+        f"async trains {times('env-steps/s (heavy-tailed'):.1f}x the env steps per second",
+        f"({times('wall time to the same return, per-fragment'):.1f}x the wall time to equal return)",
+        f"per-step latency that averages out within a fragment, {times('env-steps/s (sequential'):.1f}"
+        f"-{times('env-steps/s (overlapped'):.1f}x",
+        f"the trainer trained {pipe['ratio']:.2f}x the env steps per second of the same code joined in memory, busy "
+        f"{pipe['kafka_busy_fraction']['median']:.2f} of the time, at a lag of {pipe['staleness']['mean']:.1f} "
+        f"versions mean, {pipe['staleness']['max']} max",
+    ]}
+    _assert_quoted(expected, "docs/benchmarks.json (the learning figures)")
