@@ -36,7 +36,8 @@ class FigureResult:
 
 ORDER = ["pipeline", "async_vs_sync", "scaling", "sync_latency", "solve", "stability", "async_sync_return",
          "forced_staleness", "pendulum", "recovery", "service_efficiency", "learner_scaling", "actor_learner",
-         "sync_inline", "sampler_inference", "payloads", "peers", "peers_minatar", "peers_mujoco", "peers_pong"]
+         "sync_inline", "sampler_inference", "payloads", "policy_load", "peers",
+         "peers_minatar", "peers_mujoco", "peers_pong"]
 
 
 def load(path: Path) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from bench.figures import (
     peers_pong,
     pendulum,
     pipeline,
+    policy_load,
     recovery,
     sampler_inference,
     scaling,
@@ -32,6 +33,6 @@ from bench.figures import (
 FIGURES: dict[str, ModuleType] = {
     m.NAME: m for m in (pipeline, async_vs_sync, scaling, sync_latency, solve, stability, stability_ablation,
                         async_sync_return, forced_staleness, pendulum, recovery, service_efficiency,
-                        learner_scaling, actor_learner, peers, sync_inline, sampler_inference, payloads,
+                        learner_scaling, actor_learner, peers, sync_inline, sampler_inference, payloads, policy_load,
                         peers_minatar, peers_mujoco, peers_pong, swarm)
 }
