@@ -3,8 +3,8 @@
 Run as ``python -m bench.memory_probe BACKEND CASE_JSON BLOB_PATH LOADS``: it builds the sampler's policy for the
 case (``sampler_policy(spec, PolicyArch(model='nature_cnn'), BACKEND, 1)``), loads the blob LOADS times and
 prints one JSON line: VmRSS and VmHWM (MiB, from /proc/self/status) after Python with the blob read, the
-imports, the build and loads 1, 2 and LOADS; each load's seconds; whether torch got imported. Kept out of ``bench.figures``, whose package imports
-every figure (and torch) before the first stage could be read.
+imports, the build and loads 1, 2 and LOADS; each load's seconds; whether torch got imported. Kept out of
+``bench.figures``, whose package imports every figure (and torch) before the first stage could be read.
 """
 
 from __future__ import annotations
