@@ -393,3 +393,33 @@ def test_results_page_quotes_the_learning_figures() -> None:
         f"versions mean, {pipe['staleness']['max']} max",
     ]}
     _assert_quoted(expected, "docs/benchmarks.json (the learning figures)")
+
+
+def test_scaling_page_and_the_sampler_memory_limit_follow_the_policy_load_figure() -> None:
+    """The 50 MB policy's load times and memory in docs/scaling.md are the policy_load figure's, and the samplers'
+    memory limit (compose and Kubernetes) is the sum scaling.md states, recomputed from the json: the onnx policy's
+    peak + the rest of a sampler (114 MiB) + a fetch in flight (95 MiB) + envs (100 MiB), +20%, rounded up to 100."""
+    import math
+
+    fig = _figure("policy_load")
+    n, loads = fig["numbers"], fig["numbers"]["loads"]
+    c = n["cases"]["50 MB stand-in (Nature CNN, 210x160 frames)"]
+    onnx = c["memory"]["onnx"]
+    peak = onnx["stages"][f"load {loads}"]["VmHWM"]
+    total = peak + 114 + 95 + 100
+    limit = math.ceil(total * 1.2 / 100) * 100
+    assert not onnx["torch_imported"] and c["onnx_levels_off"]
+    _assert_quoted({"scaling.md": [
+        f"one run at `{fig['machine']['commit']}`",
+        f"| {c['sha256_s']:.3f} s for {c['blob_bytes'] / 1e6:.1f} MB |", f"| {c['validate_weights_s']:.3f} s |",
+        f"| {c['onnx_load_first_s']:.2f} s first, {c['onnx_load_s']:.2f} s after |",
+        f"the onnx backend's {c['onnx_load_s']:.2f} s holds heartbeats",
+        f"from the 2nd load to the {loads}th it grew {c['onnx_growth_mib']:.1f} MiB",
+        f"peak over {loads} loads ({peak:,.0f} MiB:", f"= {total:,.0f} MiB, plus 20% = {total * 1.2:,.0f} MiB, "
+        f"rounded up to **{limit}Mi**",
+    ]}, "docs/benchmarks.json (policy_load)")
+    sampler = (REPO / "deploy" / "k8s" / "base" / "sampler.yaml").read_text()
+    assert f"requests: {{cpu: 150m, memory: {limit}Mi}}" in sampler and f"memory: {limit}Mi}}" in sampler.split(
+        "limits:")[1], f"deploy/k8s/base/sampler.yaml: want {limit}Mi"
+    compose = (REPO / "docker-compose.yml").read_text()
+    assert f"mem_limit: {limit}m" in compose, f"docker-compose.yml's sampler: want mem_limit {limit}m"
