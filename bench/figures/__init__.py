@@ -8,6 +8,7 @@ from bench.figures import (
     actor_learner,
     async_sync_return,
     async_vs_sync,
+    footprint,
     forced_staleness,
     learner_scaling,
     payloads,
@@ -33,6 +34,6 @@ from bench.figures import (
 FIGURES: dict[str, ModuleType] = {
     m.NAME: m for m in (pipeline, async_vs_sync, scaling, sync_latency, solve, stability, stability_ablation,
                         async_sync_return, forced_staleness, pendulum, recovery, service_efficiency,
-                        learner_scaling, actor_learner, peers, sync_inline, sampler_inference, payloads, policy_load,
-                        peers_minatar, peers_mujoco, peers_pong, swarm)
+                        learner_scaling, actor_learner, peers, sync_inline, sampler_inference, payloads,
+                        policy_load, footprint, peers_minatar, peers_mujoco, peers_pong, swarm)
 }
