@@ -398,7 +398,8 @@ def test_results_page_quotes_the_learning_figures() -> None:
 def test_scaling_page_and_the_sampler_memory_limit_follow_the_policy_load_figure() -> None:
     """The 50 MB policy's load times and memory in docs/scaling.md are the policy_load figure's, and the samplers'
     memory limit (compose and Kubernetes) is the sum scaling.md states, recomputed from the json: the onnx policy's
-    peak + the rest of a sampler (114 MiB) + a fetch in flight (95 MiB) + envs (100 MiB), +20%, rounded up to 100."""
+    peak + a CartPole sampler's peak (the footprint figure) + a fetch in flight (95 MiB) + envs (100 MiB), +20%,
+    rounded up to 100 MiB."""
     import math
 
     fig = _figure("policy_load")
@@ -406,7 +407,8 @@ def test_scaling_page_and_the_sampler_memory_limit_follow_the_policy_load_figure
     c = n["cases"]["50 MB stand-in (Nature CNN, 210x160 frames)"]
     onnx = c["memory"]["onnx"]
     peak = onnx["stages"][f"load {loads}"]["VmHWM"]
-    total = peak + 114 + 95 + 100
+    rest = _figure("footprint")["numbers"]["services"]["sampler-0"]["hwm_mib"]
+    total = peak + rest + 95 + 100
     limit = math.ceil(total * 1.2 / 100) * 100
     assert not onnx["torch_imported"] and c["onnx_levels_off"]
     _assert_quoted({"scaling.md": [
@@ -415,11 +417,56 @@ def test_scaling_page_and_the_sampler_memory_limit_follow_the_policy_load_figure
         f"| {c['onnx_load_first_s']:.2f} s first, {c['onnx_load_s']:.2f} s after |",
         f"the onnx backend's {c['onnx_load_s']:.2f} s holds heartbeats",
         f"from the 2nd load to the {loads}th it grew {c['onnx_growth_mib']:.1f} MiB",
-        f"peak over {loads} loads ({peak:,.0f} MiB:", f"= {total:,.0f} MiB, plus 20% = {total * 1.2:,.0f} MiB, "
-        f"rounded up to **{limit}Mi**",
+        f"peak over {loads} loads ({peak:,.0f} MiB:", f"the rest of a sampler ({rest:,.0f} MiB,",
+        f"= {total:,.0f} MiB, plus 20% = {total * 1.2:,.0f} MiB, rounded up to **{limit}Mi**",
     ]}, "docs/benchmarks.json (policy_load)")
-    sampler = (REPO / "deploy" / "k8s" / "base" / "sampler.yaml").read_text()
-    assert f"requests: {{cpu: 150m, memory: {limit}Mi}}" in sampler and f"memory: {limit}Mi}}" in sampler.split(
-        "limits:")[1], f"deploy/k8s/base/sampler.yaml: want {limit}Mi"
+    res = _resources("sampler")
+    assert _quantity(res["requests"]["memory"]) == _quantity(res["limits"]["memory"]) == limit, \
+        f"deploy/k8s/base/sampler.yaml: want {limit}Mi, request = limit"
     compose = (REPO / "docker-compose.yml").read_text()
     assert f"mem_limit: {limit}m" in compose, f"docker-compose.yml's sampler: want mem_limit {limit}m"
+
+
+def _resources(manifest: str) -> dict[str, Any]:
+    """The resources of the first container of the Deployment or StatefulSet in deploy/k8s/base/<manifest>.yaml."""
+    import yaml
+
+    docs = [d for d in yaml.safe_load_all((REPO / "deploy" / "k8s" / "base" / f"{manifest}.yaml").read_text())
+            if d and d.get("kind") in ("Deployment", "StatefulSet")]
+    return dict(docs[0]["spec"]["template"]["spec"]["containers"][0]["resources"])
+
+
+def _quantity(value: str | int) -> float:
+    """A Kubernetes CPU (cores) or memory (MiB) quantity: ``1100m``, ``"1"``, ``1280Mi``, ``6Gi``."""
+    v = str(value)
+    for suffix, scale in (("m", 1e-3), ("Mi", 1.0), ("Gi", 1024.0)):
+        if v.endswith(suffix):
+            return float(v[: -len(suffix)]) * scale
+    return float(v)
+
+
+def test_kubernetes_requests_and_limits_cover_the_footprint_figure() -> None:
+    """docs/kubernetes.md's table is the footprint figure, and every request and limit of the base manifests is at
+    or above what the rule gives from it (CPU request mean +20%, CPU limit busiest 5 s +20%, memory peak +20%)."""
+    fig = _figure("footprint")
+    services, derived = fig["numbers"]["services"], fig["numbers"]["rule"]
+    rows = []
+    for name, label in (("trainer", "trainer (CPU)"), ("paramsync", "paramsync"), ("admin", "admin"),
+                        ("sampler-0", "sampler")):
+        m, r = services[name], derived[name]
+        manifest = "sampler" if name == "sampler-0" else name
+        res = _resources(manifest)
+        req, lim = res["requests"], res["limits"]
+        assert _quantity(req["cpu"]) >= r["cpu_request"] - 1e-9, f"{manifest}: cpu request under {r['cpu_request']:.3f}"
+        assert _quantity(lim["cpu"]) >= r["cpu_limit"] - 1e-9, f"{manifest}: cpu limit under {r['cpu_limit']:.3f}"
+        for kind in (req, lim):
+            assert _quantity(kind["memory"]) >= r["memory_mib"], f"{manifest}: memory under {r['memory_mib']:.0f} MiB"
+        rows.append(f"| {label} | {m['mean_cores']:.2f} / {m['busiest_5s_cores']:.2f} cores / {m['hwm_mib']:,.0f} MiB "
+                    f"| {r['cpu_request'] * 1000:,.0f}m, {r['cpu_limit'] * 1000:,.0f}m, {r['memory_mib']:,.0f} MiB "
+                    f"| {req['cpu']}, {req['memory']} | {lim['cpu']}, {lim['memory']} |")
+    assert not any(s["torch_mapped"] for n, s in services.items() if n.startswith("sampler"))
+    _assert_quoted({"kubernetes.md": [
+        f"one run at `{fig['machine']['commit']}`", f"other work {fig['other_cpu_cores']:.2f} cores",
+        f"it took {services['trainer']['mean_cores']:.2f} of a core with one torch thread",
+        f"a CartPole-only fleet can set {derived['sampler-0']['memory_mib']:,.0f} MiB", *rows,
+    ]}, "docs/benchmarks.json (footprint) and deploy/k8s/base")
