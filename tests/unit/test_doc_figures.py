@@ -470,3 +470,18 @@ def test_kubernetes_requests_and_limits_cover_the_footprint_figure() -> None:
         f"it took {services['trainer']['mean_cores']:.2f} of a core with one torch thread",
         f"a CartPole-only fleet can set {derived['sampler-0']['memory_mib']:,.0f} MiB", *rows,
     ]}, "docs/benchmarks.json (footprint) and deploy/k8s/base")
+
+
+def test_operations_page_quotes_the_partition_suites_slow_link_row() -> None:
+    """The slow link between the ranks in docs/operations.md is the partition suite's row in
+    docs/reliability-network.md (written by `make test-partitions`; update the quote when a local run rewrites it)."""
+    rel = (REPO / "docs" / "reliability-network.md").read_text()
+    commit = re.search(r"^Last run: .*?, commit `(\w+)`", rel, re.M)
+    row = next((line for line in rel.splitlines() if "slow link between the trainer ranks" in line), None)
+    assert commit and row, "docs/reliability-network.md has no slow-link row or no commit line"
+    m = re.search(r"\+(\d+) ms each way.*?updates/s ([\d.]+) -> ([\d.]+)", row)
+    assert m, f"the slow-link row has a shape this test does not know: {row[:300]}"
+    _assert_quoted({"operations.md": [
+        f"+{m[1]} ms each way between the two ranks took CartPole from {m[2]} to {m[3]} updates a second",
+        f"the slow-link row, recorded at `{commit[1]}`",
+    ]}, "docs/reliability-network.md's slow-link row")
