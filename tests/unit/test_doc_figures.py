@@ -485,3 +485,46 @@ def test_operations_page_quotes_the_partition_suites_slow_link_row() -> None:
         f"+{m[1]} ms each way between the two ranks took CartPole from {m[2]} to {m[3]} updates a second",
         f"the slow-link row, recorded at `{commit[1]}`",
     ]}, "docs/reliability-network.md's slow-link row")
+
+
+def test_scaling_page_quotes_the_swarm_figure() -> None:
+    fig = _figure("swarm")
+    runs = fig["numbers"]["runs"]
+    o2, o10, n2, n10 = runs["old-256"], runs["old-1000"], runs["new-256"], runs["new-1000"]
+
+    def kb(b: float) -> str:
+        return f"{b / 1e3:.1f} KB"
+
+    def g(r: dict[str, Any]) -> str:
+        return f"{r['grants_per_s'] / r['credits_partitions']:.1f}"
+
+    def sync(r: dict[str, Any]) -> str:
+        return f"{r['sync_s']['p50']:.2f} / {r['sync_s']['p99']:.2f} s"
+
+    expected = {"scaling.md": [
+        f"one run at `{fig['machine']['commit']}`",
+        f"The machine's other work was {fig['other_cpu_cores']:.2f} cores over the figure",
+        f"| grant passes/s (g) | 10 (illustration) | {g(o2)} (old), {g(n2)} (new) | {g(o10)} (old), {g(n10)} (new) |",
+        f"| old: one grant = what a sampler reads a pass | 11.7 KB / 45 KB | "
+        f"{kb(o2['credits_bytes_per_sampler_per_pass'])} | {kb(o10['credits_bytes_per_sampler_per_pass'])} |",
+        f"| old: read per sampler | g x 11.7 / 45 KB | {o2['credits_bps_per_sampler'] / 1e3:.1f} KB/s | "
+        f"{o10['credits_bps_per_sampler'] / 1e3:.1f} KB/s "
+        f"({o10['credits_bps_per_sampler'] / o2['credits_bps_per_sampler']:.1f}x 256's) |",
+        f"| new: one shard's grant = what a sampler reads a pass | 1.1 / 0.95 KB | "
+        f"{n2['credits_bytes_per_sampler_per_pass']:.0f} B | {n10['credits_bytes_per_sampler_per_pass']:.0f} B |",
+        f"| new: read per sampler | g x 1.1 / 0.95 KB | {n2['credits_bps_per_sampler']:,.0f} B/s | "
+        f"{n10['credits_bps_per_sampler']:,.0f} B/s "
+        f"({n10['credits_bps_per_sampler'] / n2['credits_bps_per_sampler']:.2f}x 256's) |",
+        f"| new: read by all samplers | 2.8 / 9.5 MB/s at g = 10 | {n2['credits_bps_fleet'] / 1e6:.2f} MB/s | "
+        f"{n10['credits_bps_fleet'] / 1e6:.2f} MB/s |",
+        f"| new: written by the trainer | 17 / 59 KB a pass | {n2['credits_bps_total'] / 1e3:.1f} KB/s "
+        f"({n2['credits_records_per_s']:.0f} records/s) | {n10['credits_bps_total'] / 1e3:.1f} KB/s "
+        f"({n10['credits_records_per_s']:.0f} records/s) |",
+        f"mean {o2['lag']['mean']:.2f} / {n2['lag']['mean']:.2f} versions at 256 (old / new)",
+        f"at 1,000 mean {o10['lag']['mean']:.2f} / {n10['lag']['mean']:.2f}",
+        f"new design: p50 / p99 {sync(n2)} at 256 ({n2['sync_s']['versions']} versions) and "
+        f"{n10['sync_s']['p50']:.1f} / {n10['sync_s']['p99']:.1f} s at 1,000 ({n10['sync_s']['versions']} versions)",
+        f"old: {sync(o2)} and {o10['sync_s']['p50']:.1f} / {o10['sync_s']['p99']:.1f} s",
+        f"{n2['sampler']['rss_mib']:.0f} MiB resident and {n2['sampler']['cpu_cores']:.2f} of a core",
+    ]}
+    _assert_quoted(expected, "docs/benchmarks.json (swarm)")
