@@ -3,7 +3,7 @@
 Run as ``python -m bench.memory_probe BACKEND CASE_JSON BLOB_PATH LOADS``: it builds the sampler's policy for the
 case (``sampler_policy(spec, PolicyArch(model='nature_cnn'), BACKEND, 1)``), loads the blob LOADS times and
 prints one JSON line: VmRSS and VmHWM (MiB, from /proc/self/status) after Python with the blob read, the
-imports, the build and loads 1, 2 and LOADS; each load's seconds; whether torch got imported. Kept out of
+imports, the build and loads 1, 2, LOADS // 2 and LOADS; each load's seconds; whether torch got imported. Kept out of
 ``bench.figures``, whose package imports every figure (and torch) before the first stage could be read.
 """
 
@@ -34,6 +34,8 @@ def spec(case: dict[str, Any]) -> Any:
 
 
 def probe(backend: str, case: dict[str, Any], blob: bytes, loads: int) -> dict[str, Any]:
+    if loads < 2:
+        raise ValueError(f"loads={loads}: at least 2 (the stages compare the 2nd load with the last)")
     stages: dict[str, dict[str, float]] = {"python": memory()}
     from shared.rl.arch import PolicyArch, sampler_policy
 
@@ -45,7 +47,7 @@ def probe(backend: str, case: dict[str, Any], blob: bytes, loads: int) -> dict[s
         t0 = time.perf_counter()
         policy.load(blob)
         times.append(time.perf_counter() - t0)
-        if i in (1, 2, loads):
+        if i in (1, 2, loads // 2, loads):
             stages[f"load {i}"] = memory()
     return {"stages": stages, "load_s": times, "torch_imported": "torch" in sys.modules}
 

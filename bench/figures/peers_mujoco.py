@@ -290,7 +290,7 @@ def why_missed(fw_runs: list[BudgetRun], sb3_runs: list[BudgetRun], budget: int)
              ". The ranges do not overlap. ")
     return text + ("Whether the samplers' lag costs return is asked separately, on the same seeds with the lag "
                    "held at 0 and at the stack's (`python -m bench.lag_look --config configs/halfcheetah.yaml "
-                   "--seed S --lag L`; docs/pixels.md, HalfCheetah, has five seeds of it).")
+                   "--seed S --lag L`; docs/results.md, \"Runs by hand\", has five seeds of it).")
 
 
 def _cell(r: BudgetRun) -> str:

@@ -63,6 +63,6 @@ def sampler_policy(spec: FragmentSpec, arch: PolicyArch, inference: str = "auto"
         from shared.rl.policy_torch import TorchPolicy  # imported only when used
 
         return TorchPolicy.for_spec(spec, arch.model, arch.hidden, threads, activation=arch.activation)
-    from shared.rl.policy_onnx import OnnxPolicy  # imported only when used (onnxruntime, torch to export)
+    from shared.rl.policy_onnx import OnnxPolicy  # imported only when used (onnxruntime and onnx; no torch)
 
     return OnnxPolicy.for_spec(spec, arch.model, arch.hidden, threads, activation=arch.activation)

@@ -5,21 +5,10 @@ MLPs only), ``torch`` (:class:`~shared.rl.policy_torch.TorchPolicy`) or ``onnx``
 ``auto`` (:func:`resolve_inference`) takes what measured fastest for one action batch at the configs' sizes
 (``bench/figures/sampler_inference.py``; docs/pixels.md, "Sampler inference", has the table): numpy for the
 MLP, onnxruntime for the CNNs. At a sampler's batch (4 to 16 envs) a torch forward pass is mostly per-operator
-dispatch overhead, which onnxruntime's static graph does not pay. Measured on the 2-core development machine
-(1 thread, microseconds per action batch, median of 9 rounds):
-
-================================  =====  =====  ===========
-config (batch)                    numpy  torch  onnxruntime
-================================  =====  =====  ===========
-cartpole (8 x 4)                  33     70     26
-minatar-breakout (16 x 10x10x4)   -      690    222
-pong (4 x 4x84x84)                -      4064   1945
-================================  =====  =====  ===========
-
-onnxruntime is 3.1x (MinAtar) and 2.1x (Pong) faster than torch for the CNNs. For the MLP numpy and onnxruntime
-tie within the rounds' spread (25-44 against 23-42; a shorter run had numpy ahead, 54 against 67), and numpy keeps
-torch and onnxruntime out of the sampler process (importing them took 5.4 s and 690 MB resident here, numpy
-0.3 s and 26 MB), so ``auto`` keeps numpy.
+dispatch overhead, which onnxruntime's static graph does not pay: the ``sampler_inference`` figure
+(docs/benchmarks.md) measures each backend at each config's batch. For the MLP numpy and onnxruntime are within a
+few microseconds of each other, and numpy keeps torch and onnxruntime out of the sampler process, so ``auto`` keeps
+numpy.
 
 How :class:`OnnxPolicy` keeps up with new policy versions without building a graph for each one: the graph (the
 actor's log-softmax of the trainer's model, :class:`~shared.rl.model.ActorCritic` or the CNN) is built once at

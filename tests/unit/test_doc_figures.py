@@ -5,6 +5,7 @@ writes them (the README's headline has its own test, test_readme_figures.py)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -39,6 +40,7 @@ def test_scaling_page_quotes_the_scaling_figure() -> None:
         f"flow control held the samplers {at32['backpressure']['median']:.0%} of the time",
         f"(256 env steps at {one:.0f}/s)",
         f"(9.6 KB per 256 env steps at {one:.0f} env steps/s)",
+        f"| env steps/s of one latency-bound sampler (4 envs, log-normal 2 ms steps) | {one:.0f} |",
     ]
     missing = [e for e in expected if e not in page]
     assert not missing, f"docs/scaling.md differs from docs/benchmarks.json: {missing}"
@@ -95,6 +97,8 @@ def test_results_and_pixels_pages_quote_the_minatar_peers_figure() -> None:
         ],
         "pixels.md": [
             f"{seeds} seeds a side in one run at `{commit}`, SB3 with {n['sb3_threads']} torch threads",
+            f"({statistics.median(r['env_steps'] for r in peers['SB3 PPO']['runs']) / 1e6:.2f}M against 1.67M, "
+            "medians)",
             f"{versus} at {n['wall_s']:.0f} s", f"({p_budget})",
         ],
     }
@@ -238,6 +242,7 @@ def test_pixels_page_quotes_the_payloads_and_sampler_inference_figures() -> None
     rows = [f"| {Path(path).name} ({' x '.join(str(d) for d in c['obs_shape'])}) | "
             + " | ".join(us(c, label) for label in labels) + f" | {c['auto_picks']} |" for path, c in cases.items()]
     pong_us = cases["configs/pong.yaml"]["us_per_batch"]
+    speedups = [1 / float(ratio(path).rstrip("x")) for path in ("configs/minatar-breakout.yaml", "configs/pong.yaml")]
     learner = _figure("peers_pong")["numbers"]["learner_alone"]
     expected = {"pixels.md": [
         f"one run at `{pay['machine']['commit']}`, the 2-core {pay['machine']['cpu_model']}, other work "
@@ -258,6 +263,7 @@ def test_pixels_page_quotes_the_payloads_and_sampler_inference_figures() -> None
         *rows,
         f"onnxruntime takes {ratio('configs/minatar-breakout.yaml')} torch's time for MinAtar's CNN and "
         f"{ratio('configs/pong.yaml')} for Pong's Nature CNN at one thread",
+        f"({min(speedups):.1f}-{max(speedups):.1f}x faster than torch at the samplers' batch sizes",
         f"({pong_us['onnxruntime, 1 thread']['median']:,.0f} against "
         f"{pong_us['onnxruntime, 2 threads']['median']:,.0f} µs at 1 and 2 threads)",
         f"(Pong's: {cases['configs/pong.yaml']['onnx_session_1_s'] * 1e3:.0f} ms in the run above)",
@@ -398,16 +404,14 @@ def test_results_page_quotes_the_learning_figures() -> None:
 def test_scaling_page_and_the_sampler_memory_limit_follow_the_policy_load_figure() -> None:
     """The 50 MB policy's load times and memory in docs/scaling.md are the policy_load figure's, and the samplers'
     memory limit (compose and Kubernetes) is the sum scaling.md states, recomputed from the json: the onnx policy's
-    peak + a CartPole sampler's peak (the footprint figure) + a fetch in flight (95 MiB) + envs (100 MiB), +20%,
-    rounded up to 100 MiB."""
-    import math
-
+    peak + the larger of a CartPole sampler's measured peaks (footprint, swarm) + a fetch in flight (95 MiB) + envs
+    (100 MiB), +20%, rounded up to 100 MiB."""
     fig = _figure("policy_load")
     n, loads = fig["numbers"], fig["numbers"]["loads"]
     c = n["cases"]["50 MB stand-in (Nature CNN, 210x160 frames)"]
     onnx = c["memory"]["onnx"]
     peak = onnx["stages"][f"load {loads}"]["VmHWM"]
-    rest = _figure("footprint")["numbers"]["services"]["sampler-0"]["hwm_mib"]
+    rest = _sampler_rest_mib()
     total = peak + rest + 95 + 100
     limit = math.ceil(total * 1.2 / 100) * 100
     assert not onnx["torch_imported"] and c["onnx_levels_off"]
@@ -421,10 +425,20 @@ def test_scaling_page_and_the_sampler_memory_limit_follow_the_policy_load_figure
         f"= {total:,.0f} MiB, plus 20% = {total * 1.2:,.0f} MiB, rounded up to **{limit}Mi**",
     ]}, "docs/benchmarks.json (policy_load)")
     res = _resources("sampler")
-    assert _quantity(res["requests"]["memory"]) == _quantity(res["limits"]["memory"]) == limit, \
+    assert _quantity(res["requests"]["memory"], True) == _quantity(res["limits"]["memory"], True) == limit, \
         f"deploy/k8s/base/sampler.yaml: want {limit}Mi, request = limit"
-    compose = (REPO / "docker-compose.yml").read_text()
-    assert f"mem_limit: {limit}m" in compose, f"docker-compose.yml's sampler: want mem_limit {limit}m"
+    import yaml
+
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    assert compose["services"]["sampler"]["mem_limit"] == f"{limit}m", f"docker-compose.yml's sampler: want {limit}m"
+
+
+def _sampler_rest_mib() -> float:
+    """A CartPole sampler's memory without a large policy: the larger of its measured peaks, alone (footprint) and
+    beside the swarm (swarm)."""
+    alone = _figure("footprint")["numbers"]["services"]["sampler-0"]["hwm_mib"]
+    swarm = max(r["sampler"]["rss_mib"] for r in _figure("swarm")["numbers"]["runs"].values() if r.get("sampler"))
+    return float(max(alone, swarm))
 
 
 def _resources(manifest: str) -> dict[str, Any]:
@@ -436,13 +450,15 @@ def _resources(manifest: str) -> dict[str, Any]:
     return dict(docs[0]["spec"]["template"]["spec"]["containers"][0]["resources"])
 
 
-def _quantity(value: str | int) -> float:
-    """A Kubernetes CPU (cores) or memory (MiB) quantity: ``1100m``, ``"1"``, ``1280Mi``, ``6Gi``."""
+def _quantity(value: str | int, memory: bool = False) -> float:
+    """A Kubernetes quantity: CPU in cores (``1100m``, ``"1"``) or, with ``memory``, MiB (``1280Mi``, ``6Gi``, or
+    plain bytes)."""
     v = str(value)
-    for suffix, scale in (("m", 1e-3), ("Mi", 1.0), ("Gi", 1024.0)):
+    suffixes = (("Mi", 1.0), ("Gi", 1024.0)) if memory else (("m", 1e-3),)
+    for suffix, scale in suffixes:
         if v.endswith(suffix):
             return float(v[: -len(suffix)]) * scale
-    return float(v)
+    return float(v) / (1 << 20) if memory else float(v)
 
 
 def test_kubernetes_requests_and_limits_cover_the_footprint_figure() -> None:
@@ -460,7 +476,8 @@ def test_kubernetes_requests_and_limits_cover_the_footprint_figure() -> None:
         assert _quantity(req["cpu"]) >= r["cpu_request"] - 1e-9, f"{manifest}: cpu request under {r['cpu_request']:.3f}"
         assert _quantity(lim["cpu"]) >= r["cpu_limit"] - 1e-9, f"{manifest}: cpu limit under {r['cpu_limit']:.3f}"
         for kind in (req, lim):
-            assert _quantity(kind["memory"]) >= r["memory_mib"], f"{manifest}: memory under {r['memory_mib']:.0f} MiB"
+            assert _quantity(kind["memory"], True) >= r["memory_mib"], \
+                f"{manifest}: memory under {r['memory_mib']:.0f} MiB"
         rows.append(f"| {label} | {m['mean_cores']:.2f} / {m['busiest_5s_cores']:.2f} cores / {m['hwm_mib']:,.0f} MiB "
                     f"| {r['cpu_request'] * 1000:,.0f}m, {r['cpu_limit'] * 1000:,.0f}m, {r['memory_mib']:,.0f} MiB "
                     f"| {req['cpu']}, {req['memory']} | {lim['cpu']}, {lim['memory']} |")
@@ -468,7 +485,10 @@ def test_kubernetes_requests_and_limits_cover_the_footprint_figure() -> None:
     _assert_quoted({"kubernetes.md": [
         f"one run at `{fig['machine']['commit']}`", f"other work {fig['other_cpu_cores']:.2f} cores",
         f"it took {services['trainer']['mean_cores']:.2f} of a core with one torch thread",
-        f"a CartPole-only fleet can set {derived['sampler-0']['memory_mib']:,.0f} MiB", *rows,
+        f"a CartPole-only fleet can set {math.ceil(_sampler_rest_mib() * 1.2):,} MiB",
+        f"({_figure('swarm')['numbers']['runs']['new-1000']['sampler']['cpu_cores']:.2f} of a core for one sampler "
+        f"beside the 1,000-identity swarm",
+        *rows,
     ]}, "docs/benchmarks.json (footprint) and deploy/k8s/base")
 
 
