@@ -549,3 +549,44 @@ def test_scaling_page_quotes_the_swarm_figure() -> None:
         f"{n2['sampler']['rss_mib']:.0f} MiB resident and {n2['sampler']['cpu_cores']:.2f} of a core",
     ]}
     _assert_quoted(expected, "docs/benchmarks.json (swarm)")
+
+
+def test_scaling_page_quotes_what_the_swarm_cost_the_machine() -> None:
+    """scaling.md's bullets on what the swarm cost the 2-core machine (cores per part, heartbeats not sent, the
+    policy topic's rate, the consumer-per-identity run, the import probe) are the swarm figure's."""
+    n = _figure("swarm")["numbers"]
+    runs = n["runs"]
+    oldnew = [runs[k] for k in ("old-256", "new-256", "old-1000", "new-1000")]
+    at256, at1000 = [runs["old-256"], runs["new-256"]], [runs["old-1000"], runs["new-1000"]]
+
+    def span(rs: list[dict[str, Any]], get: Any, fmt: str = ".2f") -> str:
+        values = [get(r) for r in rs]
+        return f"{min(values):{fmt}}-{max(values):{fmt}}"
+
+    def unsent(r: dict[str, Any]) -> float:
+        return sum(s["heartbeats_failed"] for s in r["swarm"]) / sum(s["heartbeats"] for s in r["swarm"])
+
+    own = runs["own-256"]
+    live = list(runs.values())
+    _assert_quoted({"scaling.md": [
+        f"Every run had the 2 cores fully busy ({span(list(runs.values()), lambda r: r['cores']['machine'])} of 2)",
+        f"the trainer got {span(oldnew, lambda r: r['cores']['trainer'])} cores "
+        f"({span(oldnew, lambda r: 100 * r['trainer_share_of_busy'], '.0f')}% of the busy CPU) and made "
+        f"{span(oldnew, lambda r: r['updates_per_s'], '.1f')} updates/s",
+        f"the 3 broker JVMs took {span(at256, lambda r: r['cores']['brokers'])} cores at 256 and "
+        f"{span(at1000, lambda r: r['cores']['brokers'])} at 1,000",
+        f"paramsync {span(oldnew, lambda r: r['cores']['paramsync'])}",
+        f"the swarm processes {span(at256, lambda r: r['cores']['swarm'])} at 256 and "
+        f"{span(at1000, lambda r: r['cores']['swarm'])} at 1,000",
+        f"could not send {100 * unsent(runs['old-1000']):.0f}% (old) and {100 * unsent(runs['new-1000']):.0f}% (new)",
+        f"The policy topic carried {span(live, lambda r: r['policy_bps'] / 1e3, '.0f')} KB/s "
+        f"({span(live, lambda r: r['policy_records_per_s'], '.1f')} records/s",
+        f"({runs['new-1000']['dropped_stale']:.0f} fragments dropped as stale in new-1000's window",
+        f"the 768 consumers cost the swarm processes {own['cores']['swarm']:.2f} cores",
+        f"the 3 brokers took {own['cores']['brokers']:.2f} cores",
+        f"made {own['updates_per_s']:.2f} updates/s, {own['dropped_stale']:.0f} fragments were dropped as stale",
+        f"{100 * unsent(own):.0f}% of the heartbeats were not sent",
+        f"held {n['import_probes']['onnx']['rss_mib']:.0f} MiB against {n['import_probes']['auto']['rss_mib']:.0f} MiB "
+        f"for numpy",
+    ]}, "docs/benchmarks.json (swarm)")
+    assert all(r["dropped_stale"] == 0 for k, r in runs.items() if k in ("old-256", "new-256", "old-1000"))
