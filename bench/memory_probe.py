@@ -15,15 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-def memory() -> dict[str, float]:
-    """VmRSS and VmHWM of this process, MiB."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) / 1024
-    return out
+from bench.proc import memory
 
 
 def spec(case: dict[str, Any]) -> Any:
@@ -36,19 +28,19 @@ def spec(case: dict[str, Any]) -> Any:
 def probe(backend: str, case: dict[str, Any], blob: bytes, loads: int) -> dict[str, Any]:
     if loads < 2:
         raise ValueError(f"loads={loads}: at least 2 (the stages compare the 2nd load with the last)")
-    stages: dict[str, dict[str, float]] = {"python": memory()}
+    stages: dict[str, dict[str, float]] = {"python": memory("self")}
     from shared.rl.arch import PolicyArch, sampler_policy
 
-    stages["imports"] = memory()
+    stages["imports"] = memory("self")
     policy = sampler_policy(spec(case), PolicyArch(model="nature_cnn"), backend, 1)
-    stages["built"] = memory()
+    stages["built"] = memory("self")
     times = []
     for i in range(1, loads + 1):
         t0 = time.perf_counter()
         policy.load(blob)
         times.append(time.perf_counter() - t0)
         if i in (1, 2, loads // 2, loads):
-            stages[f"load {i}"] = memory()
+            stages[f"load {i}"] = memory("self")
     return {"stages": stages, "load_s": times, "torch_imported": "torch" in sys.modules}
 
 

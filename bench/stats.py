@@ -5,7 +5,8 @@ t-interval (``Interval``). The peer figures' order-statistic intervals and rank 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,16 @@ class Spread:
 
     def as_dict(self) -> dict[str, Any]:
         return {"median": self.median, "min": self.lo, "max": self.hi, "n": self.n, "values": list(self.values)}
+
+
+def timed_median(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall seconds of ``repeats`` calls of ``fn`` (``repeats`` 1: the one call's)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def percentile(values: list[float], q: float) -> float:

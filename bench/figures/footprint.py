@@ -13,11 +13,11 @@ the busiest 5 s plus 20%; memory request and limit: the peak plus 20%). The samp
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from bench.context import Context, say
 from bench.machine import cpu_seconds
+from bench.proc import mapped, memory
 from bench.report import FigureResult, Row
 from bench.stack import stack
 
@@ -27,25 +27,6 @@ TITLE = ("Footprint: CPU (mean, busiest 5 s) and peak memory of each service on 
 TARGET = ("none here: tests/unit/test_doc_figures.py holds every request and limit of deploy/k8s/base at or above what "
           "the rule gives from this measurement")
 SERVICES = ("trainer", "paramsync", "admin", "sampler-0")
-
-
-def _status(pid: int) -> dict[str, float]:
-    out = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) / 1024
-    except OSError:
-        pass
-    return out
-
-
-def _torch_mapped(pid: int) -> bool | None:
-    try:
-        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return None
 
 
 def measure_window(pids: dict[str, int], window_s: float, busiest_s: int = 5) -> dict[str, Any]:
@@ -58,7 +39,7 @@ def measure_window(pids: dict[str, int], window_s: float, busiest_s: int = 5) ->
     while True:
         times.append(time.monotonic())
         for name, pid in pids.items():
-            secs, status = cpu_seconds(pid), _status(pid)
+            secs, status = cpu_seconds(pid), memory(pid)
             if secs is None or "VmRSS" not in status:
                 raise RuntimeError(f"{NAME}: {name} (pid {pid}) exited during the window")
             cpu[name].append(secs)
@@ -71,8 +52,8 @@ def measure_window(pids: dict[str, int], window_s: float, busiest_s: int = 5) ->
         c = cpu[name]
         rates = [(c[i + busiest_s] - c[i]) / (times[i + busiest_s] - times[i]) for i in range(len(c) - busiest_s)]
         out[name] = {"mean_cores": (c[-1] - c[0]) / (times[-1] - times[0]), "busiest_5s_cores": max(rates),
-                     "rss_max_mib": max(rss[name]), "hwm_mib": _status(pid)["VmHWM"],
-                     "torch_mapped": _torch_mapped(pid), "samples": len(c)}
+                     "rss_max_mib": max(rss[name]), "hwm_mib": memory(pid)["VmHWM"],
+                     "torch_mapped": mapped(pid, "libtorch"), "samples": len(c)}
     return out
 
 

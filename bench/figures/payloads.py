@@ -18,11 +18,11 @@ reported as skipped with the reason, never left out silently.
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 from bench.report import FigureResult, Row, standalone_main
+from bench.stats import timed_median
 
 NAME = "payloads"
 TITLE = ("Payloads: bytes per fragment (none / zstd) and per policy blob, encode and decode time, per config, "
@@ -36,16 +36,6 @@ ENCODINGS: tuple[str | None, ...] = (None, "zstd")
 
 def _label(compression: str | None) -> str:
     return compression or "none"
-
-
-def _ms(fn: Any, repeats: int) -> float:
-    """Median milliseconds of ``repeats`` calls."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def measure_config(path: str, fragments: int, repeats: int) -> dict[str, Any]:
@@ -83,8 +73,9 @@ def measure_config(path: str, fragments: int, repeats: int) -> dict[str, Any]:
             pieces = encode_fitting(frag, limit, compression)
             records.append(len(pieces))
             sizes.append(sum(len(p) for _, _, p in pieces))
-            enc_ms.append(_ms(lambda f=frag, c=compression: encode_fitting(f, limit, c), repeats))
-            dec_ms.append(_ms(lambda ps=pieces: [decode_fragment(h, p, spec) for _, h, p in ps], repeats))
+            enc_ms.append(1e3 * timed_median(lambda f=frag, c=compression: encode_fitting(f, limit, c), repeats))
+            dec_ms.append(1e3 * timed_median(lambda ps=pieces: [decode_fragment(h, p, spec) for _, h, p in ps],
+                                             repeats))
         out["encodings"][_label(compression)] = {
             "bytes": sizes, "bytes_median": statistics.median(sizes), "bytes_min": min(sizes), "bytes_max": max(sizes),
             "bytes_per_env_step": statistics.median(sizes) / frags[0].steps,

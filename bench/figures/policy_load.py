@@ -19,16 +19,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from bench.memory_probe import spec as probe_spec
 from bench.report import FigureResult, Row, standalone_main
+from bench.stats import timed_median
 
 NAME = "policy_load"
 TITLE = ("Policy load: time and sampler memory to adopt a large CNN policy (the 50 MB stand-in and Pong), onnx "
@@ -53,16 +52,8 @@ def _run_child(backend: str, case: dict[str, Any], blob_path: str, loads: int) -
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def _median_s(fn: Any, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure(quick: bool = False) -> dict[str, Any]:
+    import onnxruntime
     import torch
 
     from shared.rl.arch import PolicyArch, sampler_policy
@@ -70,8 +61,6 @@ def measure(quick: bool = False) -> dict[str, Any]:
     from shared.rl.policy_np import validate_weights
 
     repeats, loads = (2, 6) if quick else (5, 20)
-    import onnxruntime
-
     results: dict[str, Any] = {"repeats": repeats, "loads": loads, "cases": {},
                                "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__}}
     torch.set_num_threads(1)
@@ -83,20 +72,17 @@ def measure(quick: bool = False) -> dict[str, Any]:
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         onnx_policy = sampler_policy(spec, PolicyArch(model="nature_cnn"), "onnx", 1)
         torch_policy = sampler_policy(spec, PolicyArch(model="nature_cnn"), "torch", 1)
-        t0 = time.perf_counter()
-        torch_policy.load(blob)
-        torch_first = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        onnx_policy.load(blob)
-        onnx_first = time.perf_counter() - t0
+        torch_first = timed_median(lambda b=blob, p=torch_policy: p.load(b), 1)
+        onnx_first = timed_median(lambda b=blob, p=onnx_policy: p.load(b), 1)
         row: dict[str, Any] = {
             **case, "parameters": sum(p.numel() for p in model.parameters()), "blob_bytes": len(blob),
-            "sha256_s": _median_s(lambda b=blob: hashlib.sha256(b).hexdigest(), repeats),
-            "validate_weights_s": _median_s(lambda b=blob, s=shapes: validate_weights(b, s), repeats),
-            "load_weights_s": _median_s(lambda m=model, b=blob: load_weights(m, b), repeats),
-            "onnx_load_first_s": onnx_first, "onnx_load_s": _median_s(lambda b=blob, p=onnx_policy: p.load(b), repeats),
+            "sha256_s": timed_median(lambda b=blob: hashlib.sha256(b).hexdigest(), repeats),
+            "validate_weights_s": timed_median(lambda b=blob, s=shapes: validate_weights(b, s), repeats),
+            "load_weights_s": timed_median(lambda m=model, b=blob: load_weights(m, b), repeats),
+            "onnx_load_first_s": onnx_first,
+            "onnx_load_s": timed_median(lambda b=blob, p=onnx_policy: p.load(b), repeats),
             "torch_load_first_s": torch_first,
-            "torch_load_s": _median_s(lambda b=blob, p=torch_policy: p.load(b), repeats),
+            "torch_load_s": timed_median(lambda b=blob, p=torch_policy: p.load(b), repeats),
             "memory": {},
         }
         del onnx_policy, torch_policy

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.context import BENCH_HOME, Context, say
 from bench.machine import cpu_seconds, loadavg, machine_busy_seconds
+from bench.proc import mapped, memory
 from bench.report import FigureResult, Row
 from bench.stack import _HTTP, BenchStack, stack
 from bench.stats import percentile
@@ -223,24 +224,6 @@ def broker_pids(home: Path) -> list[int]:
     return pids
 
 
-def rss_mib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
-def mapped(pid: int, needle: str) -> bool | None:
-    """Whether a shared object whose path contains ``needle`` is mapped into ``pid`` (torch imported: libtorch)."""
-    try:
-        return needle in Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return None
-
-
 def import_probe(inference: str) -> dict[str, Any]:
     """A sampler's RolloutWorker built with ``sampler.inference`` = ``inference`` in a fresh interpreter: whether
     torch / onnxruntime were imported, and the process's RSS (VmRSS: ``ru_maxrss`` keeps the bench's own peak
@@ -355,7 +338,7 @@ def measure(ctx: Context, samplers: int, design: str, warmup_s: float, window_s:
             time.sleep(window_s)
             page1, cpu1, load1, w1, m1 = _trainer_page(st), cpu_now(), loadavg(), time.time(), time.monotonic()
             sampler_pid = pids["sampler"]
-            sampler = {"rss_mib": rss_mib(sampler_pid) if sampler_pid else float("nan"),
+            sampler = {"rss_mib": memory(sampler_pid).get("VmRSS", float("nan")) if sampler_pid else float("nan"),
                        "torch_mapped": mapped(sampler_pid, "libtorch") if sampler_pid else None,
                        "onnxruntime_mapped": mapped(sampler_pid, "onnxruntime") if sampler_pid else None}
             reader.stop(w0, w1)

@@ -8,8 +8,11 @@ import json
 import math
 import re
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,12 +25,18 @@ def _assert_quoted(expected: dict[str, list[str]], source: str) -> None:
         assert not missing, f"docs/{name} differs from {source}: {missing}"
 
 
-def _scaling() -> dict[str, Any]:
-    return dict(json.loads((REPO / "docs" / "benchmarks.json").read_text())["figures"]["scaling"]["numbers"])
+def _suite_row(page: str, is_row: Callable[[str], bool]) -> tuple[str, str]:
+    """The commit a generated suite page (docs/reliability*.md) names in its "Last run" line, and its first row
+    ``is_row`` picks."""
+    text = (REPO / "docs" / page).read_text()
+    commit = re.search(r"^Last run: .*?, commit `(\w+)`", text, re.M)
+    row = next((line for line in text.splitlines() if is_row(line)), None)
+    assert commit and row, f"docs/{page} has no such row or no commit line"
+    return commit[1], row
 
 
 def test_scaling_page_quotes_the_scaling_figure() -> None:
-    n, page = _scaling(), " ".join((REPO / "docs" / "scaling.md").read_text().split())
+    n = _figure("scaling")["numbers"]
     rel, at32 = n["relative"], n["per_count"]["32"]
     cores32 = n["cpu_cores"]["32"]
     one = n["per_count"]["1"]["sampled"]["median"]
@@ -42,13 +51,11 @@ def test_scaling_page_quotes_the_scaling_figure() -> None:
         f"(9.6 KB per 256 env steps at {one:.0f} env steps/s)",
         f"| env steps/s of one latency-bound sampler (4 envs, log-normal 2 ms steps) | {one:.0f} |",
     ]
-    missing = [e for e in expected if e not in page]
-    assert not missing, f"docs/scaling.md differs from docs/benchmarks.json: {missing}"
+    _assert_quoted({"scaling.md": expected}, "docs/benchmarks.json")
 
 
 def test_results_page_quotes_the_cartpole_peers_figure() -> None:
-    fig = json.loads((REPO / "docs" / "benchmarks.json").read_text())["figures"]["peers"]
-    page = " ".join((REPO / "docs" / "results.md").read_text().split())
+    fig = _figure("peers")
     peers, tests = fig["numbers"]["peers"], fig["numbers"]["rank_tests"]
 
     def med(peer: str, key: str) -> float:
@@ -67,12 +74,11 @@ def test_results_page_quotes_the_cartpole_peers_figure() -> None:
         f"(p = {same['end_to_end_s']['p_two_sided']:.2f} two-sided, same settings",
         f"(one-sided p = {same['train_s']['p_a_smaller']:.3f})",
     ]
-    missing = [e for e in expected if e not in page]
-    assert not missing, f"docs/results.md differs from docs/benchmarks.json: {missing}"
+    _assert_quoted({"results.md": expected}, "docs/benchmarks.json")
 
 
 def test_results_and_pixels_pages_quote_the_minatar_peers_figure() -> None:
-    fig = json.loads((REPO / "docs" / "benchmarks.json").read_text())["figures"]["peers_minatar"]
+    fig = _figure("peers_minatar")
     n = fig["numbers"]
     peers, same = n["peers"], n["rank_tests"]["Flywheel vs SB3 PPO"]
 
@@ -107,7 +113,7 @@ def test_results_and_pixels_pages_quote_the_minatar_peers_figure() -> None:
 
 
 def test_results_and_pixels_pages_quote_the_pong_peers_figure() -> None:
-    fig = json.loads((REPO / "docs" / "benchmarks.json").read_text())["figures"]["peers_pong"]
+    fig = _figure("peers_pong")
     n = fig["numbers"]
     peers, tests = n["peers"], n["rank_tests"]
     fw, sb3 = "Flywheel", "SB3 PPO"
@@ -152,7 +158,7 @@ def test_results_and_pixels_pages_quote_the_pong_peers_figure() -> None:
 
 
 def test_policies_and_scaling_pages_quote_the_sync_inline_figure() -> None:
-    fig = json.loads((REPO / "docs" / "benchmarks.json").read_text())["figures"]["sync_inline"]
+    fig = _figure("sync_inline")
     n, window = fig["numbers"], fig["settings"]["window_s"]
     i, s = n["inline"], n["store"]
 
@@ -188,10 +194,7 @@ def test_operations_and_results_pages_quote_the_fault_suites_guard_row() -> None
     """The guard's figures in docs/operations.md and docs/results.md are the fault suite's row in
     docs/reliability.md (written by `make test-faults`; after a local run rewrote it, update the quotes or
     `git checkout docs/reliability.md`)."""
-    rel = (REPO / "docs" / "reliability.md").read_text()
-    commit = re.search(r"^Last run: .*?, commit `(\w+)`", rel, re.M)
-    row = next((line for line in rel.splitlines() if line.startswith("| learning_rate(_end)=1.0")), None)
-    assert commit and row, "docs/reliability.md has no guard row or no commit line"
+    commit, row = _suite_row("reliability.md", lambda line: line.startswith("| learning_rate(_end)=1.0"))
     m = re.search(r"auto_rollback \((\w+), (\w+)\) ([\d.]+) s after the change; v\d+ republished as v\d+, followed "
                   r"([\d.]+) s after the change; last-100 return (\d+) -> (\d+) \(best (\d+) - drop (\d+)\) "
                   r"([\d.]+) s after the change", row)
@@ -200,14 +203,14 @@ def test_operations_and_results_pages_quote_the_fault_suites_guard_row() -> None
     assert row.split("|")[2].strip() == "ok", "the recorded guard row did not pass"
     expected = {
         "operations.md": [
-            f"In its recorded run (commit `{commit[1]}`) `auto_rollback` ({cause}, {remedy}) was audited "
+            f"In its recorded run (commit `{commit}`) `auto_rollback` ({cause}, {remedy}) was audited "
             f"{decided} s after the change",
             f"trainer followed the republished version {followed} s after it",
             f"the last-100 return went from {low} back to {back} (within `drop` of its best, {best}) "
             f"{recovered} s after the change",
         ],
         "results.md": [
-            f"recorded at `{commit[1]}` in `reliability.md`",
+            f"recorded at `{commit}` in `reliability.md`",
             f"rolled back {decided} s after the change and the last-100 return was back within `drop` of its best "
             f"{recovered} s after it",
         ],
@@ -428,8 +431,6 @@ def test_scaling_page_and_the_sampler_memory_limit_follow_the_policy_load_figure
     res = _resources("sampler")
     assert _quantity(res["requests"]["memory"], True) == _quantity(res["limits"]["memory"], True) == limit, \
         f"deploy/k8s/base/sampler.yaml: want {limit}Mi, request = limit"
-    import yaml
-
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     assert compose["services"]["sampler"]["mem_limit"] == f"{limit}m", f"docker-compose.yml's sampler: want {limit}m"
 
@@ -444,8 +445,6 @@ def _sampler_rest_mib() -> float:
 
 def _resources(manifest: str) -> dict[str, Any]:
     """The resources of the first container of the Deployment or StatefulSet in deploy/k8s/base/<manifest>.yaml."""
-    import yaml
-
     docs = [d for d in yaml.safe_load_all((REPO / "deploy" / "k8s" / "base" / f"{manifest}.yaml").read_text())
             if d and d.get("kind") in ("Deployment", "StatefulSet")]
     return dict(docs[0]["spec"]["template"]["spec"]["containers"][0]["resources"])
@@ -496,15 +495,12 @@ def test_kubernetes_requests_and_limits_cover_the_footprint_figure() -> None:
 def test_operations_page_quotes_the_partition_suites_slow_link_row() -> None:
     """The slow link between the ranks in docs/operations.md is the partition suite's row in
     docs/reliability-network.md (written by `make test-partitions`; update the quote when a local run rewrites it)."""
-    rel = (REPO / "docs" / "reliability-network.md").read_text()
-    commit = re.search(r"^Last run: .*?, commit `(\w+)`", rel, re.M)
-    row = next((line for line in rel.splitlines() if "slow link between the trainer ranks" in line), None)
-    assert commit and row, "docs/reliability-network.md has no slow-link row or no commit line"
+    commit, row = _suite_row("reliability-network.md", lambda line: "slow link between the trainer ranks" in line)
     m = re.search(r"\+(\d+) ms each way.*?updates/s ([\d.]+) -> ([\d.]+)", row)
     assert m, f"the slow-link row has a shape this test does not know: {row[:300]}"
     _assert_quoted({"operations.md": [
         f"+{m[1]} ms each way between the two ranks took CartPole from {m[2]} to {m[3]} updates a second",
-        f"the slow-link row, recorded at `{commit[1]}`",
+        f"the slow-link row, recorded at `{commit}`",
     ]}, "docs/reliability-network.md's slow-link row")
 
 
