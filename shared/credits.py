@@ -25,9 +25,15 @@ many of its fragments the trainer has not consumed yet, and sends only while tha
   ``live_after_s`` (dead, paused, cut off) gives it back: the trainer stops counting it and moves on.
   A sampler process the trainer has not consumed from yet (not in its grant) may have one fragment in
   flight, to make itself known, whatever the window: a swarm that starts at once overshoots by one each.
-- A sampler (:class:`CreditGate`) sends while ``sent - consumed - lost`` is below its window (or below
+- A sampler (:class:`CreditGate`) sends while ``sent - consumed - settled`` is below its window (or below
   ``limit - consumed`` when taking turns); otherwise it waits for the next grant (still adopting
   policies and sending heartbeats).
+- Credits cannot leak: a fragment that will never be consumed stops counting. One Kafka never acknowledged
+  is *lost* at once. One Kafka acknowledged at ``(partition, offset)`` is *settled* as soon as a grant's
+  ``seen`` (the trainer's position on that partition: every record below it reached the trainer or left the
+  log first) passes its offset while the consumed count has not reached it: it was removed before the trainer
+  read it (retention, ``deleteRecords``, a log truncated by an unclean leader election), or it was unreadable
+  (dead-lettered). Without this a sampler whose newest fragments were deleted waits for them for good.
 
 The count is the highest ``n`` consumed, not a set: a sampler's fragments spread over partitions, so one
 still waiting on a slower partition counts as consumed once a later one was. In steady state that is
@@ -55,6 +61,8 @@ from shared.messages import CreditGrant
 from shared.settings import Settings
 
 H_SAMPLER_SEQ = "sampler-seq"
+GRANT_SILENCE_S = 5.0
+"""A sampler that heard no grant for this long says so (the trainer grants every second)."""
 TURN = 1
 """Credits one turn gives a sampler when samplers take turns (the smallest share: the freshest data)."""
 
@@ -262,25 +270,54 @@ class CreditGate:
         self.known = False  # the last allocating grant knew this sampler process
         self._allocated = False  # an allocating grant came (before one: ``initial_window``)
         self.granted_at: float | None = None
-        self._lost: set[int] = set()  # sent but never acknowledged by Kafka: they will never be consumed
+        self.consumed_at: float | None = None  # when the consumed count last moved
+        self.live_samplers = 0  # the samplers the last allocating grant counted as live
+        self._lost: set[int] = set()  # sent, never to be consumed: never acknowledged by Kafka, or settled
+        self._placed: dict[int, tuple[int, int]] = {}  # acknowledged, not consumed yet: n -> (partition, offset)
+        self._seen: dict[int, int] = {}  # samples partition -> the trainer's position (max over grants)
+        self.settled = 0  # fragments the trainer's position passed unconsumed (released, never trained)
+        self.newly_settled: list[tuple[int, int, int]] = []  # (n, partition, offset) not reported yet: the caller's
 
     def next_seq(self) -> int:
         self.sent += 1
         return self.sent
 
     def lost(self, n: int) -> None:
+        """Fragment ``n`` was never acknowledged by Kafka: it will never be consumed."""
         if n > self.consumed:
             self._lost.add(n)
+
+    def placed(self, n: int, partition: int, offset: int) -> None:
+        """Kafka acknowledged fragment ``n`` at ``(partition, offset)``."""
+        if n <= self.consumed or n in self._lost:
+            return
+        self._placed[n] = (partition, offset)
+        if offset < self._seen.get(partition, -1):  # the trainer's position passed it before the ack came back
+            self._settle(n)
+
+    def _settle(self, n: int) -> None:
+        self._lost.add(n)
+        self.newly_settled.append((n, *self._placed.pop(n)))
+        self.settled += 1
 
     def grant(self, g: CreditGrant, now: float) -> None:
         self.granted_at = now
         n = g.consumed.get(self.key)
         if n is not None and n > self.consumed:  # monotonic: a restarted trainer re-reading old records
             self.consumed = n
+            self.consumed_at = now
             self._lost = {m for m in self._lost if m > n}
+            self._placed = {m: at for m, at in self._placed.items() if m > n}
+        for part, off in g.seen.items():  # monotonic per partition, whichever rank reads it now
+            if off > self._seen.get(part, -1):
+                self._seen[part] = off
+        for m, (part, off) in list(self._placed.items()):
+            if off < self._seen.get(part, -1):  # passed, never consumed: it will never be
+                self._settle(m)
         if not g.allocates:  # another rank's counts: what it consumed counts, the window is rank 0's
             return
         self._allocated = True
+        self.live_samplers = g.live_samplers
         self.turns = g.window <= 0
         self.window = max(1, g.window)
         self.known = n is not None or self.key in g.limits
@@ -307,3 +344,25 @@ class CreditGate:
 
     def open(self) -> bool:
         return self.in_flight < self.allowed
+
+    def waiting_reason(self, now: float, waited: float, grant_silence_s: float = GRANT_SILENCE_S) -> str:
+        """Why this sampler has waited ``waited`` s for credits, in terms of what it observed: no grants at
+        all, grants but no turn, grants while the trainer consumes from no sampler, or grants while the trainer
+        consumes from others and not from this one."""
+        if self.granted_at is None:
+            return (f"no credit grant received in {waited:.0f} s since this sampler started: the trainer is not "
+                    f"running, or its grants do not reach this sampler")
+        silent = now - self.granted_at
+        if silent > grant_silence_s:
+            return (f"no credit grant for {silent:.0f} s (the trainer grants every second): the trainer stopped, "
+                    f"or it or this sampler is cut off from Kafka")
+        if self.turns:
+            return (f"waiting {waited:.0f} s for a turn: {self.live_samplers} live sampler(s) take turns with the "
+                    f"trainer's window")
+        if self.live_samplers == 0:
+            return (f"grants arrive but the trainer consumes from no sampler: {self.in_flight} fragment(s) in "
+                    f"flight for {waited:.0f} s (the trainer is paused, stalled, or reading a backlog)")
+        moved = "never" if self.consumed_at is None else f"{now - self.consumed_at:.0f} s ago"
+        return (f"grants arrive and the trainer consumes from {self.live_samplers} sampler(s), but not this "
+                f"one's {self.in_flight} fragment(s) in flight for {waited:.0f} s (its consumed count last moved "
+                f"{moved})")

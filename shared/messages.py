@@ -151,6 +151,11 @@ class CreditGrant(_Msg):
     allocates: bool = True
     """False from a data-parallel rank other than rank 0: only its consumed counts count."""
     live_samplers: int = 0
+    seen: dict[int, int] = Field(default_factory=dict)
+    """Per partition of ``<run>.samples`` this trainer reads: the offset below which every record has reached
+    it (consumed, whatever its outcome) or left the log before it could (retention, ``deleteRecords``). A
+    sampler's fragment at an offset below it is no longer in flight, even when it never counted as consumed:
+    credits cannot leak to records the trainer will never see."""
     sent_at: float = Field(default_factory=time.time)
 
 
@@ -173,6 +178,9 @@ class SamplerBeat(_Msg):
     """Fragments sent that the trainer has not consumed yet, as of the last grant."""
     credit_wait_s: float = 0.0
     """Seconds spent waiting for credits since the process started."""
+    credits_settled_unconsumed: int = 0
+    """Fragments this process sent that the trainer's position passed without consuming them (they left the
+    log before it read them, or were unreadable): released from the window, not trained."""
     config_revision: int = 0
     """The runtime-settings revision this sampler applied (PATCH /config)."""
     health: dict[str, Any] | None = None
@@ -197,6 +205,11 @@ class TrainerBeat(_Msg):
     return_count: int
     fragments_dropped_stale: int
     fragments_dead_lettered: int
+    records_lost: int = 0
+    """Records of this run that left ``<run>.samples`` before the trainer read them (retention,
+    ``deleteRecords``), from its ledger (restarts keep them): never trained; ``flywheel verify`` names them."""
+    records_lost_partitions: list[int] = Field(default_factory=list)
+    """The partitions those records were on."""
     staleness_p95: float | None = None
     published_version: int | None = None
     """The newest published version the trainer knows of (its staleness reference is the older of it

@@ -63,6 +63,10 @@ class TrainerStatus(BaseModel):
         None, description="Set while records arrive but no update happens (why, and since when)")
     learning_rate: float | None = Field(None, description="For the next update (schedule and runtime settings)")
     config_revision: int = Field(0, description="The runtime-settings revision the trainer applied")
+    records_lost: int = Field(0, description="Records of this run that left <run>.samples before the trainer read "
+                                             "them (retention, deleteRecords): never trained; flywheel verify "
+                                             "fails naming them")
+    records_lost_partitions: list[int] = Field(default_factory=list, description="The partitions they were on")
     ranks: list[RankStatus] = Field(
         default_factory=list, description="Data-parallel ranks (trainer.world_size > 1): each rank's weights "
                                           "digest at a common update; equal digests mean identical weights")
@@ -82,6 +86,9 @@ class SamplerStatus(BaseModel):
     credits_in_flight: int | None = Field(None, description="Its fragments the trainer had not consumed, "
                                                             "as of the last grant")
     credit_wait_s: float = Field(0.0, description="Seconds it waited for credits since it started")
+    credits_settled_unconsumed: int = Field(
+        0, description="Its fragments the trainer's position passed without consuming them (they left the log "
+                       "before it read them, or were unreadable): released from its window, never trained")
     config_revision: int = Field(0, description="The runtime-settings revision it applied")
     ahead_of_published: int | None = Field(
         None, description="Versions its policy is ahead of the published one (the marker's, signature checked): a "
@@ -186,7 +193,8 @@ def create_app(state: AdminState) -> FastAPI:
                           paused=seen.beat.paused_since is not None, paused_since=seen.beat.paused_since,
                           max_backlog=seen.beat.max_backlog, config_revision=seen.beat.config_revision,
                           credits_window=seen.beat.credits_window, credits_in_flight=seen.beat.credits_in_flight,
-                          credit_wait_s=seen.beat.credit_wait_s)
+                          credit_wait_s=seen.beat.credit_wait_s,
+                          credits_settled_unconsumed=seen.beat.credits_settled_unconsumed)
             for sid, seen in sorted(v.samplers.items()) if now - seen.at <= SAMPLER_FORGET_S
         ]
         def health(role: str, seen: object) -> ServiceHealth:
@@ -213,6 +221,8 @@ def create_app(state: AdminState) -> FastAPI:
                 last_update_at=tb.last_update_at if tb else None, policy_version=tb.policy_version if tb else None,
                 published_version=tb.published_version if tb else None,
                 learning_rate=tb.learning_rate if tb else None, config_revision=tb.config_revision if tb else 0,
+                records_lost=tb.records_lost if tb else 0,
+                records_lost_partitions=tb.records_lost_partitions if tb else [],
                 stalled=StallStatus(since=tb.stalled_since, reason=tb.stalled_reason)
                 if tb and tb.stalled_reason and s.alive(v.trainer, now) else None,
                 ranks=[RankStatus(rank=r, alive=s.alive(seen, now), updates=seen.beat.updates,

@@ -84,6 +84,9 @@ CREDIT_WAIT = Counter("flywheel_sampler_credit_wait_seconds_total",
                       ["sampler"])
 CREDITS_IN_FLIGHT = Gauge("flywheel_sampler_credits_in_flight",
                           "Fragments sent that the trainer has not consumed yet (as of its last grant)", ["sampler"])
+SETTLED = Counter("flywheel_sampler_credits_settled_unconsumed_total",
+                  "Fragments the trainer's position passed without consuming them (they left the log before it "
+                  "read them, or were unreadable): released from the credit window, never trained", ["sampler"])
 PAUSED = Gauge("flywheel_sampler_paused", "1 while an operator has paused the sampler", ["sampler"])
 POLICY_FETCHES = Counter("flywheel_sampler_policy_fetches_total",
                          "Policy weights obtained: inline (from the announcement, no store GET) or store (one GET of "
@@ -276,9 +279,14 @@ class Sampler:
             while not stop_event.is_set() and not self.credits.open() and self._credits_on():
                 await self._wait_wake(WAKE_TIMEOUT_S)
                 await self._refresh_policy()
-                waited = time.monotonic() - waited_from
-                if waited > degraded_after and "credits" not in self.health_state.reasons:
-                    self.health_state.degraded("credits", f"no credit grant for {waited:.0f} s (trainer or Kafka away)")
+                now = time.monotonic()
+                waited = now - waited_from
+                if waited > degraded_after:  # the reason says what was observed, and follows it as it changes
+                    reason = self.credits.waiting_reason(now, waited)
+                    if "credits" not in self.health_state.reasons:
+                        self.log.warning("credits_starved", reason=reason, in_flight=self.credits.in_flight,
+                                         window=self.credits.allowed, settled=self.credits.settled)
+                    self.health_state.degraded("credits", reason)
         finally:
             if "credits" in self.health_state.reasons:
                 self.health_state.recovered("credits")
@@ -286,6 +294,18 @@ class Sampler:
             self._credit_wait_since = None
             self.credit_wait_s += waited
             CREDIT_WAIT.labels(**self._labels).inc(waited)
+
+    def _report_settled(self) -> None:
+        """Fragments the trainer's position passed without consuming them (removed from the log before it read
+        them, or unreadable): no longer in flight, never trained. Logged with where they were (the
+        ``fragment_produced`` lines name their sample ids at the same partition and offset) and counted."""
+        settled, self.credits.newly_settled = self.credits.newly_settled, []
+        if settled:
+            SETTLED.labels(**self._labels).inc(len(settled))
+            self.log.warning("fragments_settled_unconsumed", count=len(settled),
+                             at=[f"{p}:{o}" for _, p, o in settled[:20]],
+                             hint="the trainer's position passed them unread: they left the log before it read "
+                                  "them (retention, deleteRecords) or were unreadable; their credits are released")
 
     async def _wait_for_newer(self, version: int, stop_event: asyncio.Event) -> None:
         """Synchronous baseline: after sending, wait for the version trained on what was sent."""
@@ -514,6 +534,7 @@ class Sampler:
                 self.log.info("control_received", command=cmd.command, request_id=cmd.request_id)
             elif topic == self.topics.credits and value is not None:
                 self.credits.grant(CreditGrant.model_validate_json(value), time.monotonic())
+                self._report_settled()
                 CREDITS_IN_FLIGHT.labels(**self._labels).set(self.credits.in_flight)
                 if self.credits.open():
                     self._wake.set()
@@ -530,6 +551,7 @@ class Sampler:
             max_backlog=self.settings.sampler.max_backlog,
             credits_window=self.credits.allowed if self._credits_on() else None,
             credits_in_flight=self.credits.in_flight if self._credits_on() else None,
+            credits_settled_unconsumed=self.credits.settled,
             credit_wait_s=round(self.credit_wait_s + (time.monotonic() - self._credit_wait_since
                                                       if self._credit_wait_since is not None else 0.0), 3),
             config_revision=self.runtime.revision,

@@ -24,6 +24,8 @@ from shared.bus import Publisher, Record, RecordSource
 from shared.fragment import header_dict
 from shared.retry import Health, Retrier, describe
 
+POSITION_WAIT_S = 1.0
+"""Longest :meth:`ConsumerGroup.find_lost` waits for a partition's position (it has none while resetting)."""
 DLQ_HEADER_BUDGET = 16_384
 """Bytes of the original record's headers a dead-letter copy keeps (the rest are summarised), so the copy
 always fits the topic's message limit."""
@@ -53,6 +55,8 @@ class ConsumerGroup:
         self.revoking: set[TopicPartition] = set()
         self.hold_commits = False  # a fresh run commits nothing until its first checkpoint holds what it trained
         self._commit_lock = asyncio.Lock()
+        self._ahead: dict[TopicPartition, tuple[int, int]] = {}  # (expected, position) at the last look
+        self._looked: dict[TopicPartition, tuple[int, int]] = {}  # pairs already given to _skipped
 
     # ---- ownership ------------------------------------------------------------------------
     def owned(self, tp: TopicPartition) -> bool:
@@ -112,6 +116,47 @@ class ConsumerGroup:
                          {"topic": tp.topic, "partition": tp.partition, "from_offset": expected, "to_offset": hi,
                           "count": n, "log_start": log_start},
                          f"{n} record(s) left the log untrained; flywheel verify names them until the run ends")
+
+    async def find_lost(self) -> None:
+        """Records that left the log while no later record came to show it (every untrained record of a
+        partition deleted, and the samplers waiting for credits those records held): where the consumer's
+        position is past the ledger's next expected offset at two looks in a row (records polled but not yet
+        taken are no gap), :meth:`_skipped` decides from the log start whether they were lost. Each jump is
+        looked into once."""
+        ahead: dict[TopicPartition, tuple[int, int]] = {}
+        for tp in sorted(self.source.assignment(), key=lambda t: t.partition):
+            expected = self.ledger.expected(tp)
+            if tp.topic != self.samples_topic or expected is None or not self.owned(tp):
+                continue
+            try:
+                position = await asyncio.wait_for(self.source.position(tp), POSITION_WAIT_S)
+            except (TimeoutError, KafkaError):  # resetting, or the assignment changed meanwhile: the next look
+                continue
+            if position <= expected:
+                continue
+            pair = (expected, position)
+            if self._ahead.get(tp) == pair and self._looked.get(tp) != pair:
+                self._looked[tp] = pair
+                await self._skipped(tp, expected, position)
+            ahead[tp] = pair
+        self._ahead = ahead
+
+    def lost(self) -> tuple[int, list[int]]:
+        """Records of this run that left the log before the model read them, and their partitions (the
+        heartbeat, ``/status``); from the ledger, so a restarted trainer still reports them."""
+        counts = self.ledger.lost_counts()
+        return sum(counts.values()), sorted(tp.partition for tp in counts)
+
+    def seen(self) -> dict[int, int]:
+        """Per owned partition of the samples topic, the offset below which every record reached this trainer
+        or left the log first (the ledger's next expected offset). Credit grants carry it (``CreditGrant.seen``),
+        so a sampler stops counting a fragment that will never be consumed."""
+        out: dict[int, int] = {}
+        for tp in self.source.assignment():
+            expected = self.ledger.expected(tp)
+            if tp.topic == self.samples_topic and expected is not None and self.owned(tp):
+                out[tp.partition] = expected
+        return out
 
     def finished(self, tp: TopicPartition, offset: int, outcome: Outcome) -> None:
         self.ledger.finished(tp, offset, outcome)

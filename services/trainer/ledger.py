@@ -191,6 +191,16 @@ class OffsetLedger:
                 p.next = p.frontier
             self._committed.pop(tp, None)
 
+    def lost_counts(self) -> dict[TopicPartition, int]:
+        """Per partition with any, the records that left the log before this model read them (folded or not):
+        this run's, carried across restarts by the checkpoints."""
+        out: dict[TopicPartition, int] = {}
+        for tp, p in self._parts.items():
+            n = sum(hi - lo for lo, hi in p.ranges["lost"]) + sum(hi - lo for lo, hi in p.lost)
+            if n:
+                out[tp] = n
+        return out
+
     def snapshot(self) -> dict[str, int]:
         """Frontiers as ``"topic:partition" -> offset`` (checkpoint offsets, logs)."""
         return {tp_key(tp): p.frontier for tp, p in self._parts.items()}

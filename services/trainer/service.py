@@ -80,6 +80,8 @@ DIGEST_EVERY = 10
 """Data-parallel ranks note their weights digest every this many updates (the same updates on every rank)."""
 POLICY_REFRESH_S = 5.0
 """Re-read the marker this often (announcements are the fast path; this covers lost ones)."""
+FIND_LOST_S = 1.0
+"""Look this often for records that left the log unread while no later record came (ConsumerGroup.find_lost)."""
 RUNTIME_POLL_S = 2.0
 """Runtime settings (PATCH /config) are applied within this long."""
 GUARD_CHECK_S = 1.0
@@ -165,7 +167,7 @@ class Trainer:
         self.tracker = Tracker.from_settings(settings) if self.leader else Tracker()
         self.lease = HeldLease(TrainerLease(store, settings.run, self.id), self.retry, self.log)
         self.grants = Grants(self.consumption, self.producer, topic=self.topics.credits, trainer_id=self.id,
-                             log=self.log)
+                             log=self.log, seen=self.group.seen)
         self.live = LiveSamplers()
         self.watch = PublicationWatch()
         self.background = Background("trainer")
@@ -290,6 +292,8 @@ class Trainer:
                                     stop_event=stop, wake=self.grants.consumed)),
             ("heartbeats", every(lambda: self.cfg.heartbeat_interval_s, self.heartbeat, name="heartbeats", log=log,
                                  stop_event=stop)),
+            ("find-lost", every(lambda: FIND_LOST_S, self.group.find_lost, name="find-lost", log=log,
+                                stop_event=stop)),
             ("runtime-config", every(lambda: RUNTIME_POLL_S, self.runtime_config, name="runtime-config", log=log,
                                      stop_event=stop)),
             ("marker-refresh", every(lambda: POLICY_REFRESH_S, self._refresh_marker, name="marker-refresh", log=log,
@@ -311,7 +315,8 @@ class Trainer:
             self.ranks.report(self.health_state, self.log, time.monotonic())
         beat = trainer_beat(trainer_id=self.id, learner=self.learner, stats=self.stats, intake=self.intake,
                             stall=self.stall.check(time.monotonic(), self.intake.reference),
-                            publication=self.publication, health=self.health_state, cfg=self.cfg, digest=self.digest)
+                            publication=self.publication, health=self.health_state, cfg=self.cfg, digest=self.digest,
+                            lost=self.group.lost())
         try:
             await self.producer.send(self.topics.heartbeats, beat.to_bytes(), key=self.id.encode())
         except Exception as exc:  # a heartbeat is not worth stopping for; the next one retries

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from services.trainer import telemetry as m
@@ -71,8 +71,9 @@ class Grants:
     """Flow control (``shared.credits``): tell the samplers how far their fragments are consumed."""
 
     def __init__(self, consumption: Consumption, producer: Publisher, *, topic: str, trainer_id: str,
-                 log: Any) -> None:
+                 log: Any, seen: Callable[[], dict[int, int]] = dict) -> None:
         self.consumption = consumption
+        self.seen = seen  # the samples partitions' positions (ConsumerGroup.seen), sent with every grant
         self.producer = producer
         self.topic = topic
         self.trainer_id = trainer_id
@@ -82,7 +83,9 @@ class Grants:
     async def send(self) -> None:
         """One grant per credits partition, holding that shard's samplers only; never waits for an ack."""
         grants = self.consumption.grants(self.trainer_id, time.monotonic())
+        seen = self.seen()  # with the counts, before any await: a consumed fragment is never passed uncounted
         for grant in grants:
+            grant.seen = seen
             try:
                 await self.producer.send(self.topic, grant.to_bytes(), key=b"credits", partition=grant.shard)
             except Exception as exc:  # the next grant carries the same counts
@@ -169,7 +172,7 @@ class PublicationWatch:
 
 def trainer_beat(*, trainer_id: str, learner: Learner, stats: m.TrainerStats, intake: Intake, stall: Stall | None,
                  publication: Publication, health: Health, cfg: TrainerSettings,
-                 digest: tuple[int, str] | None) -> TrainerBeat:
+                 digest: tuple[int, str] | None, lost: tuple[int, list[int]] = (0, [])) -> TrainerBeat:
     """The trainer's heartbeat as of now."""
     c, s = learner.counters, stats
     return TrainerBeat(
@@ -179,6 +182,7 @@ def trainer_beat(*, trainer_id: str, learner: Learner, stats: m.TrainerStats, in
         return_mean=sum(c.recent_returns) / len(c.recent_returns) if c.recent_returns else None,
         return_count=len(c.recent_returns), fragments_dropped_stale=s.dropped,
         fragments_dead_lettered=s.dead_lettered, published_version=intake.published,
+        records_lost=lost[0], records_lost_partitions=lost[1],
         stalled_since=None if stall is None else time.time() - (time.monotonic() - stall.since),
         stalled_reason=None if stall is None else stall.reason, nonfinite_steps_skipped=s.nonfinite_skipped,
         candidates_resent=publication.resent, health=health.as_dict(), started_at=s.started_at,

@@ -100,3 +100,67 @@ def test_a_sequence_of_zero_is_forgotten_without_error() -> None:
     trainer = Consumption(total_window=4, forget_after_s=60)
     trainer.saw("s0", "i.0", now=0.0)  # n = 0: seen, but no count moves
     assert trainer.grant("t", now=100.0).consumed == {}
+
+
+def _grant(window: int = 2, consumed: dict[str, int] | None = None, seen: dict[int, int] | None = None,
+           live: int = 2) -> object:
+    from shared.messages import CreditGrant
+
+    return CreditGrant(trainer="t", window=window, consumed={"s0/i": 0} if consumed is None else consumed,
+                       seen=seen or {}, live_samplers=live)
+
+
+def test_fragments_the_trainers_position_passed_unconsumed_stop_counting() -> None:
+    # Records deleted before the trainer read them (retention, deleteRecords) are never consumed: without the
+    # trainer's position in the grant the sampler would wait for them for good (a window of 2, both gone).
+    gate = CreditGate("s0", initial_window=2, incarnation="i")
+    a, b = gate.next_seq(), gate.next_seq()
+    gate.placed(a, 0, 5)
+    gate.placed(b, 1, 7)
+    gate.grant(_grant(seen={0: 3, 1: 7}), now=1.0)  # neither passed yet (offset 7 is the next one on partition 1)
+    assert gate.in_flight == 2 and not gate.open() and gate.settled == 0
+    gate.grant(_grant(seen={0: 6}), now=2.0)  # partition 0's position passed offset 5 and nothing was consumed
+    assert gate.in_flight == 1 and gate.open() and gate.settled == 1
+    assert gate.newly_settled == [(a, 0, 5)]
+    gate.grant(_grant(seen={0: 2, 1: 3}), now=3.0)  # an older position (a restarted trainer) takes nothing back
+    assert gate.in_flight == 1
+    gate.grant(_grant(seen={1: 9}), now=4.0)
+    assert gate.in_flight == 0 and gate.settled == 2
+
+
+def test_a_consumed_fragment_is_never_counted_as_settled() -> None:
+    gate = CreditGate("s0", initial_window=2, incarnation="i")
+    a, b = gate.next_seq(), gate.next_seq()
+    gate.placed(a, 0, 5)
+    gate.placed(b, 0, 6)
+    gate.grant(_grant(consumed={"s0/i": 2}, seen={0: 7}), now=1.0)  # both consumed: the count covers them
+    assert gate.in_flight == 0 and gate.settled == 0 and gate.newly_settled == []
+    c = gate.next_seq()
+    gate.grant(_grant(consumed={"s0/i": 2}, seen={0: 9}), now=2.0)  # not acknowledged yet: still in flight
+    assert gate.in_flight == 1
+    gate.placed(c, 0, 8)  # acknowledged after the position passed it: settled at once
+    assert gate.in_flight == 0 and gate.settled == 1
+
+
+def test_an_unacknowledged_send_stays_lost_once_and_settling_counts_it_once() -> None:
+    gate = CreditGate("s0", initial_window=3, incarnation="i")
+    a, b = gate.next_seq(), gate.next_seq()
+    gate.lost(a)
+    gate.placed(b, 0, 1)
+    gate.placed(a, 0, 0)  # a late acknowledgement of a send counted lost is ignored
+    gate.grant(_grant(seen={0: 5}), now=1.0)
+    assert gate.in_flight == 0 and gate.settled == 1
+
+
+def test_the_waiting_reason_names_what_was_observed() -> None:
+    gate = CreditGate("s0", initial_window=1, incarnation="i")
+    gate.next_seq()
+    assert "no credit grant received in 40 s since this sampler started" in gate.waiting_reason(40.0, 40.0)
+    gate.grant(_grant(window=1, live=1), now=10.0)
+    assert "no credit grant for 30 s" in gate.waiting_reason(40.0, 31.0)
+    why = gate.waiting_reason(11.0, 31.0)  # grants arrive; the trainer consumes from another sampler
+    assert "consumes from 1 sampler(s), but not this one's 1 fragment(s)" in why and "last moved never" in why
+    gate.grant(_grant(window=1, live=0), now=11.0)
+    assert "consumes from no sampler" in gate.waiting_reason(12.0, 32.0)
+    gate.grant(_grant(window=0, live=3), now=12.0)
+    assert "waiting 33 s for a turn: 3 live sampler(s)" in gate.waiting_reason(13.0, 33.0)

@@ -112,3 +112,29 @@ async def test_an_untouched_log_loses_nothing(tmp_path: Path) -> None:
     assert _lost_total() == before
     assert not [e for e in AuditLog(t.store, "r").entries() if e.action == "records_lost_before_training"]
     assert json.dumps(st)  # serialisable as the checkpoint stores it
+
+
+async def test_every_untrained_record_deleted_is_found_without_a_later_record_and_granted_past(
+        tmp_path: Path) -> None:
+    # Nothing newer arrives to show the jump (the samplers wait for credits those records held): the consumer's
+    # position past the ledger is enough, and the grants carry the position so the samplers stop waiting.
+    from shared.messages import CreditGrant
+    from tests.unit.test_trainer_bus import T
+
+    t, mem = make(tmp_path)
+    put(mem, TP0, 2)
+    put(mem, TP1, 2)
+    await run_until(t, lambda: trained(t) == 4 and mem.committed.get(TP0) == 2 and mem.committed.get(TP1) == 2)
+    put(mem, TP0, 3)  # offsets 2-4, untrained
+    mem.delete_records(TP0, 5)  # all of them removed while the trainer was stopped
+    t2, _ = make(tmp_path, mem)
+
+    def granted_past() -> bool:
+        grants = [CreditGrant.model_validate_json(r.value or b"") for r in mem.records(T.credits)]
+        return any(g.seen.get(0) == 5 and g.trainer == "t" and g.seen.get(1) == 2 for g in grants)
+
+    await run_until(t2, lambda: t2.group.lost() == (3, [0]) and granted_past())
+    st = t2.group.ledger.state()["r.samples:0"]
+    assert st["ranges"]["lost"] == [[2, 5]]
+    entries = [e for e in AuditLog(t2.store, "r").entries() if e.action == "records_lost_before_training"]
+    assert [(e.params["from_offset"], e.params["to_offset"]) for e in entries] == [(2, 5)]
