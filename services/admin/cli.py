@@ -14,8 +14,10 @@ The API address comes from ``--url`` or ``$FLYWHEEL_ADMIN_URL`` (default http://
 the token from ``--token``, ``$FLYWHEEL_ADMIN_TOKEN`` or the local stack's ``admin-token``
 (``$FLYWHEEL_HOME``, else ``./.flywheel`` or ``<repo>/.flywheel``). Exit status: 0 done; 1 the API
 refused (its reason is printed), ``sync`` did not get there in time, or ``trace`` found nothing;
-2 the API cannot be reached, or a usage error. Output is plain text when not on a terminal, and a
-closed pipe (``flywheel status | head -1``) ends it quietly.
+2 the API cannot be reached, or a usage error; 3 ``pause``, ``resume``, ``rollback``, ``config set`` or
+``config revert`` is stored but pending (it prints ``pending:``, why and what happens next: Kafka did not
+acknowledge the control command in time, or paramsync has not applied the rollback yet). Output is
+plain text when not on a terminal, and a closed pipe (``flywheel status | head -1``) ends it quietly.
 """
 
 from __future__ import annotations
@@ -212,11 +214,20 @@ def cmd_sync(api: Api, args: argparse.Namespace) -> int:
     return 1 if body.get("synced") is False else 0
 
 
+EXIT_PENDING = 3
+"""Stored but pending: Kafka did not acknowledge the control command in time (``pause``, ``resume``, ``config
+set|revert``, ``rollback``; admin keeps sending it), or paramsync did not apply the rollback in time (down or busy)."""
+
+
+def done_or_pending(body: dict[str, Any]) -> int:
+    return EXIT_PENDING if body.get("status") == "pending" else 0
+
+
 def cmd_pause(api: Api, args: argparse.Namespace) -> int:
     body = api.call("POST", f"/samplers/{args.command}", body={"sampler": args.sampler} if args.sampler else {},
                     auth=True)
     out(render_pause(body))
-    return 0
+    return done_or_pending(body)
 
 
 def cmd_versions(api: Api, args: argparse.Namespace) -> int:
@@ -225,27 +236,24 @@ def cmd_versions(api: Api, args: argparse.Namespace) -> int:
     return 0
 
 
-EXIT_PENDING = 3
-"""``flywheel rollback``: the request is stored but paramsync did not apply it in time (down or busy)."""
-
-
 def cmd_rollback(api: Api, args: argparse.Namespace) -> int:
     body = api.call("POST", "/policy/rollback", body={"version": args.version}, auth=True)
     out(render_rollback(body))
-    return EXIT_PENDING if body.get("status") == "pending" or body.get("new_version") is None else 0
+    return EXIT_PENDING if body.get("new_version") is None else done_or_pending(body)
 
 
 def cmd_config(api: Api, args: argparse.Namespace) -> int:
     if args.action == "get":
         body = api.call("GET", "/config")
         out(json.dumps(body, indent=2) if args.json else render_config(body))
-    elif args.action == "set":
-        out(render_config_change(api.call("PATCH", "/config", body=dict(args.assignments), auth=True)))
     elif args.action == "history":
         body = api.call("GET", "/config/history")
         out(json.dumps(body, indent=2) if args.json else render_config_history(body))
     else:
-        out(render_config_change(api.call("POST", "/config/revert", body={"revision": args.revision}, auth=True)))
+        body = api.call("PATCH", "/config", body=dict(args.assignments), auth=True) if args.action == "set" else \
+            api.call("POST", "/config/revert", body={"revision": args.revision}, auth=True)
+        out(render_config_change(body))
+        return done_or_pending(body)
     return 0
 
 
@@ -308,8 +316,10 @@ def positive(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flywheel", description="Operate a Flywheel run via its admin API.",
                                      epilog="exit status: 0 done, 1 refused by the API or not found, "
-                                            "2 the API cannot be reached or bad usage, 3 rollback stored but "
-                                            "still pending (paramsync not running or not answering)")
+                                            "2 the API cannot be reached or bad usage, 3 stored but still "
+                                            "pending (pause, resume, config set|revert: Kafka did not acknowledge "
+                                            "the command in time; rollback: also paramsync not running or not "
+                                            "answering)")
     parser.add_argument("--url", default=os.environ.get("FLYWHEEL_ADMIN_URL", DEFAULT_URL),
                         help=f"admin API (default: $FLYWHEEL_ADMIN_URL or {DEFAULT_URL})")
     parser.add_argument("--token", help="bearer token (default: $FLYWHEEL_ADMIN_TOKEN or $FLYWHEEL_HOME/admin-token)")

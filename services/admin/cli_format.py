@@ -151,16 +151,26 @@ def render_sync(body: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+KEEPS_SENDING = "admin keeps sending the command until Kafka takes it (flywheel audit shows when: command_sent)"
+
+
+def pending(body: dict[str, Any], then: str) -> str:
+    """A stored command's ``pending`` answer in words: why, then what happens next."""
+    return f"pending: {body.get('reason') or 'not applied yet'}; {then}"
+
+
 def render_pause(body: dict[str, Any]) -> str:
     who = f"sampler {body['sampler']}" if body.get("sampler") else "every sampler"
-    return f"{body.get('action', '?')} requested for {who} (request {body.get('request_id')})"
+    text = f"{body.get('action', '?')} requested for {who} (request {body.get('request_id')})"
+    if body.get("status") == "pending":
+        text += ": " + pending(body, f"samplers apply it from the store at their next poll; {KEEPS_SENDING}")
+    return text
 
 
 def render_rollback(body: dict[str, Any]) -> str:
     new = body.get("new_version")
     if body.get("status") == "pending" or new is None:
-        then = (f"pending: {body.get('reason') or 'not applied yet'}; paramsync applies it when it runs "
-                f"(flywheel versions lists pending rollbacks)")
+        then = pending(body, "paramsync applies it when it runs (flywheel versions lists pending rollbacks)")
     else:
         then = f"published as v{new}"
     return f"rollback to v{body.get('version')} requested (request {body.get('request_id')}): {then}"
@@ -203,9 +213,12 @@ def changes_text(changes: dict[str, Any]) -> list[str]:
 def render_config_change(body: dict[str, Any]) -> str:
     """The answer of ``PATCH /config`` and ``POST /config/revert``."""
     changes = changes_text(body.get("changes") or {})
-    if not changes:
-        return f"revision {body.get('revision')}: nothing changed"
-    return "\n".join([f"revision {body.get('revision')}"] + [f"  {c}" for c in changes])
+    head = f"revision {body.get('revision')}" + ("" if changes else ": nothing changed")
+    lines = [head] + [f"  {c}" for c in changes]
+    if body.get("status") == "pending":
+        lines.append(pending(body, f"the services apply revision {body.get('revision')} at their next poll of the "
+                                   f"store; {KEEPS_SENDING}"))
+    return "\n".join(lines)
 
 
 def render_config_history(body: dict[str, Any]) -> str:

@@ -8,16 +8,18 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import weakref
 from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
-from aiokafka.errors import KafkaError
-from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query, Request
+from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query, Request, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from services.admin.config_body import body_schema, check_types
 from services.admin.deps import State, actor, require_token
+from services.admin.outbox import ACK_WAIT_S, CommandOutbox
 from services.admin.rollbacks import new_request_id
+from services.admin.state import AdminState
 from shared.marker import VersionRecord
 from shared.messages import ControlCommand
 from shared.retry import is_transient
@@ -56,8 +58,13 @@ class PauseAccepted(BaseModel):
     request_id: str
     action: str
     sampler: str | None
-    command_sent: bool = Field(True, description="False: Kafka was unreachable; the state is stored and samplers "
-                                                 "apply it at their next poll of the store (sampler.sync_interval_s)")
+    status: Literal["sent", "pending"] = Field(
+        "sent", description="sent: stored, and Kafka acknowledged the control command; pending: stored, but Kafka did "
+                            "not acknowledge the command in time (reason says what was seen): admin keeps sending it, "
+                            "and samplers apply the stored state at their next poll of the store "
+                            "(sampler.sync_interval_s); the audit trail says when it is sent (command_sent)")
+    reason: str | None = Field(None, description="With status pending: why")
+    command_sent: bool = Field(True, description="False: not acknowledged by Kafka in time (status pending)")
 
 
 class VersionInfo(BaseModel):
@@ -87,8 +94,10 @@ class RollbackAccepted(BaseModel):
         description="applied: paramsync published it as new_version; pending: not applied within the wait "
                     "(paramsync down or busy); the stored request is applied when paramsync runs")
     new_version: int | None = Field(description="The version that now carries its weights (null: pending)")
-    reason: str | None = Field(None, description="With status pending: why (paramsync not running / not answering)")
-    command_sent: bool = Field(True, description="False: Kafka was unreachable; paramsync finds the request in "
+    reason: str | None = Field(None, description="With status pending: why (paramsync not running / not answering; "
+                                                 "and when the control command was not acknowledged, what Kafka did)")
+    command_sent: bool = Field(True, description="False: Kafka did not acknowledge the control command within the "
+                                                 "wait; admin keeps sending it, and paramsync finds the request in "
                                                  "the store at its next poll")
 
 
@@ -109,6 +118,13 @@ class ConfigChange(BaseModel):
     revision: int
     settings: dict[str, Any]
     changes: dict[str, dict[str, Any]]
+    request_id: str | None = Field(None, description="The control command announcing the revision")
+    status: Literal["sent", "pending"] = Field(
+        "sent", description="sent (200): stored, and Kafka acknowledged the control command; pending (202): stored, "
+                            "but Kafka did not acknowledge it in time (reason): admin keeps sending it, and the "
+                            "services apply the revision at their next poll of the store")
+    reason: str | None = Field(None, description="With status pending: why")
+    command_sent: bool = Field(True, description="False: not acknowledged by Kafka in time (status pending)")
 
 
 class RevisionInfo(BaseModel):
@@ -154,18 +170,36 @@ async def _store(s: State, what: str, fn: Any, *args: Any) -> Any:
         raise
 
 
-async def _audit(s: State, request: Request, action: str, params: dict[str, Any], outcome: str) -> None:
+async def _append_audit(s: AdminState, who: str, action: str, params: dict[str, Any], outcome: str) -> None:
     try:
-        await asyncio.to_thread(s.audit.append, actor(request), action, params, outcome)
+        await asyncio.to_thread(s.audit.append, who, action, params, outcome)
     except Exception as exc:  # the action happened; a lost audit line is logged, not hidden
         s.log.error("audit_write_failed", action=action, error=f"{type(exc).__name__}: {exc}"[:300])
 
 
-async def _send(s: State, cmd: ControlCommand) -> None:
-    try:
-        await s.command(cmd)
-    except (KafkaError, TimeoutError) as exc:
-        raise _unavailable("could not send the command, Kafka is unreachable", exc) from None
+async def _audit(s: State, request: Request, action: str, params: dict[str, Any], outcome: str) -> None:
+    await _append_audit(s, actor(request), action, params, outcome)
+
+
+_outboxes: weakref.WeakKeyDictionary[AdminState, CommandOutbox] = weakref.WeakKeyDictionary()
+
+
+def outbox(s: AdminState) -> CommandOutbox:
+    """The admin's one :class:`CommandOutbox`: its sender is a background task of the admin (cancelled at stop),
+    its late outcomes are audited by ``admin``."""
+    box = _outboxes.get(s)
+    if box is None:
+        async def audit(action: str, params: dict[str, Any], outcome: str) -> None:
+            await _append_audit(s, "admin", action, params, outcome)
+
+        box = _outboxes[s] = CommandOutbox(s.command, audit, lambda name, job: s.background.start(name, job, once=True),
+                                           s.log)
+    return box
+
+
+def _announced(cmd: ControlCommand, request: Request, **params: Any) -> dict[str, Any]:
+    """What the audit entries of a command sent (or given up) after the request answered name: the request."""
+    return {"command": cmd.command, "request_id": cmd.request_id, "requested_by": actor(request), **params}
 
 
 # ---- pause / resume -------------------------------------------------------------------------
@@ -203,29 +237,30 @@ async def _pause_resume(s: State, request: Request, action: str, target: Sampler
         raise HTTPException(status_code=409, detail=str(exc)) from None
     cmd = ControlCommand(command=action, request_id=uuid.uuid4().hex, sampler=sid,
                          issued_at=now)
-    try:
-        await s.command(cmd)
-        sent = True
-    except (KafkaError, TimeoutError) as exc:  # stored: samplers apply it from the store at their next poll
-        s.log.warning("operator_command_not_sent", command=action, error=f"{type(exc).__name__}: {exc}"[:200])
-        sent = False
-    await _audit(s, request, action, {"sampler": sid},
-                 "sent" if sent else "stored; command not sent (Kafka unreachable), applied at the next poll")
-    return PauseAccepted(request_id=cmd.request_id, action=action, sampler=sid, command_sent=sent)
+    # stored: samplers apply it from the store at their next poll even if Kafka never takes the command
+    pending = await outbox(s).deliver(cmd, _announced(cmd, request, sampler=sid))
+    await _audit(s, request, action, {"sampler": sid, "request_id": cmd.request_id},
+                 "sent" if pending is None else f"pending: {pending}")
+    return PauseAccepted(request_id=cmd.request_id, action=action, sampler=sid,
+                         status="sent" if pending is None else "pending", reason=pending, command_sent=pending is None)
 
 
 @router.post("/samplers/pause", response_model=PauseAccepted, status_code=202, dependencies=[Depends(require_token)],
-             responses={**AUTH, 404: {"description": "Unknown sampler"}, 503: {"description": "Kafka or S3 down"}})
+             responses={**AUTH, 404: {"description": "Unknown sampler"},
+                        503: {"description": "Object store down: the state could not be stored"}})
 async def pause(s: State, request: Request,
                 target: Annotated[SamplerTarget | None, Body()] = None) -> PauseAccepted:
     """Pause every sampler, or one: it produces nothing within a second, keeps its envs and policy, and
-    stays paused across restarts (``<run>/ops/paused.json``). The trainer drains what is queued."""
+    stays paused across restarts (``<run>/ops/paused.json``). The trainer drains what is queued. The state is
+    stored first; when Kafka does not acknowledge the control command within ``ACK_WAIT_S`` the answer says
+    ``pending`` and why, and admin keeps sending it (audited as ``command_sent`` when it goes)."""
     return await _pause_resume(s, request, "pause", target or SamplerTarget())
 
 
 @router.post("/samplers/resume", response_model=PauseAccepted, status_code=202,
              dependencies=[Depends(require_token)],
-             responses={**AUTH, 404: {"description": "Unknown sampler"}, 503: {"description": "Kafka or S3 down"}})
+             responses={**AUTH, 404: {"description": "Unknown sampler"},
+                        503: {"description": "Object store down: the state could not be stored"}})
 async def resume(s: State, request: Request,
                  target: Annotated[SamplerTarget | None, Body()] = None) -> PauseAccepted:
     """Resume every sampler (clears every pause), or one."""
@@ -256,8 +291,9 @@ async def rollback(s: State, request: Request, body: RollbackRequest) -> Rollbac
     continues from them with a fresh optimizer; fragments of the abandoned versions are dropped as
     stale, and candidates trained from the abandoned weights are refused. The request is stored
     (``<run>/ops/rollback/<request_id>.json``, ``pending``) before the command is sent, so paramsync applies
-    it even if it is down now; the reply waits up to ``ROLLBACK_WAIT_S`` for the outcome and otherwise
-    says ``pending`` and why. See docs/api.md."""
+    it even if it is down now, or Kafka is; the reply waits up to ``ROLLBACK_WAIT_S`` for the outcome and
+    otherwise says ``pending`` and why (a control command Kafka has not acknowledged is sent on in the background,
+    audited as ``command_sent``). See docs/api.md."""
     records: list[VersionRecord] = await _store(s, "history", s.policies.records)
     target = next((r for r in records if r.version == body.version), None)
     if target is None:
@@ -272,14 +308,11 @@ async def rollback(s: State, request: Request, body: RollbackRequest) -> Rollbac
     request_id = new_request_id()
     await _store(s, "rollback request", s.rollbacks.create, request_id, body.version, actor(request))
     cmd = ControlCommand(command="rollback", request_id=request_id, version=body.version)
-    try:
-        await s.command(cmd)
-        sent = True
-    except (KafkaError, TimeoutError) as exc:  # stored: paramsync finds it at its next poll of the store
-        s.log.warning("operator_command_not_sent", command="rollback", error=f"{type(exc).__name__}: {exc}"[:200])
-        sent = False
+    # stored: paramsync finds it at its next poll of the store even if Kafka never takes the command
+    sending = outbox(s).submit(cmd, _announced(cmd, request, version=body.version))
     decided: dict[str, Any] | None = None
-    deadline = time.monotonic() + ROLLBACK_WAIT_S
+    asked = time.monotonic()
+    deadline = asked + ROLLBACK_WAIT_S
     while time.monotonic() < deadline:
         try:
             got = await asyncio.to_thread(s.rollbacks.get, request_id)
@@ -291,6 +324,9 @@ async def rollback(s: State, request: Request, body: RollbackRequest) -> Rollbac
             decided = got
             break
         await asyncio.sleep(0.1)
+    await outbox(s).wait(sending, asked + ACK_WAIT_S - time.monotonic())  # paramsync may decide before the ack
+    unsent = outbox(s).settle(sending)
+    sent = unsent is None
     params = {"version": body.version, "request_id": request_id}
     if decided is not None and decided.get("status") == "refused":
         await _audit(s, request, "rollback", params, f"refused by paramsync: {decided.get('reason')}")
@@ -302,6 +338,8 @@ async def rollback(s: State, request: Request, body: RollbackRequest) -> Rollbac
         return RollbackAccepted(request_id=request_id, version=body.version, status="applied",
                                 new_version=new_version, command_sent=sent)
     reason = "paramsync not answering" if s.alive(s.view.paramsync, time.time()) else "paramsync not running"
+    if unsent is not None:
+        reason += f"; {unsent}"
     await _audit(s, request, "rollback", params, f"pending: {reason}; applied when paramsync runs")
     return RollbackAccepted(request_id=request_id, version=body.version, status="pending", new_version=None,
                             reason=reason, command_sent=sent)
@@ -321,32 +359,43 @@ async def get_config(s: State) -> ConfigView:
     return ConfigView(revision=latest.revision, settings=effective, at=latest.at, actor=latest.actor)
 
 
-async def _write_config(s: State, request: Request, values: dict[str, Any], reverted_from: int | None) -> ConfigChange:
+async def _write_config(s: State, request: Request, response: Response, values: dict[str, Any],
+                        reverted_from: int | None) -> ConfigChange:
     try:
         rev = await _store(s, "config", s.runtime_config.write, s.settings, values, actor(request), reverted_from)
     except ConfigError as exc:  # each value matches its schema; together with the other settings they do not
         raise HTTPException(status_code=409, detail=f"conflicts with the other settings: {exc}") from None
-    try:
-        await s.command(ControlCommand(command="config", request_id=uuid.uuid4().hex, version=rev.revision))
-    except (KafkaError, TimeoutError) as exc:  # stored: services still pick it up by polling
-        s.log.warning("config_command_not_sent", revision=rev.revision, error=f"{type(exc).__name__}: {exc}"[:200])
+    cmd = ControlCommand(command="config", request_id=uuid.uuid4().hex, version=rev.revision)
+    # stored: the services pick the revision up by polling even if Kafka never takes the command
+    pending = await outbox(s).deliver(cmd, _announced(cmd, request, revision=rev.revision))
     action = "config_revert" if reverted_from is not None else "config_change"
     params: dict[str, Any] = {"changes": rev.changes}
     if reverted_from is not None:
         params["revision"] = reverted_from
-    await _audit(s, request, action, params, f"revision {rev.revision}")
+    params["request_id"] = cmd.request_id
+    await _audit(s, request, action, params,
+                 f"revision {rev.revision}" + ("" if pending is None else f"; pending: {pending}"))
+    if pending is not None:
+        response.status_code = 202
     # The revision stores the operators' overrides only; the response shows them applied on admin's settings.
     return ConfigChange(revision=rev.revision, settings=runtime_values(apply_runtime(s.settings, rev.settings)),
-                        changes=rev.changes)
+                        changes=rev.changes, request_id=cmd.request_id, status="sent" if pending is None else "pending",
+                        reason=pending, command_sent=pending is None)
+
+
+CONFIG_PENDING: dict[int | str, dict[str, Any]] = {202: {
+    "model": ConfigChange, "description": "Stored, but Kafka did not acknowledge the control command within "
+                                          "ACK_WAIT_S: status pending, with the reason"}}
 
 
 @router.patch("/config", response_model=ConfigChange, dependencies=[Depends(require_token)],
-              responses={**AUTH, 422: {"description": "A key is not a runtime setting, or a value does not match its "
+              responses={**AUTH, **CONFIG_PENDING,
+                         422: {"description": "A key is not a runtime setting, or a value does not match its "
                                                  "schema (names it)"},
                          409: {"description": "The values together with the other settings do not validate "
                                             "(e.g. trainer.guard.drop not above trainer.guard.hold_tolerance)"},
                          503: {"description": "Object store down"}})
-async def patch_config(s: State, request: Request,
+async def patch_config(s: State, request: Request, response: Response,
                        values: Annotated[dict[str, Any], Body(min_length=1, description="At least one setting",
                                                               examples=[{"trainer.learning_rate": 0.0005}],
                                                               json_schema_extra=body_schema())]
@@ -359,7 +408,7 @@ async def patch_config(s: State, request: Request,
         typed = check_types(values)
     except ConfigError as exc:
         raise HTTPException(status_code=422, detail=str(exc)) from None
-    return await _write_config(s, request, typed, None)
+    return await _write_config(s, request, response, typed, None)
 
 
 @router.get("/config/history", response_model=ConfigHistory, responses={503: {"description": "Object store down"}})
@@ -369,19 +418,19 @@ async def config_history(s: State) -> ConfigHistory:
 
 
 @router.post("/config/revert", response_model=ConfigChange, dependencies=[Depends(require_token)],
-             responses={**AUTH, 404: {"description": "No such revision"},
+             responses={**AUTH, **CONFIG_PENDING, 404: {"description": "No such revision"},
                         409: {"description": "The revision does not validate with the current settings"},
                         503: {"description": "Object store down"}})
-async def config_revert(s: State, request: Request, body: RevertRequest) -> ConfigChange:
+async def config_revert(s: State, request: Request, response: Response, body: RevertRequest) -> ConfigChange:
     """Make revision ``revision``'s settings current again, as a new revision."""
     if body.revision == 0:  # no overrides: every service on its own settings
-        return await _write_config(s, request, {}, 0)
+        return await _write_config(s, request, response, {}, 0)
     revisions = await _store(s, "config history", s.runtime_config.history)
     target = next((r for r in revisions if r.revision == body.revision), None)
     if target is None:
         raise HTTPException(status_code=404, detail=f"revision {body.revision} does not exist "
                                                     f"(have {[r.revision for r in revisions]})")
-    return await _write_config(s, request, target.overrides(s.settings), body.revision)
+    return await _write_config(s, request, response, target.overrides(s.settings), body.revision)
 
 
 # ---- audit, history ---------------------------------------------------------------------------

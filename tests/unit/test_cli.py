@@ -226,6 +226,24 @@ def test_pause_and_resume_all_or_one(capsys: pytest.CaptureFixture[str], action:
     assert out.strip() == f"{action} requested for sampler sampler-1 (request r2)"
 
 
+KAFKA_PENDING = "stored; control command not acknowledged by Kafka within 3.0 s: 4 attempts, last: " \
+                "KafkaConnectionError: Unable to bootstrap from [('10.0.0.5', 9092)]"
+
+
+@pytest.mark.parametrize("action", ["pause", "resume"])
+def test_pause_and_resume_stored_but_not_acknowledged_exit_3(capsys: pytest.CaptureFixture[str], action: str) -> None:
+    answer = {"request_id": "r4", "action": action, "sampler": None, "status": "pending", "reason": KAFKA_PENDING,
+              "command_sent": False}
+    code, out, err, _ = run(capsys, ["--token", TOKEN, action], {("POST", f"/samplers/{action}"): (202, answer)})
+    assert code == cli.EXIT_PENDING == 3 and err == ""
+    assert out.strip() == (f"{action} requested for every sampler (request r4): pending: {KAFKA_PENDING}; samplers "
+                           "apply it from the store at their next poll; admin keeps sending the command until Kafka "
+                           "takes it (flywheel audit shows when: command_sent)")
+    sent = {**answer, "status": "sent", "reason": None, "command_sent": True}
+    code, out, _, _ = run(capsys, ["--token", TOKEN, action], {("POST", f"/samplers/{action}"): (202, sent)})
+    assert code == 0 and out.strip() == f"{action} requested for every sampler (request r4)"
+
+
 def test_token_from_env_then_home_file_else_none(capsys: pytest.CaptureFixture[str], clean_env: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     routes = {("POST", "/samplers/pause"): (202, {"request_id": "r", "action": "pause", "sampler": None})}
@@ -260,6 +278,12 @@ def test_rollback(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _, stub = run(capsys, ["--token", TOKEN, "rollback", "7"], routes)
     assert code == 0 and body(stub.last) == {"version": 7} and stub.last.headers["authorization"] == f"Bearer {TOKEN}"
     assert out.strip() == "rollback to v7 requested (request r3): published as v10"
+    pending = {"request_id": "r5", "version": 7, "status": "pending", "new_version": None, "command_sent": False,
+               "reason": f"paramsync not running; {KAFKA_PENDING}"}
+    code, out, _, _ = run(capsys, ["--token", TOKEN, "rollback", "7"], {("POST", "/policy/rollback"): (202, pending)})
+    assert code == 3 and out.strip() == (f"rollback to v7 requested (request r5): pending: paramsync not running; "
+                                         f"{KAFKA_PENDING}; paramsync applies it when it runs (flywheel versions "
+                                         "lists pending rollbacks)")
 
 
 # ---- config ------------------------------------------------------------------------------------
@@ -291,6 +315,20 @@ def test_config_set_parses_values_as_json_when_it_can(capsys: pytest.CaptureFixt
     code, out, _, _ = run(capsys, ["config", "set", "a=1"],
                           {("PATCH", "/config"): (200, {"revision": 4, "settings": {}, "changes": {}})})
     assert out.strip() == "revision 4: nothing changed"
+
+
+@pytest.mark.parametrize(("argv", "method", "path"), [(["config", "set", "a=1"], "PATCH", "/config"),
+                                                    (["config", "revert", "2"], "POST", "/config/revert")])
+def test_config_stored_but_not_acknowledged_exit_3(capsys: pytest.CaptureFixture[str], argv: list[str], method: str,
+                                                   path: str) -> None:
+    answer = {"revision": 5, "settings": {}, "changes": {"a": {"old": 0, "new": 1}}, "request_id": "c1",
+              "status": "pending", "reason": KAFKA_PENDING, "command_sent": False}
+    code, out, _, _ = run(capsys, ["--token", TOKEN, *argv], {(method, path): (202, answer)})
+    assert code == 3 and out.splitlines() == [
+        "revision 5", "  a: 0 -> 1", f"pending: {KAFKA_PENDING}; the services apply revision 5 at their next poll of "
+        "the store; admin keeps sending the command until Kafka takes it (flywheel audit shows when: command_sent)"]
+    code, _, _, _ = run(capsys, ["--token", TOKEN, *argv], {(method, path): (200, {**answer, "status": "sent"})})
+    assert code == 0
 
 
 def test_config_set_needs_key_value(capsys: pytest.CaptureFixture[str]) -> None:
