@@ -11,7 +11,9 @@ offset and sample id. A trainer *run* is one process lifetime (its log starts wi
 - every record below the trainer group's committed offsets has an outcome (nothing skipped);
 - once drained (:meth:`Accounting.every_record_once`): every record on the topic has an outcome, counted by
   distinct (partition, offset), and a record's second outcome is only ever a refused re-delivery in the same
-  run or a re-processing after a restore (so a doubled outcome can never stand in for a missing one).
+  run or a re-processing after a restore (so a doubled outcome can never stand in for a missing one);
+- no record left the log before the trainer read it (``records_lost_before_training``) unless the suite deleted
+  it on purpose (``deleted``: those are counted as deleted, and must be reported by the trainer).
 """
 
 from __future__ import annotations
@@ -126,6 +128,10 @@ class Accounting:
     """Distinct records on the topic with at least one outcome (by partition and offset, not outcome lines)."""
     unaccounted: list[Key] = field(default_factory=list)
     """Records on the topic with no outcome at all, committed or not (only a drained run must have none)."""
+    lost_before_training: list[tuple[int, int, int]] = field(default_factory=list)
+    """(partition, from, to) the trainer logged as left the log untrained, outside the spans deleted on purpose."""
+    deleted_on_purpose: int = 0
+    """Records the trainer reported lost that the suite deleted on purpose (``deleted``)."""
     unexplained_outcomes: list[Key] = field(default_factory=list)
     """Records with an outcome beyond their first that is neither a refused re-delivery in the same run (a
     dead letter ``duplicate``, or the first dead letter's own reason again) nor a re-processing in a later run
@@ -136,7 +142,7 @@ class Accounting:
         # two_outcomes_in_a_run is not a problem by itself: a record re-delivered in the same run (a commit
         # lost with a rebalance) is refused as a duplicate; only training it twice would be.
         for name in ("trained_twice_in_a_run", "retrained_without_restore", "missing", "wrong_sample_id",
-                     "silent_resets"):
+                     "silent_resets", "lost_before_training"):
             items = getattr(self, name)
             if items:
                 out.append(f"{name}: {len(items)}, e.g. {items[:5]}")
@@ -156,7 +162,9 @@ class Accounting:
                 "trainer_runs": self.runs, "retrained_after_restore": self.retrained_after_restore,
                 "trained_twice_in_a_run": len(self.trained_twice_in_a_run), "missing": len(self.missing),
                 "redelivered_in_a_run": len(self.two_outcomes_in_a_run), "accounted": self.accounted,
-                "unaccounted": len(self.unaccounted), "unexplained_outcomes": len(self.unexplained_outcomes)}
+                "unaccounted": len(self.unaccounted), "unexplained_outcomes": len(self.unexplained_outcomes),
+                "lost_before_training": sum(hi - lo for _, lo, hi in self.lost_before_training),
+                "deleted_on_purpose": self.deleted_on_purpose}
 
 
 def _repeat_explained(first: tuple[str, str | None], later: tuple[str, str | None]) -> bool:
@@ -166,9 +174,23 @@ def _repeat_explained(first: tuple[str, str | None], later: tuple[str, str | Non
     return kind == "dead_lettered" and (reason == "duplicate" or first == later)
 
 
-def account(produced: dict[Key, dict[str, str]], trainer_log: Path, committed_offsets: dict[int, int]) -> Accounting:
+def lost_spans(events: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
+    """(partition, from, to) of every ``records_lost_before_training`` the trainer logged."""
+    return [(int(e["partition"]), int(e["from_offset"]), int(e["to_offset"])) for e in events
+            if e.get("event") == "records_lost_before_training"]
+
+
+def account(produced: dict[Key, dict[str, str]], trainer_log: Path, committed_offsets: dict[int, int],
+            deleted: dict[int, list[tuple[int, int]]] | None = None) -> Accounting:
+    """``deleted``: spans per partition the suite removed from the log on purpose before the trainer read them."""
     acc = Accounting(produced=len(produced))
-    runs = split_runs(read_events(trainer_log))
+    events = read_events(trainer_log)
+    for p, lo, hi in lost_spans(events):
+        on_purpose = sum(max(0, min(hi, b) - max(lo, a)) for a, b in (deleted or {}).get(p, []))
+        acc.deleted_on_purpose += on_purpose
+        if on_purpose < hi - lo:
+            acc.lost_before_training.append((p, lo, hi))
+    runs = split_runs(events)
     acc.runs = len(runs)
     trained_before: dict[Key, int] = {}  # key -> run index of its last training
     seen_any: set[Key] = set()
@@ -229,6 +251,7 @@ def account(produced: dict[Key, dict[str, str]], trainer_log: Path, committed_of
     return acc
 
 
-def account_now(bootstrap: str, topic: str, group: str, trainer_log: Path) -> Accounting:
+def account_now(bootstrap: str, topic: str, group: str, trainer_log: Path,
+                deleted: dict[int, list[tuple[int, int]]] | None = None) -> Accounting:
     produced = asyncio.run(read_topic(bootstrap, topic))
-    return account(produced, trainer_log, asyncio.run(committed(bootstrap, group)))
+    return account(produced, trainer_log, asyncio.run(committed(bootstrap, group)), deleted)

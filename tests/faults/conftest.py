@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from devstack import kafka as devkafka
 from shared.kafka import Topics, trainer_group
 from shared.store import ObjectStore, S3Store
 from tests.faults.accounting import Accounting, account_now
+from tests.faults.liveness import Back, SamplersBack, assert_back, not_applicable
 from tests.faults.proxy import TcpProxy
 
 KAFKA_PORT, CONTROLLER_PORT, S3_PORT, S3_PROXY_PORT = 19392, 19393, 19300, 19301
@@ -56,6 +58,9 @@ class Row:
     note: str = ""
     verify: str = "-"
     """``flywheel verify``'s outcome after the fault: ``ok``, ``FAILED (exit n)``, or ``-`` (not run)."""
+    samplers: str = "-"
+    """Each sampler's seconds from the heal to its first fragment after it (:mod:`tests.faults.liveness`), or why
+    the row has no such check."""
 
 
 @dataclass
@@ -70,6 +75,11 @@ class FaultEnv:
     say: Callable[[str], None]
     rows: list[Row] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    back: Back | None = None
+    """The current row's samplers' liveness after its heal(s) (reset for every test)."""
+    deleted: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """Spans of ``<run>.samples`` deleted on purpose before the trainer read them (the lost-records row), per
+    partition: the accounting counts them as deleted, and ``flywheel verify`` names them from then on."""
 
     # ---- reading the stack ----------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -125,10 +135,65 @@ class FaultEnv:
                 return after
             time.sleep(0.2)
 
+    # ---- liveness ---------------------------------------------------------------------------
+    def sampler_urls(self) -> dict[str, str]:
+        return {f"sampler-{r}": f"http://127.0.0.1:{self.stack.port('sampler', r)}/healthz"
+                for r in self.stack.state.samplers()}
+
+    def watch_samplers(self, paused: dict[str, str] | None = None) -> SamplersBack:
+        """At a heal: start watching every sampler of the stack (but ``paused``, name -> why) for its next
+        fragment (:class:`SamplersBack`); :meth:`samplers_back` takes the result."""
+        return SamplersBack(self.sampler_urls(), paused=paused or {})
+
+    def samplers_back(self, watch: SamplersBack) -> Back:
+        """Every watched sampler produced again within the bound (the row fails naming one that did not, with its
+        ``/healthz`` reasons); a row with several heals keeps each sampler's worst."""
+        back = watch.result()
+        self.back = back if self.back is None else self.back.worst(back)
+        self.say(f"samplers back after the heal: {back.cell()}")
+        assert_back(back, "after the heal")
+        return back
+
+    def samplers_cell(self, samplers_na: str | None) -> str:
+        if self.back is not None:
+            return self.back.cell()
+        assert samplers_na, "the row checked neither its samplers' liveness (samplers_back) nor said why not"
+        return not_applicable(samplers_na)
+
     def account(self) -> Accounting:
         topic = Topics.for_run(self.run).samples
         return account_now(self.endpoints.kafka_bootstrap, topic, trainer_group(self.run),
-                           self.stack.log_path("trainer"))
+                           self.stack.log_path("trainer"), self.deleted)
+
+    def verify_problems(self, out: str) -> list[str]:
+        """``flywheel verify``'s problems (``partition: problem``) but the loss of the spans this suite deleted on
+        purpose (:attr:`deleted`), which verify must keep naming, exactly, for the rest of the run."""
+        topic = re.escape(Topics.for_run(self.run).samples)
+        partition: int | None = None
+        out_of_place, named = [], set()
+        for line in out.splitlines():
+            if m := re.match(rf"  {topic}:(\d+) \[", line):
+                partition = int(m[1])
+            elif line.startswith("    - "):
+                problem = line.removeprefix("    - ")
+                if partition in self.deleted and problem == lost_line(self.deleted[partition]):
+                    named.add(partition)
+                    continue
+                out_of_place.append(f"{partition}: {problem}")
+        unnamed = [f"{p}: not named as lost: {lost_line(spans)}" for p, spans in sorted(self.deleted.items())
+                   if p not in named]
+        return out_of_place + unnamed
+
+    def verify_cell(self, code: int, out: str) -> tuple[bool, str]:
+        """Whether verify's outcome is the expected one, and the row's *verify* cell: exit 0; or, once records were
+        deleted on purpose, exit 1 naming exactly those spans lost and nothing else."""
+        if code == 0:
+            return True, "ok"
+        if code == 1 and self.deleted and "verify: FAILED" in out and not self.verify_problems(out):
+            n = sum(hi - lo for spans in self.deleted.values() for lo, hi in spans)
+            return True, (f"exit 1 as expected: names only the {n} records deleted on purpose "
+                          f"(partitions {', '.join(map(str, sorted(self.deleted)))})")
+        return False, f"FAILED (exit {code})"
 
     def verify(self) -> tuple[int, str]:
         """``flywheel verify`` on the newest checkpoint, as an operator runs it: the proof from the artifact
@@ -139,21 +204,26 @@ class FaultEnv:
         return proc.returncode, (proc.stdout + proc.stderr).strip()
 
     def check_accounting(self, fault: str, recover_s: float | None, note: str = "", *,
-                         drained: bool = False) -> Accounting:
+                         drained: bool = False, samplers_na: str | None = None,
+                         lost: int | None = None) -> Accounting:
         """Account for every record so far and run ``flywheel verify``; add the row. ``drained``: nothing is in
         flight, so every record on the topic must have an outcome, each accounted once
-        (:meth:`Accounting.every_record_once`), not only those below the committed offsets."""
+        (:meth:`Accounting.every_record_once`), not only those below the committed offsets. The row must have
+        checked its samplers' liveness after its heal (:meth:`samplers_back`), or say why not (``samplers_na``).
+        ``lost``: the row's *records lost* when it deleted records on purpose (its own check proved them)."""
+        samplers = self.samplers_cell(samplers_na)
         acc = self.account()
         self.say(f"[{fault}] accounting: {acc.summary()}")
         code, out = self.verify()
         self.say(f"[{fault}] flywheel verify exit {code}:\n{out}")
         problems = acc.problems() + (acc.every_record_once() if drained else [])
-        ok = not problems and code == 0
-        self.rows.append(Row(fault, "ok" if ok else "FAILED", recover_s, len(acc.missing),
-                             len(acc.trained_twice_in_a_run), self.restarts(), note,
-                             "ok" if code == 0 else f"FAILED (exit {code})"))
+        verified, cell = self.verify_cell(code, out)
+        ok = not problems and verified
+        self.rows.append(Row(fault, "ok" if ok else "FAILED", recover_s,
+                             len(acc.missing) if lost is None else lost + len(acc.missing),
+                             len(acc.trained_twice_in_a_run), self.restarts(), note, cell, samplers))
         assert not problems, problems
-        assert code == 0, f"flywheel verify failed after {fault}:\n{out}"
+        assert verified, (f"flywheel verify failed after {fault} (unexpected: {self.verify_problems(out)}):\n{out}")
         return acc
 
     # ---- faults ---------------------------------------------------------------------------
@@ -241,8 +311,11 @@ def fault_env(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
 def _row_for_every_fault_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """A fault test that fails (or xfails) before it accounted adds its row anyway, marked so: the report
     never drops a row because its test failed."""
-    env: FaultEnv | None = request.getfixturevalue("fault_env") if "fault_env" in request.fixturenames else None
+    fixture = next((n for n in ("fault_env", "cluster_env") if n in request.fixturenames), None)
+    env: FaultEnv | None = request.getfixturevalue(fixture) if fixture is not None else None
     before = len(env.rows) if env is not None else 0
+    if env is not None:
+        env.back = None
     yield
     call = getattr(request.node, "rep_call", None)
     if env is None or call is None or len(env.rows) != before or call.passed:
@@ -251,8 +324,9 @@ def _row_for_every_fault_test(request: pytest.FixtureRequest) -> Iterator[None]:
     crash = getattr(getattr(call.longrepr, "reprcrash", None), "message", None) or str(call.longrepr)
     reason = str(getattr(call, "wasxfail", "")) if xfailed else crash.strip().splitlines()[0]
     name = request.node.name.removeprefix("test_").replace("_", " ")
+    samplers = env.back.cell() if env.back is not None else "not measured: the test failed before its heal's check"
     env.rows.append(Row(name, "xfail (known gap)" if xfailed else "FAILED", None, None, None, env.restarts(),
-                        reason.replace("|", "/")[:300], "-"))
+                        reason.replace("|", "/")[:300], "-", samplers))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -270,6 +344,13 @@ def s3_store(ep: devstack.InfraEndpoints) -> S3Store:
     client = boto3.client("s3", endpoint_url=ep.s3_endpoint, region_name=ep.region, aws_access_key_id=ep.access_key,
                           aws_secret_access_key=ep.secret_key)
     return S3Store(client, ep.bucket)
+
+
+def lost_line(spans: list[tuple[int, int]]) -> str:
+    """``flywheel verify``'s line for records of one partition lost before training (services/admin/verify.py)."""
+    n = sum(hi - lo for lo, hi in spans)
+    return f"lost before training (left the log untrained): {n} record(s) at " + \
+        ", ".join(f"[{lo}, {hi})" for lo, hi in spans)
 
 
 def run_async(coro: Any) -> Any:

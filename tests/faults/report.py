@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.trainer.intake import DEDUP_WINDOW  # the text states the code's window, not a copy of it
+from tests.faults.liveness import PAGE_TEXT as SAMPLERS_BACK
 
 if TYPE_CHECKING:
     from tests.faults.conftest import Row
@@ -161,21 +162,25 @@ def _header(title: str, seed: int, minutes: float | None, replay: str) -> list[s
 
 def _table(rows: list[Row]) -> list[str]:
     lines = [
-        "| fault | outcome | verify | time to recover (s) | records lost | trained twice in a run | restarts so far "
-        "| note |",
-        "|---|---|---|---|---|---|---|---|",
+        "| fault | outcome | verify | time to recover (s) | samplers back (s) | records lost | trained twice in a run "
+        "| restarts so far | note |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         restarts = ", ".join(f"{k} {v}" for k, v in sorted(r.restarts.items())) or "none"
         rec = "-" if r.recover_s is None else f"{r.recover_s:.1f}"
         lost, twice = ("-" if n is None else str(n) for n in (r.lost, r.trained_twice))
-        lines.append(f"| {r.fault} | {r.outcome} | {r.verify} | {rec} | {lost} | {twice} | {restarts} "
-                     f"| {r.note} |")
+        lines.append(f"| {r.fault} | {r.outcome} | {r.verify} | {rec} | {r.samplers.replace('|', '/')} | {lost} "
+                     f"| {twice} | {restarts} | {r.note} |")
     return lines + [
         "",
         "*Time to recover*: for a kill, from the kill until the policy version advances again (worst of",
         "the kills); for an outage, from the dependency's return until the policy version advances.",
-        "*Records lost*: records below the trainer group's committed offsets with no outcome.",
+        SAMPLERS_BACK + " A row with several faults gives each sampler's worst.",
+        "*Records lost*: records below the trainer group's committed offsets with no outcome, plus, in the row",
+        "that deletes records before training on purpose, those (the row passes when the trainer and `verify`",
+        "name exactly them; from then on `verify` keeps naming them, and a later row's *verify* passes only when",
+        "they are all it names).",
         "*verify*: `flywheel verify` on the newest checkpoint after the fault (exit 0: every record below",
         "the checkpoint's offsets trained once or dead-lettered or dropped with its reason, none twice).",
     ]

@@ -171,11 +171,13 @@ def test_samples_partition_leader_kill9_mid_run(cluster_env: FaultEnv) -> None:
             continue
     elected = time.monotonic() - killed
     assert new_leader not in (leader, -1), f"no new leader for {topic}[{partition}] within 60 s"
+    watch = env.watch_samplers()  # the heal: a new leader
     env.wait_version_advances(version + 1, timeout_s=RECOVERY_GOAL_S + 60)
     recover = time.monotonic() - killed
     env.say(f"{topic}[{partition}]: leader {leader} killed, {new_leader} leads after {elected:.1f} s; the policy "
             f"version advanced {recover:.1f} s after the kill")
     assert env.restarts() == restarts_before, f"a service exited: {env.restarts()}"
+    env.samplers_back(watch)
     cluster.start_all()  # the node comes back and catches up as a follower
     env.wait_version_advances(env.published() + 2, timeout_s=120)
     env.check_accounting("samples partition leader kill -9 (3 brokers, RF 3, min ISR 2)", round(recover, 1),
@@ -209,6 +211,7 @@ def test_two_brokers_away_below_min_isr(cluster_env: FaultEnv) -> None:
         cluster.assert_away(node_id, pid)
     cluster.start_all()
     back = time.monotonic()
+    watch = env.watch_samplers()
     restarted = {n: cluster.pid(n) for n in killed}
     assert all(p is not None and p != killed[n] for n, p in restarted.items()), \
         f"the nodes did not come back as new processes: {restarted} (killed: {killed})"
@@ -218,6 +221,7 @@ def test_two_brokers_away_below_min_isr(cluster_env: FaultEnv) -> None:
             f"resumed {recover:.1f} s after the brokers answered")
     assert env.restarts() == restarts_before, f"a service exited while two brokers were away: {env.restarts()}"
     assert "trainer" in seen, f"the trainer did not report degraded: {cluster.health()}"
+    env.samplers_back(watch)
     env.wait_version_advances(env.published() + 2, timeout_s=120)
     # Samplers whose last sends were acknowledged before the second broker went wait for credits (which come
     # through Kafka): they report `credits` degraded once that wait outlasts a Kafka request's timeout.

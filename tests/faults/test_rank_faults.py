@@ -50,6 +50,7 @@ def test_trainer_rank_kill9_group_recovers(fault_env: FaultEnv) -> None:
         # newer than any published before the restarts.
         after = env.wait_restarted({name: before.get(name, 0) for name in ("trainer", "trainer-1")},
                                    timeout_s=RECOVERY_BOUND_S)
+        watch = env.watch_samplers()  # the heal: both ranks restarted, re-forming the group
         assert after.get("trainer-1", 0) > before.get("trainer-1", 0), "the killed rank was not restarted"
         # The survivor's collective failed: rank 0 stopped too and came back from the checkpoint.
         assert after.get("trainer", 0) > before.get("trainer", 0), "rank 0 went on alone after losing rank 1"
@@ -57,13 +58,15 @@ def test_trainer_rank_kill9_group_recovers(fault_env: FaultEnv) -> None:
         env.wait_version_advances(reformed_at, timeout_s=max(1.0, t0 + RECOVERY_BOUND_S - time.monotonic()))
         recover_s = time.monotonic() - t0
         assert env.stack.pid("trainer", 1) not in (None, pid)
+        env.samplers_back(watch)
         code, out = env.verify()
         env.say(f"[rank kill] flywheel verify exit {code}:\n{out}")
-        env.rows.append(Row("trainer rank kill -9 (2 ranks)", "ok" if code == 0 else "FAILED",
+        verified, cell = env.verify_cell(code, out)
+        env.rows.append(Row("trainer rank kill -9 (2 ranks)", "ok" if verified else "FAILED",
                             round(recover_s, 1), None, None,
                             env.restarts(), "both ranks restarted from rank 0's checkpoint; lost / twice proved by "
-                            "flywheel verify (not log-accounted)", "ok" if code == 0 else f"FAILED (exit {code})"))
-        assert code == 0, out
+                            "flywheel verify (not log-accounted)", cell, env.samplers_cell(None)))
+        assert verified, f"unexpected: {env.verify_problems(out)}\n{out}"
         assert recover_s <= RECOVERY_BOUND_S
     finally:
         env.stack.up(samplers=2, trainers=1, prometheus=False, timeout_s=180)

@@ -28,9 +28,11 @@ from typing import Any
 from devstack import hosts as mh
 from devstack.config import REPO_ROOT
 from tests.faults.accounting import read_events, read_topic
+from tests.faults.liveness import SamplersBack, assert_back
 from tests.hosts.alerts import AlertWatch
 
 ADMIN = f"http://{mh.address('admin')}:8080"
+SAMPLERS = ["sampler-0", "sampler-1"]
 RECOVER_S = 150.0
 """Bound on training and publishing advancing after a heal (a rank split can need one rendezvous timeout, 60 s,
 after the heal)."""
@@ -59,6 +61,8 @@ class NetRow:
     watch: AlertWatch | None = None
     first_seen: dict[str, tuple[float, str]] = field(default_factory=dict)
     """Per part ``/status`` showed not ok during the cut: seconds from the cut, and what it said first."""
+    samplers: str = "not measured: the row failed before its heal's check"
+    """Each sampler's seconds from the heal to its first fragment after it (:mod:`tests.faults.liveness`)."""
 
 
 def env_for(home: Path) -> dict[str, str]:
@@ -134,6 +138,7 @@ class Net:
         self.rows: list[NetRow] = []
         self.kafka = mh.kafka_names(3)
         self._bootstrap: list[tuple[str, int]] | None = None
+        self._sampler_urls: dict[str, str] = {}
 
     # ---- what the operator sees ------------------------------------------------------------------
     def status(self) -> dict[str, Any] | None:
@@ -185,6 +190,24 @@ class Net:
                         return int(c.rsplit(":", 1)[1])
         raise AssertionError(f"no HTTP address for {name} in python -m devstack status")
 
+    def sampler_urls(self) -> dict[str, str]:
+        """Each sampler's ``/healthz`` at its part's address (reached from the root namespace, as Prometheus does)."""
+        if not self._sampler_urls:
+            self._sampler_urls = {s: f"http://{mh.address(s)}:{self.http_port(s)}/healthz" for s in SAMPLERS}
+        return self._sampler_urls
+
+    def watch_samplers(self, paused: dict[str, str] | None = None) -> SamplersBack:
+        """At a heal: watch every sampler but ``paused`` (name -> why) for its next fragment."""
+        return SamplersBack(self.sampler_urls(), paused=paused or {})
+
+    def samplers_back(self, row: NetRow, watch: SamplersBack) -> None:
+        """Every watched sampler produced within the bound of the heal: fills ``row.samplers``, fails naming one
+        that did not (with its ``/healthz`` reasons)."""
+        back = watch.result()
+        row.samplers = back.cell()
+        print(f"[{row.name}] samplers back after the heal: {row.samplers}")
+        assert_back(back, row.name)
+
     def run_name(self) -> str:
         s = self.status()
         assert s, "admin's /status does not answer"
@@ -231,13 +254,18 @@ class Net:
 
     def partition(self, row: NetRow, name: str, peers: Iterable[str], hold_s: float, *,
                   direction: str = "both", happened: Callable[[], list[str]],
-                  extra_detect: Callable[[], str | None] | None = None) -> tuple[int | None, int | None]:
-        """Cut ``name`` from ``peers`` for ``hold_s``, then heal; fills ``row`` (fault, detection, heal time).
-        ``happened`` returns what is wrong with the cut (empty: it took effect as meant), checked right after
-        the cut; ``extra_detect`` another sign of detection than ``/status`` (e.g. the cluster moved a
-        partition's leader), polled with it. Prometheus's alerts are watched from the cut (:meth:`watch_alerts`).
-        Returns (updates, published) at the heal."""
+                  extra_detect: Callable[[], str | None] | None = None,
+                  during: Callable[[], None] | None = None,
+                  paused: dict[str, str] | None = None) -> tuple[int | None, int | None]:
+        """Cut ``name`` from ``peers`` for ``hold_s``, then heal; fills ``row`` (fault, detection, heal time,
+        samplers back). ``happened`` returns what is wrong with the cut (empty: it took effect as meant), checked
+        right after the cut; ``during`` runs once then (an operator's action during the cut); ``extra_detect``
+        another sign of detection than ``/status`` (e.g. the cluster moved a partition's leader), polled with it.
+        Prometheus's alerts are watched from the cut (:meth:`watch_alerts`). After the heal, training and
+        publishing must advance, and every sampler but ``paused`` (name -> why) produce again
+        (:meth:`samplers_back`). Returns (updates, published) at the heal."""
         peers = list(peers)
+        self.sampler_urls()  # resolved now, not at the heal
         self.settle()
         before = self.progress()
         mh.cut(name, peers, direction)
@@ -248,6 +276,8 @@ class Net:
             assert not wrong, f"the cut did not take effect as meant: {wrong}"
             row.fault = (f"{name} {'cut from' if direction == 'both' else f'one-way ({direction})'} "
                          f"{', '.join(peers)}: shown by {row.fault}")
+            if during is not None:
+                during()
             other: str | None = None
             while (left := hold_s - (time.monotonic() - cut_at)) > 0:
                 s = self.status()
@@ -263,6 +293,7 @@ class Net:
             if row.watch is not None:
                 row.watch.heal()
         healed_at = time.monotonic()
+        samplers = self.watch_samplers(paused)
         row.cut_s = round(healed_at - cut_at, 1)
         at_heal = self.progress()
         if before[0] is not None and at_cut_end[0] is not None:
@@ -270,6 +301,7 @@ class Net:
                           "during the cut")
         base_u, base_p = (at_heal[0] or at_cut_end[0] or 0), (at_heal[1] or at_cut_end[1] or 0)
         self._advanced(row, healed_at, base_u, base_p)
+        self.samplers_back(row, samplers)
         return base_u, base_p
 
     def _advanced(self, row: NetRow, healed_at: float, base_u: int, base_p: int) -> None:
@@ -288,6 +320,7 @@ class Net:
         """Slow each part's links to its peers (``links``: part -> peers) for ``hold_s``, then heal; fills ``row``.
         Returns what ``/status`` showed over the 20 s before and over the slow period (:func:`_window`), and the
         trainer's updates at the heal."""
+        self.sampler_urls()  # resolved now, not at the heal
         self.settle()
         before = self._window(20.0)
         started = time.monotonic()
@@ -307,9 +340,11 @@ class Net:
             if row.watch is not None:
                 row.watch.heal()
         healed_at = time.monotonic()
+        samplers = self.watch_samplers()
         row.cut_s = round(healed_at - started, 1)
         base_u, base_p = self.progress()
         self._advanced(row, healed_at, int(base_u or 0), int(base_p or 0))
+        self.samplers_back(row, samplers)
         return before, during, int(base_u or 0)
 
     def _window(self, seconds: float, row: NetRow | None = None, started: float = 0.0) -> dict[str, Any]:

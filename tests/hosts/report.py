@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from devstack.config import REPO_ROOT
+from tests.faults.liveness import BOUND_S
+from tests.faults.liveness import PAGE_TEXT as SAMPLERS_BACK
 from tests.faults.report import commit_label
 from tests.hosts.net import NetRow
 
@@ -64,6 +66,7 @@ def write_network_reliability(rows: list[NetRow], minutes: float | None = None, 
         "  polled every ~2 s; *heal*: from the heal until the trainer's updates and the published version both",
         "  advanced past their values at the heal. `/status` includes `services.kafka`: the run topics' partitions",
         "  as admin describes them (degraded while one is under-replicated or offline, naming it).",
+        f"- {SAMPLERS_BACK} Each sampler's `/healthz` is read from the root namespace at its part's address.",
         "- *alerts*: Prometheus runs with the stack (root namespace, scraping every part at its own address every",
         "  5 s, rules evaluated every 5 s) with the production rules of `deploy/prometheus/alerts.yml`, unchanged;",
         "  its `/api/v1/alerts` is polled every ~2 s from the cut until the row's checks are done (some seconds",
@@ -72,15 +75,16 @@ def write_network_reliability(rows: list[NetRow], minutes: float | None = None, 
         "  `for:` (named); alerts already active before the cut are listed apart.",
         "",
         "| fault (and how the cut was shown) | outcome | cut (s) | detect (s) | what the operator saw (`/status`) "
-        "| alerts (Prometheus, production rules) | heal (s) | during the cut | records lost | trained twice | verify "
-        "| notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| alerts (Prometheus, production rules) | heal (s) | samplers back (s) | during the cut | records lost "
+        "| trained twice | verify | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         det, heal = _secs(r.detect_s), _secs(r.heal_s)
         lost, twice = ("-" if n is None else str(n) for n in (r.lost, r.twice))
         lines.append(f"| **{_cell(r.name)}**: {_cell(r.fault)} | {r.outcome} | {r.cut_s:.0f} | {det} | "
-                     f"{_cell(r.detected[:400])} | {_cell(r.alerts)} | {heal} | {_cell(r.during)} | {lost} | {twice} | "
+                     f"{_cell(r.detected[:400])} | {_cell(r.alerts)} | {heal} | {_cell(r.samplers)} "
+                     f"| {_cell(r.during)} | {lost} | {twice} | "
                      f"{_cell(r.verify)} | "
                      f"{_cell('; '.join(r.notes)) or '-'} |")
     lines += ["", "The soak (partitions and `kill -9` at random for 10 minutes, `make test-soak`, outside CI) writes",
@@ -121,7 +125,10 @@ def write_soak(seed: int, minutes: float, faults_s: float, events: list[SoakEven
         "",
         "Per event: *detect*, from the event's start to the first service `/status` showed not ok (kills are watched",
         "15 s); *restart*, from the kill to the supervisor's new process; *recover*, from the heal (or the restart)",
-        "until the trainer's updates and the published version both advanced; *lost* / *twice*, records lost or",
+        "until the trainer's updates and the published version both advanced; *samplers back*, each sampler's",
+        "seconds from the heal (or the killed process's restart) to its first fragment acknowledged after it, read",
+        f"from its own `/healthz` (`tests/faults/liveness.py`; every sampler must produce again within {BOUND_S:.0f}",
+        "s, or the event has a problem naming it); *lost* / *twice*, records lost or",
         "trained twice whose write was acknowledged in the event's window (its start to the next event's); *alerts*,",
         "those whose condition began in it. After the last event everything is healed, training must advance, and",
         "the partition rows' checks run on the whole run (cumulative from its origin): records lost, trained twice,",
@@ -143,13 +150,14 @@ def write_soak(seed: int, minutes: float, faults_s: float, events: list[SoakEven
         f"Alerts over the whole soak (Prometheus, production rules): {_cell(total.alerts)}",
         "",
         "| # | at (s) | event | cut shown | detect (s) | what `/status` showed first | restart (s) | recover (s) "
-        "| lost | twice | alerts begun | problems |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| samplers back (s) | lost | twice | alerts begun | problems |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in events:
         det, rs, rc = _secs(e.detect_s), _secs(e.restart_s), _secs(e.recover_s)
         lines.append(f"| {e.index} | {e.start_s:.0f} | {e.plan.kind}: {_cell(e.plan.describe())} "
-                     f"| {_cell(e.cut_shown)} | {det} | {_cell(e.detected[:300])} | {rs} | {rc} | {e.lost} | {e.twice} "
+                     f"| {_cell(e.cut_shown)} | {det} | {_cell(e.detected[:300])} | {rs} | {rc} | {_cell(e.samplers)} "
+                     f"| {e.lost} | {e.twice} "
                      f"| {_cell(e.alerts)} "
                      f"| {_cell('; '.join(e.problems)) or '-'} |")
     if outside:

@@ -6,14 +6,16 @@ Opt-in (see conftest.py): ``make test-partitions`` as root."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from typing import Any
 
 import pytest
 
 from devstack import hosts as mh
+from tests.faults.liveness import SamplersBack, read_healthz
 from tests.hosts.conftest import CHECKPOINT_EVERY
-from tests.hosts.net import Net, NetRow, http_rtt, kafka_rtt, reaches
+from tests.hosts.net import ADMIN, Net, NetRow, http_rtt, kafka_rtt, reaches, run_py
 
 pytestmark = [pytest.mark.hosts]
 S3_PORT = 9000
@@ -140,6 +142,74 @@ def test_paramsync_cut_from_kafka(net: Net) -> None:
     at_heal, _ = net.partition(row, "paramsync", net.kafka, 30.0, happened=happened)
     assert "paramsync" in row.detected, row.detected
     net.check(row, at_heal or 0, CHECKPOINT_EVERY)
+
+
+CLI_TIMEOUT_S = 10.0
+"""The ``flywheel`` CLI's HTTP timeout for ``pause`` (services/admin/cli.py: 10 s but for ``sync``)."""
+
+
+def _flywheel(net: Net, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``flywheel <args>`` against admin from the root namespace, as an operator runs it; and how long it took."""
+    t0 = time.monotonic()
+    out = run_py(net.home, "-m", "services.admin.cli", "--url", ADMIN, *args, timeout=120, check=False)
+    return out, time.monotonic() - t0
+
+
+def _sampler_status(net: Net, sid: str) -> dict[str, Any]:
+    return next((x for x in (net.status() or {}).get("samplers") or [] if x.get("id") == sid), {})
+
+
+@pytest.mark.timeout(600)
+def test_pause_asked_while_admin_is_cut_from_kafka(net: Net) -> None:
+    """Admin loses every broker for 30 s and an operator pauses sampler-1 meanwhile: the pause is stored (the store
+    is reachable) but its command cannot go out through Kafka, so ``flywheel pause`` answers within the CLI's
+    timeout with exit 3 and ``pending`` (not exit 2, "did not answer in time"); the sampler applies the stored
+    pause by itself and is paused once healed (``/status`` says so and it produces nothing), while sampler-0 goes
+    on; after the row, ``flywheel resume`` and sampler-1 produces again."""
+    row = _row(net, "admin cut from every broker, 30 s; flywheel pause sampler-1 asked during the cut")
+    target = "sampler-1"
+    sid = str(read_healthz(net.sampler_urls()[target]).get("id") or target)
+    asked: dict[str, Any] = {}
+
+    def happened() -> list[str]:
+        row.fault = "admin reaching no broker, sampler-1 still reaching all"
+        return [f"admin still reaches {h}" for h, p in net.bootstrap() if reaches("admin", h, p)] + \
+            [f"sampler-1 lost {h}" for h, p in net.bootstrap() if not reaches("sampler-1", h, p)]
+
+    def pause() -> None:
+        out, took = _flywheel(net, "pause", sid)
+        asked.update(code=out.returncode, out=(out.stdout + out.stderr).strip(), took=round(took, 1))
+        print(f"[{row.name}] flywheel pause {sid} during the cut: exit {out.returncode} after {took:.1f} s: "
+              f"{asked['out'][-500:]}")
+
+    try:
+        at_heal, _ = net.partition(row, "admin", net.kafka, 30.0, happened=happened, during=pause,
+                                   paused={target: "paused by the row (flywheel pause during the cut)"})
+        row.notes.append(f"flywheel pause {sid} during the cut: exit {asked.get('code')} after {asked.get('took')} s "
+                         f"({str(asked.get('out'))[:200]})")
+        assert asked.get("code") == 3, f"want exit 3 (pending) while admin cannot reach Kafka: {asked}"
+        assert "pending" in str(asked.get("out")), f"the CLI did not say the pause is pending: {asked}"
+        # Exit 3 is an answer from the API: the CLI did not give up at its timeout (that is exit 2).
+        assert float(asked["took"]) < CLI_TIMEOUT_S + 10, f"the CLI took {asked['took']} s"
+        # After the heal the sampler is paused: /status says so (its heartbeats) and its count stops.
+        deadline = time.monotonic() + 60
+        while not _sampler_status(net, sid).get("paused"):
+            assert time.monotonic() < deadline, f"{sid} not paused 60 s after the heal: {_sampler_status(net, sid)}"
+            time.sleep(2)
+        first = read_healthz(net.sampler_urls()[target]).get("fragments")
+        time.sleep(5)
+        still = read_healthz(net.sampler_urls()[target]).get("fragments")
+        assert first == still, f"{sid} is shown paused but produced {first} -> {still} fragments in 5 s"
+        row.notes.append(f"{sid} paused after the heal (/status paused; fragments {first} -> {still} over 5 s)")
+        net.check(row, at_heal or 0, CHECKPOINT_EVERY)
+    finally:  # never leave a sampler paused for the rows after this one
+        out, _ = _flywheel(net, "resume", sid)
+        print(f"[{row.name}] flywheel resume {sid}: exit {out.returncode}: {(out.stdout + out.stderr).strip()[-300:]}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    back = SamplersBack({target: net.sampler_urls()[target]}).result()
+    row.samplers += f"; after flywheel resume: {back.cell()}"
+    row.notes.append(f"resumed after the row: {back.cell()}")
+    assert back.ok, f"{sid} did not produce again after flywheel resume: {back.cell()}"
 
 
 @pytest.mark.timeout(600)

@@ -140,6 +140,8 @@ class SoakEvent:
     """From the kill until the supervisor's new process ran."""
     recover_s: float | None = None
     """From the heal (or the kill) until training and publishing both advanced."""
+    samplers: str = "not measured: the event failed before its heal's check"
+    """Each sampler's seconds from the heal (or the restart) to its first fragment after it."""
     lost: int = 0
     twice: int = 0
     alerts: str = "-"
@@ -234,9 +236,15 @@ def _run_event(net: Net, ev: SoakEvent, t0: float) -> None:
         ev.restart_s = _restarted(net, p.kill, killed, killed_at)
         if ev.restart_s is None:
             ev.problems.append(f"{p.kill} was not restarted within {RESTART_S:.0f} s")
+    samplers = net.watch_samplers()  # the heal, and the killed process back
     ev.recover_s = _advanced(net, healed, base)
     if ev.recover_s is None:
         ev.problems.append(f"training and publishing did not both advance within {RECOVER_S:.0f} s")
+    back = samplers.result()
+    ev.samplers = back.cell()
+    if not back.ok:
+        ev.problems.append(f"sampler(s) {', '.join(sorted(back.late))} did not produce within {back.bound_s:.0f} s "
+                           f"of the heal: {ev.samplers}")
     if ev.detect_s is None:  # a kill shows after the event's own time: look once more
         s = net.status()
         if s is not None and (bad := not_ok(s)):
@@ -275,6 +283,7 @@ def test_soak(net: Net) -> None:
     seed = int(os.environ.get("FLYWHEEL_SOAK_SEED") or random.SystemRandom().randrange(2**32))
     print(f"soak: seed {seed} (FLYWHEEL_SOAK_SEED={seed} replays it), {MINUTES:g} minutes")
     rng = random.Random(seed)
+    net.sampler_urls()  # resolved before the first event
     net.settle()
     restarts_before = (net.status() or {}).get("services", {})
     t0, t0_wall = time.monotonic(), time.time()
