@@ -705,6 +705,10 @@ async def _delete_records(bootstrap: str, topic: str, before: dict[int, int]) ->
         await admin.close()
 
 
+LOST_WINDOW = 16
+"""The lost-records row's trainer.flow_window (configs/cartpole.yaml's default is 4)."""
+
+
 @pytest.mark.faults_full
 def test_records_deleted_before_training_samplers_produce_again(fault_env: FaultEnv) -> None:
     """With the trainer stopped, every untrained record of every partition of ``<run>.samples`` leaves the log
@@ -713,8 +717,29 @@ def test_records_deleted_before_training_samplers_produce_again(fault_env: Fault
     deleted unread held their credits: they must stop counting as in flight), and ``flywheel verify`` exits 1
     naming exactly those partitions and spans (and keeps naming them: the later rows expect that)."""
     env = fault_env
+    auth = {"Authorization": f"Bearer {env.stack.admin_token}"}
+    # A window of 16 fragments in flight instead of 4 (a runtime setting, reverted after): the records left
+    # untrained when the trainer stops then fall on several partitions, each holding credits of both samplers.
+    r = httpx.patch(f"{env.stack.admin_url}/config", json={"trainer.flow_window": LOST_WINDOW}, headers=auth,
+                    timeout=30)
+    assert r.status_code == 200, r.text
+    revision = int(r.json()["revision"])
+    try:
+        _lose_every_untrained_record(env, revision)
+    finally:
+        r = httpx.post(f"{env.stack.admin_url}/config/revert", json={"revision": revision - 1}, headers=auth,
+                       timeout=30)
+        env.say(f"trainer.flow_window reverted: {r.status_code}")
+
+
+def _lose_every_untrained_record(env: FaultEnv, revision: int) -> None:
     topic = Topics.for_run(env.run).samples
     bootstrap = env.endpoints.kafka_bootstrap
+    deadline = time.monotonic() + 60
+    while int((env.status().get("trainer") or {}).get("config_revision") or 0) < revision:
+        assert time.monotonic() < deadline, f"the trainer did not apply trainer.flow_window={LOST_WINDOW} in 60 s"
+        time.sleep(1)
+    time.sleep(3)  # the samplers get the wider window with the next grants
     env.stack.stop("trainer")  # SIGTERM: commits and checkpoints what it trained; the supervisor leaves it down
     assert env.stack.pid("trainer") is None, "the trainer still runs"
     # The samplers spend the credits they hold, then wait: the log ends settle.
@@ -730,7 +755,9 @@ def test_records_deleted_before_training_samplers_produce_again(fault_env: Fault
     untrained = {p: (frontier.get(p, 0), end) for p, end in sorted(ends.items()) if end > frontier.get(p, 0)}
     n = sum(hi - lo for lo, hi in untrained.values())
     env.say(f"trainer stopped: log ends {ends}, committed {frontier}: untrained {untrained}")
-    assert untrained, f"no untrained record on any partition (ends {ends}, committed {frontier}): nothing to lose"
+    # Every partition's untrained records are deleted; with 16 in flight at least two partitions hold some.
+    assert len(untrained) >= 2, f"untrained records on {len(untrained)} partition(s) only (ends {ends}, committed " \
+                                f"{frontier}): the fault would not reach several partitions"
     low = asyncio.run(_delete_records(bootstrap, topic, ends))  # every partition, up to its end
     assert low == ends, f"deleteRecords left log starts {low}, asked {ends}"
     env.say(f"deleted every record below the log ends {ends}: {n} untrained on partitions {sorted(untrained)}")
@@ -769,8 +796,9 @@ def test_records_deleted_before_training_samplers_produce_again(fault_env: Fault
         assert f"{topic}:{p} [" in out and lost_line([(lo, hi)]) in out, f"verify does not name partition {p}:\n{out}"
     env.check_accounting(
         "every untrained record of every partition deleted (deleteRecords) with the trainer stopped", None,
-        f"{n} records on partitions {', '.join(map(str, sorted(untrained)))} deleted unread; the trainer logged "
-        "records_lost_before_training for exactly those spans, and verify names them (exit 1)", lost=n)
+        f"trainer.flow_window {LOST_WINDOW} for the row; {n} untrained records on partitions "
+        f"{', '.join(map(str, sorted(untrained)))} of {len(ends)} deleted unread (every partition's log emptied); the "
+        "trainer logged records_lost_before_training for exactly those spans, and verify names them (exit 1)", lost=n)
 
 
 @pytest.mark.faults
