@@ -1,4 +1,4 @@
-"""Actor:learner ratio: one trainer with 2, 4 or 8 latency-bound samplers on CartPole-v1 (issue 19 item 6).
+"""Actor:learner ratio: one trainer with 2, 4 or 8 latency-bound samplers on CartPole-v1.
 
 For each ratio, a fresh stack (its own run, so every ratio learns from scratch) runs until the samplers have
 made ``STEPS`` env steps, and gives:

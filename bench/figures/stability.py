@@ -25,7 +25,7 @@ FLOOR = 0.1  # CartPole's advantages while learning have RMS ~1-10, after solvin
 # The ablation: configs/cartpole.yaml as it is, one option changed at a time, and the three update options together.
 VARIANTS: dict[str, dict[str, object]] = {
     "configured": {},
-    "lr-floor-1e-4": {"FLYWHEEL_TRAINER_LEARNING_RATE_END": 1e-4},  # the floor configs/cartpole.yaml had before
+    "lr-floor-1e-4": {"FLYWHEEL_TRAINER_LEARNING_RATE_END": 1e-4},  # a floor of 1e-4, not the config's 1e-5
     "entropy": {"FLYWHEEL_TRAINER_ENT_COEF": 0.01},
     "adv-floor": {"FLYWHEEL_TRAINER_ADVANTAGE_STD_FLOOR": FLOOR},
     "separate-clip": {"FLYWHEEL_TRAINER_SEPARATE_GRAD_CLIP": "true"},

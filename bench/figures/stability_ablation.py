@@ -1,4 +1,4 @@
-"""Which stability options matter after solving? The ablation of issue 9, in one process.
+"""Which stability options matter after solving? An ablation in one process.
 
 The full-stack `stability` figure needs 10+ minutes per seed and variant; collapses are stochastic, so an
 ablation needs many seed-variants. This one runs the services' own RolloutWorker + Learner in lockstep
@@ -33,17 +33,17 @@ SOLVE_CAP = 250_000  # env steps: a seed that has not solved by then counts as n
 FLOOR = 0.1
 VARIANTS: dict[str, dict[str, Any]] = {
     "configured": {},
-    "lr-floor-1e-4": {"learning_rate_end": 1e-4},  # the floor configs/cartpole.yaml had before
+    "lr-floor-1e-4": {"learning_rate_end": 1e-4},  # a learning-rate floor of 1e-4 instead of the config's 1e-5
     "entropy": {"ent_coef": 0.01},
     "adv-floor": {"advantage_std_floor": FLOOR},
     "separate-clip": {"separate_grad_clip": True},
     "mask": {"objective": "decoupled", "behaviour_weight_mode": "mask"},  # the weight exists only there
-    "clip-constant": {"clip_coef_end": None},  # no clip-range schedule (configs/cartpole.yaml before `deaba9d`)
+    "clip-constant": {"clip_coef_end": None},  # no clip-range schedule: the config's clip_coef throughout
     "anneal-120k": {"anneal_env_steps": 120_000},  # the same floor, reached sooner
     "no-kl-stop": {"target_kl": None},  # every update runs all its epochs; the clip schedule is the only brake
     "kl-0.05": {"target_kl": 0.05},
     "zoo-shape": {"batch_fragments": 1, "epochs": 20, "minibatches": 1},  # rl-zoo's update shape (fewer env steps)
-    "minibatches-4": {"minibatches": 4},  # 32 gradient steps of 128 samples an update instead of 16 of 256
+    "minibatches-4": {"minibatches": 4},  # 32 gradient steps of 128 samples an update (16 of 256 with 2)
     # The default objective (clip around the proximal policy, truncated behaviour weight); the config: plain PPO.
     "decoupled": {"objective": "decoupled"},
     "all": {"advantage_std_floor": FLOOR, "separate_grad_clip": True, "objective": "decoupled",

@@ -1,4 +1,4 @@
-"""The swarm (issue 32): 256 and 1,000 sampler identities against 3 Kafka brokers, the real trainer and
+"""The swarm: 256 and 1,000 sampler identities against 3 Kafka brokers, the real trainer and
 paramsync, with the old flow-control design (one credits partition: every sampler reads every grant, which
 carries every sampler's count) beside the new (credits sharded, samplers / 16 partitions; samplers take turns
 when they outnumber ``trainer.flow_window``), and the new design again with a consumer per identity (own: the
