@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +99,83 @@ def test_records_deleted_before_training_are_reported_and_fail_verify(make_stack
     assert f"lost before training (left the log untrained): 2 record(s) at [{lo}, {hi})" in out, out
     others = [line for line in out.splitlines() if line.startswith(f"  {topic}:") and f"{topic}:{part} " not in line]
     assert others and all(line.endswith(")") and ": ok (" in line for line in others), out
+
+
+def _sampler_health(stack: LocalStack, i: int) -> dict[str, Any]:
+    r = httpx.get(f"http://127.0.0.1:{stack.port('sampler', i)}/healthz", timeout=10)
+    body: dict[str, Any] = r.json()
+    return body
+
+
+def test_every_untrained_record_deleted_no_sampler_is_left_behind(make_stack: Any, run_name: str,
+                                                                   kafka_bootstrap: str) -> None:
+    # The samplers' newest fragments are exactly the untrained records: deleting every one of them while the
+    # trainer is down used to leave every sampler waiting for credits those records held, and training stopped.
+    # A window of 24 over 4 partitions: every partition holds untrained records when the samplers stop.
+    stack = make_stack(18400, env={"FLYWHEEL_TRAINER_CHECKPOINT_EVERY": "5", "FLYWHEEL_TRAINER_FLOW_WINDOW": "24"})
+    stack.up(samplers=2, prometheus=False)
+    wait_until(lambda: status(stack)["trainer"]["updates"] >= 10, 120, "10 updates")
+    stack.stop("trainer")  # SIGTERM: commits and checkpoints what it trained (not restarted by the supervisor)
+    frontier = asyncio.run(committed(kafka_bootstrap, trainer_group(run_name)))
+    topic = Topics.for_run(run_name).samples
+
+    def untrained_everywhere() -> dict[int, int] | None:
+        ends: dict[int, int] = {}
+        for p, off in asyncio.run(read_topic(kafka_bootstrap, topic)):
+            ends[p] = max(ends.get(p, 0), off + 1)
+        waiting = all(_sampler_health(stack, i)["reasons"].get("credits") for i in range(2))
+        ready = len(ends) == 4 and all(end > frontier.get(p, 0) for p, end in ends.items())
+        return ends if ready and waiting else None
+
+    # Both samplers used their windows and wait (degraded after a Kafka request's timeout, 30 s, naming no grant).
+    ends = wait_until(untrained_everywhere, 120, "untrained records on every partition, both samplers waiting")
+    for i in range(2):
+        assert "no credit grant for" in _sampler_health(stack, i)["reasons"]["credits"]
+    for p, end in ends.items():
+        assert asyncio.run(_delete_records(kafka_bootstrap, TopicPartition(topic, p), end)) == end
+    produced = {i: _sampler_health(stack, i)["fragments"] for i in range(2)}
+
+    log = stack.log_path("trainer")
+    before = len(log_events(log))
+    stack.start("trainer")
+    stack.wait_healthy("trainer", timeout_s=90)
+    started = time.monotonic()
+    back: dict[int, float] = {}
+
+    def every_sampler_back() -> bool:
+        for i in range(2):
+            if i not in back and _sampler_health(stack, i)["fragments"] > produced[i]:
+                back[i] = time.monotonic() - started
+        return len(back) == 2
+
+    wait_until(every_sampler_back, 60, "every sampler producing again within 60 s of the trainer's start",
+               interval=0.5)
+    lost = [e for e in log_events(log)[before:] if e["event"] == "records_lost_before_training"]
+    assert sorted(e["partition"] for e in lost) == [0, 1, 2, 3], lost
+    assert all(e["to_offset"] == ends[e["partition"]] and e["from_offset"] == frontier.get(e["partition"], 0)
+               for e in lost), (lost, ends, frontier)
+    samplers = [e for i in range(2) for e in log_events(stack.log_path("sampler", i))
+                if e["event"] == "fragments_settled_unconsumed"]
+    # Settled: the deleted fragments the samplers still counted in flight (records the trainer had consumed but
+    # not trained when it stopped were counted consumed already, so they are not among them).
+    assert 0 < sum(e["count"] for e in samplers) <= sum(end - frontier.get(p, 0) for p, end in ends.items()), samplers
+
+    # /status: the loss, and no sampler reason left over from the wait (they produce again).
+    def loss_shown() -> dict[str, Any] | None:
+        st = status(stack)
+        reasons = {k: v["reasons"] for k, v in st["services"].items() if k.startswith("sampler:")}
+        ok = st["trainer"]["records_lost_partitions"] == [0, 1, 2, 3] and all(not r for r in reasons.values())
+        return st if ok and len(reasons) == 2 else None
+
+    st = wait_until(loss_shown, 60, "/status naming the loss, with no sampler degraded")
+    assert st["trainer"]["records_lost"] == sum(end - frontier.get(p, 0) for p, end in ends.items())
+    at = st["trainer"]["updates"]
+    wait_until(lambda: status(stack)["trainer"]["updates"] >= at + 5, 120, "5 more updates")
+    wait_until(lambda: [e for e in log_events(log)[before:] if e["event"] == "checkpoint_written"
+                        and all(e["offsets"].get(f"{topic}:{p}", 0) >= end for p, end in ends.items())],
+               120, "a checkpoint past every loss")
+    code, out = _verify(stack)
+    print(f"\ndeleted {ends} (frontier {frontier}); samplers back after {back} s; flywheel verify exit {code}:\n{out}")
+    assert code == 1, out
+    for p, end in ends.items():
+        assert f"{topic}:{p} [0, " in out and (f"record(s) at [{frontier.get(p, 0)}, {end})" in out), out
