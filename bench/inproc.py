@@ -27,6 +27,7 @@ import torch
 from aiokafka import TopicPartition
 
 from services.sampler.rollout import RolloutWorker
+from services.trainer.compute import choose_threads
 from services.trainer.intake import Intake, Pending, strategy_for
 from services.trainer.learner import Learner
 from shared.credits import auto_window
@@ -52,7 +53,7 @@ class InProcessPipeline:
     """``samplers`` sampler threads -> queue.Queue -> the Learner in the calling thread."""
 
     def __init__(self, settings: Settings, samplers: int = 2, seed: int = 0) -> None:
-        torch.set_num_threads(settings.trainer.torch_threads)
+        torch.set_num_threads(choose_threads(settings.trainer)[0])
         self.s = settings
         self.learner = Learner(fragment_spec(settings.env.id, settings.kafka.max_message_bytes), settings.trainer)
         self.box = _PolicyBox(0, self.learner.weights(), threading.Lock())
@@ -169,7 +170,7 @@ def bare_learner_rate(settings: Settings, seconds: float, warmup_s: float = 2.0)
     bare loop on batches of ``batch_fragments`` fragments (collected beforehand with the initial policy,
     reused round robin). With ``target_kl`` an update's work depends on the data, so sample passes are
     the comparable measure."""
-    torch.set_num_threads(settings.trainer.torch_threads)
+    torch.set_num_threads(choose_threads(settings.trainer)[0])
     learner = Learner(fragment_spec(settings.env.id, settings.kafka.max_message_bytes), settings.trainer)
     w = _worker(settings, 0, 0)
     w.set_policy(0, learner.weights())
@@ -202,7 +203,7 @@ def lockstep(settings: Settings, seed: int, samplers: int = 2,
     (round robin over ``samplers`` workers) acting with the policy of ``lag`` updates ago (0: the
     current one, zero staleness), yield (seconds so far, env steps so far, the returns of the episodes
     that ended in them), update, repeat. The caller stops iterating when it has what it wants."""
-    torch.set_num_threads(settings.trainer.torch_threads)
+    torch.set_num_threads(choose_threads(settings.trainer)[0])
     learner = Learner(fragment_spec(settings.env.id, settings.kafka.max_message_bytes), settings.trainer)
     workers = [_worker(settings, i, seed * 1000 + i) for i in range(samplers)]
     blobs = deque([learner.weights()], maxlen=lag + 1)  # blobs[0]: the version ``lag`` updates ago (or 0)

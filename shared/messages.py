@@ -210,6 +210,9 @@ class TrainerBeat(_Msg):
     ``deleteRecords``), from its ledger (restarts keep them): never trained; ``flywheel verify`` names them."""
     records_lost_partitions: list[int] = Field(default_factory=list)
     """The partitions those records were on."""
+    compute: dict[str, Any] | None = None
+    """The torch threads and precision the trainer chose, why, the CPU model and flags, and the timed figures
+    behind an ``auto`` precision (services/trainer/compute.py ``Compute``)."""
     staleness_p95: float | None = None
     published_version: int | None = None
     """The newest published version the trainer knows of (its staleness reference is the older of it

@@ -349,11 +349,11 @@ class TrainerSettings(_Section):
     """``auto`` uses CUDA when present."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Forward passes of the update: ``bf16`` under bf16 autocast (matmuls and convolutions in bfloat16; the
-    log-ratios, KL and losses, the weights, gradients and Adam state stay float32), ``fp32`` float32 throughout,
-    ``auto`` bf16 on a CUDA device that supports it and fp32 elsewhere (on the CPU bit-identical to before).
-    Batches go to a CUDA device through pinned memory. Verified: the code path on the CPU (bf16 there is
-    finite and close to fp32, ``tests/unit/test_precision.py``); not verified: speed or learning on a GPU
-    (none was available when this was written; docs/pixels.md, "GPU learner")."""
+    log-ratios, KL and losses, the weights, gradients and Adam state stay float32), ``fp32`` float32 throughout.
+    ``auto``: bf16 on a CUDA device that supports it; on a CPU with native bf16 (``avx512_bf16``/``amx_bf16``) the
+    trainer times one update epoch of this run's shapes in both at start and takes bf16 only when it is at least
+    1.3x faster; float32 on any other CPU (services/trainer/compute.py). Batches go to a CUDA device through
+    pinned memory. bf16 on the CPU is finite and close to fp32 (``tests/unit/test_precision.py``)."""
     seed: int = 1
     group_instance_id: str | None = Field("trainer-0", min_length=1)
     """Kafka static membership (KIP-345) for the trainer's consumer: a restarted trainer with the same
@@ -361,7 +361,11 @@ class TrainerSettings(_Section):
     Must be unique per trainer process (two live members with one id fence each other); a cleanly
     stopped static member does not leave the group, so its partitions wait for the session timeout
     (6 s) before another member gets them. None = dynamic membership."""
-    torch_threads: int = Field(1, ge=1)
+    torch_threads: int | Literal["auto"] = 1
+    """Threads of the update's torch kernels; ``auto``: the cores this process may use (CPU affinity, capped by a
+    cgroup CPU quota) less ``cores_reserved``, at least 1 (services/trainer/compute.py)."""
+    cores_reserved: float = Field(0.0, ge=0)
+    """Cores ``torch_threads: auto`` leaves to what else runs on the trainer's host (samplers, Kafka)."""
     heartbeat_interval_s: float = Field(1.0, gt=0)
     return_window: int = Field(100, ge=1)
     """Episodes in the reported mean return."""

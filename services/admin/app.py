@@ -67,6 +67,10 @@ class TrainerStatus(BaseModel):
                                              "them (retention, deleteRecords): never trained; flywheel verify "
                                              "fails naming them")
     records_lost_partitions: list[int] = Field(default_factory=list, description="The partitions they were on")
+    compute: dict[str, Any] | None = Field(
+        None, description="What the trainer computes with and why: threads (and threads_reason), precision (fp32 "
+                          "or bf16, and precision_reason), device, cpu_model, cpu_flags, native_bf16, and for an auto "
+                          "precision on a CPU with native bf16 the timed fp32_samples_per_s and bf16_samples_per_s")
     ranks: list[RankStatus] = Field(
         default_factory=list, description="Data-parallel ranks (trainer.world_size > 1): each rank's weights "
                                           "digest at a common update; equal digests mean identical weights")
@@ -223,6 +227,7 @@ def create_app(state: AdminState) -> FastAPI:
                 learning_rate=tb.learning_rate if tb else None, config_revision=tb.config_revision if tb else 0,
                 records_lost=tb.records_lost if tb else 0,
                 records_lost_partitions=tb.records_lost_partitions if tb else [],
+                compute=tb.compute if tb else None,
                 stalled=StallStatus(since=tb.stalled_since, reason=tb.stalled_reason)
                 if tb and tb.stalled_reason and s.alive(v.trainer, now) else None,
                 ranks=[RankStatus(rank=r, alive=s.alive(seen, now), updates=seen.beat.updates,

@@ -7,12 +7,10 @@ from shared.settings import Settings
 
 
 def build(settings: Settings) -> tuple[Any, None]:
-    """Runs after the settings validated: torch and gymnasium are imported only now."""
-    import torch
-
+    """Runs after the settings validated: torch and gymnasium are imported only now (the trainer sets its torch
+    threads itself: ``trainer.torch_threads``, services/trainer/compute.py)."""
     from services.trainer.service import Trainer
 
-    torch.set_num_threads(settings.trainer.torch_threads)
     return Trainer(settings), None
 
 

@@ -30,12 +30,15 @@ import time
 from collections.abc import Awaitable, Coroutine
 from typing import Any
 
+import torch
 from aiokafka import TopicPartition
 
 from services.trainer import telemetry as m
 from services.trainer.agreement import Agreed, Agreement, Alone, Decision
 from services.trainer.autorollback import GuardShell
 from services.trainer.checkpoints import Checkpoints
+from services.trainer.compute import choose as choose_compute
+from services.trainer.compute import choose_threads
 from services.trainer.group import ConsumerGroup
 from services.trainer.guard import RollbackGuard
 from services.trainer.intake import Batch, BatchStrategy, Intake, StallWatch, strategy_for
@@ -93,15 +96,26 @@ class Trainer:
 
     def __init__(self, settings: Settings, trainer_id: str | None = None, bus: Bus | None = None,
                  strategy: BatchStrategy | None = None) -> None:
-        self.settings = self.base_settings = settings
-        self.cfg = settings.trainer
         self.id = trainer_id or f"trainer-{socket.gethostname()}-{os.getpid()}"
         self.topics = Topics.for_run(settings.run)
         self.log = get_logger()
         self.spec = dataclasses.replace(fragment_spec(settings.env.id, settings.kafka.max_message_bytes,
                                                       settings.env.frame_stack),
-                                        max_abs_value=self.cfg.max_abs_value)
-        self.learner = Learner(self.spec, self.cfg)
+                                        max_abs_value=settings.trainer.max_abs_value)
+        # torch_threads and precision: as set, or chosen by measurement for `auto` (services/trainer/compute.py);
+        # the settings carry the choice, so runtime revisions and checkpoints restore apply on top of it.
+        threads = choose_threads(settings.trainer)
+        torch.set_num_threads(threads[0])
+        learner = Learner(self.spec, settings.trainer)
+        self.compute = choose_compute(settings, learner, self.spec, threads)
+        settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(
+            update={"precision": self.compute.precision, "torch_threads": threads[0]})})
+        self.settings = self.base_settings = settings
+        self.cfg = settings.trainer
+        self.learner = learner if learner.update_cfg.bf16 == (self.compute.precision == "bf16") else \
+            Learner(self.spec, self.cfg)  # the same seed: the same initial weights
+        m.report_compute(self.compute)
+        self.log.info("compute_chosen", **self.compute.as_dict())
         # Data-parallel ranks (services/trainer/ranks.py): None for a single trainer.
         self.ranks = (Ranks(world_size=self.cfg.world_size, rank=self.cfg.rank, rendezvous=self.cfg.rendezvous,
                             timeout_s=self.cfg.rank_timeout_s, device=self.learner.device)
@@ -316,7 +330,7 @@ class Trainer:
         beat = trainer_beat(trainer_id=self.id, learner=self.learner, stats=self.stats, intake=self.intake,
                             stall=self.stall.check(time.monotonic(), self.intake.reference),
                             publication=self.publication, health=self.health_state, cfg=self.cfg, digest=self.digest,
-                            lost=self.group.lost())
+                            lost=self.group.lost(), compute=self.compute.as_dict())
         try:
             await self.producer.send(self.topics.heartbeats, beat.to_bytes(), key=self.id.encode())
         except Exception as exc:  # a heartbeat is not worth stopping for; the next one retries

@@ -172,7 +172,8 @@ class PublicationWatch:
 
 def trainer_beat(*, trainer_id: str, learner: Learner, stats: m.TrainerStats, intake: Intake, stall: Stall | None,
                  publication: Publication, health: Health, cfg: TrainerSettings,
-                 digest: tuple[int, str] | None, lost: tuple[int, list[int]] = (0, [])) -> TrainerBeat:
+                 digest: tuple[int, str] | None, lost: tuple[int, list[int]] = (0, []),
+                 compute: dict[str, Any] | None = None) -> TrainerBeat:
     """The trainer's heartbeat as of now."""
     c, s = learner.counters, stats
     return TrainerBeat(
@@ -182,7 +183,7 @@ def trainer_beat(*, trainer_id: str, learner: Learner, stats: m.TrainerStats, in
         return_mean=sum(c.recent_returns) / len(c.recent_returns) if c.recent_returns else None,
         return_count=len(c.recent_returns), fragments_dropped_stale=s.dropped,
         fragments_dead_lettered=s.dead_lettered, published_version=intake.published,
-        records_lost=lost[0], records_lost_partitions=lost[1],
+        records_lost=lost[0], records_lost_partitions=lost[1], compute=compute,
         stalled_since=None if stall is None else time.time() - (time.monotonic() - stall.since),
         stalled_reason=None if stall is None else stall.reason, nonfinite_steps_skipped=s.nonfinite_skipped,
         candidates_resent=publication.resent, health=health.as_dict(), started_at=s.started_at,

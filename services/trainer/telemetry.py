@@ -65,6 +65,24 @@ AUTO_ROLLBACKS = Counter("flywheel_trainer_auto_rollbacks_total",
 GUARD_EXHAUSTED = Gauge("flywheel_trainer_guard_exhausted",
                         "1 while the rollback guard has used up its rollbacks for the hour (a human is needed)")
 
+TORCH_THREADS = Gauge("flywheel_trainer_torch_threads", "Threads of the update's torch kernels (trainer.torch_threads)")
+PRECISION = Gauge("flywheel_trainer_precision", "1 for the precision the update runs in (trainer.precision)",
+                  ["precision"])
+PROBE_RATE = Gauge("flywheel_trainer_precision_probe_env_steps_per_second",
+                   "Env steps per second of one update epoch timed at start, per precision (trainer.precision auto on "
+                   "a CPU with native bf16)", ["precision"])
+
+
+def report_compute(c: Any) -> None:
+    """The threads and precision the trainer chose (services/trainer/compute.py) as metrics."""
+    TORCH_THREADS.set(c.threads)
+    for p in ("fp32", "bf16"):
+        PRECISION.labels(precision=p).set(1 if c.precision == p else 0)
+        rate = c.fp32_samples_per_s if p == "fp32" else c.bf16_samples_per_s
+        if rate is not None:
+            PROBE_RATE.labels(precision=p).set(rate)
+
+
 SAMPLER_LAG_FORGET_S = 600.0
 
 

@@ -172,3 +172,34 @@ def test_cuda_learner_runs_bf16_with_pinned_batches() -> None:
     assert all(p.dtype == torch.float32 and p.device.type == "cuda" for p in learner.model.parameters())
     _, cpu_stats = _update(IMAGE_SPEC, "fp32")  # the same seed and batch on the CPU: the same update, roughly
     assert stats.value_loss == pytest.approx(cpu_stats.value_loss, rel=0.05)
+
+
+def test_bf16_nature_cnn_update_is_finite_close_to_float32_and_keeps_float32_state() -> None:
+    """The Nature CNN (84x84 frames, four stacked), whose convolutions are where the CPU's bf16 units pay
+    (``trainer.precision: auto`` takes bf16 for it where timed clearly faster): the same checks as above."""
+    from services.trainer.compute import probe_fragments
+
+    spec = FragmentSpec(obs_shape=(84, 84), num_actions=6, max_bytes=1 << 24, env_id="ALE/Pong-v5",
+                        obs_dtype="uint8", frame_stack=4)
+    frags = probe_fragments(spec, 2, steps=16, envs=2, seed=5)
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        learner = Learner(spec, TrainerSettings(model="auto", precision=precision, epochs=2, minibatches=2, seed=3,
+                                                ent_coef=0.01))
+        assert learner.model.kind == "nature_cnn"  # type: ignore[attr-defined]
+        runs[precision] = (learner, learner.update(frags))
+    (f32, s32), (b16, s16) = runs["fp32"], runs["bf16"]
+    for name in ("policy_loss", "value_loss", "entropy", "approx_kl", "grad_norm"):
+        assert np.isfinite(getattr(s16, name)), name
+    assert s16.sgd_steps == s32.sgd_steps == 4 and s16.skipped_steps == 0
+    assert s16.value_loss == pytest.approx(s32.value_loss, rel=0.05)
+    assert s16.entropy == pytest.approx(s32.entropy, rel=0.05)
+    assert s16.grad_norm == pytest.approx(s32.grad_norm, rel=0.05)
+    assert s16.policy_loss == pytest.approx(s32.policy_loss, rel=0.05, abs=2e-3)
+    cos = torch.nn.functional.cosine_similarity(_params(b16.model) - _params(Learner(spec, TrainerSettings(
+        model="auto", seed=3)).model), _params(f32.model) - _params(Learner(spec, TrainerSettings(
+            model="auto", seed=3)).model), dim=0)
+    assert float(cos) > 0.95  # two epochs of Adam from the same start move the same way
+    assert all(p.dtype == torch.float32 for p in b16.model.parameters())
+    assert all(v.dtype == torch.float32 for st in b16.optimizer.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.is_floating_point())
