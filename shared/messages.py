@@ -210,6 +210,8 @@ class TrainerBeat(_Msg):
     ``deleteRecords``), from its ledger (restarts keep them): never trained; ``flywheel verify`` names them."""
     records_lost_partitions: list[int] = Field(default_factory=list)
     """The partitions those records were on."""
+    learner_busy_fraction: float | None = None
+    """Fraction of the last minute's wall time this trainer spent in updates (1.0: the learner never waited)."""
     compute: dict[str, Any] | None = None
     """The torch threads and precision the trainer chose, why, the CPU model and flags, and the timed figures
     behind an ``auto`` precision (services/trainer/compute.py ``Compute``)."""

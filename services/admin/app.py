@@ -67,6 +67,9 @@ class TrainerStatus(BaseModel):
                                              "them (retention, deleteRecords): never trained; flywheel verify "
                                              "fails naming them")
     records_lost_partitions: list[int] = Field(default_factory=list, description="The partitions they were on")
+    learner_busy_fraction: float | None = Field(
+        None, description="Fraction of the last minute's wall time the trainer spent in updates (1.0: its learner "
+                          "never waited for data)")
     compute: dict[str, Any] | None = Field(
         None, description="What the trainer computes with and why: threads (and threads_reason), precision (fp32 "
                           "or bf16, and precision_reason), device, cpu_model, cpu_flags, native_bf16, and for an auto "
@@ -228,6 +231,7 @@ def create_app(state: AdminState) -> FastAPI:
                 records_lost=tb.records_lost if tb else 0,
                 records_lost_partitions=tb.records_lost_partitions if tb else [],
                 compute=tb.compute if tb else None,
+                learner_busy_fraction=tb.learner_busy_fraction if tb else None,
                 stalled=StallStatus(since=tb.stalled_since, reason=tb.stalled_reason)
                 if tb and tb.stalled_reason and s.alive(v.trainer, now) else None,
                 ranks=[RankStatus(rank=r, alive=s.alive(seen, now), updates=seen.beat.updates,

@@ -243,6 +243,10 @@ class AsyncBatches:
             return 0
         return min(len(buffer), self.batch_fragments)
 
+    def ahead(self, buffered: int) -> int:
+        """Records to take while an update runs: what the next batch still needs, none once it is complete."""
+        return min(self.poll_max_records, max(0, self.batch_fragments - buffered))
+
     def wants(self, buffered: int, may_train: bool = True) -> int:
         # At least one while it may train (the poll also serves the consumer's liveness); none once a batch
         # is held while it may not: records polled then would only wait, and each would free a credit.
@@ -278,6 +282,10 @@ class SyncBatches:
 
     def wants(self, buffered: int, may_train: bool = True) -> int:
         return self.poll_max_records
+
+    def ahead(self, buffered: int) -> int:
+        """Nothing while an update runs: samplers wait for the version that update makes."""
+        return 0
 
 
 BatchStrategy = AsyncBatches | SyncBatches
@@ -386,6 +394,11 @@ class Intake:
         batch already held (consuming more would only grant samplers credit for data that waits)."""
         may_train = self.strategy.may_train(self.model_version, self.published, self.bound)
         return self.strategy.wants(len(self.buffer), may_train)
+
+    def wants_ahead(self) -> int:
+        """How many records to poll while an update runs: what the next batch still needs (async), so it is
+        decoded and waiting when the update ends, and no more (more would only wait, and free credits early)."""
+        return self.strategy.ahead(len(self.buffer))
 
     # ---- rebalances -------------------------------------------------------------------------
     def forget_ids(self, sample_ids: Iterable[str]) -> None:

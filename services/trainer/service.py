@@ -83,6 +83,8 @@ DIGEST_EVERY = 10
 """Data-parallel ranks note their weights digest every this many updates (the same updates on every rank)."""
 POLICY_REFRESH_S = 5.0
 """Re-read the marker this often (announcements are the fast path; this covers lost ones)."""
+PREFETCH_POLL_MS = 10
+"""Longest poll while an update runs (Trainer._prefetch_while): the update waits at most this for the loop."""
 FIND_LOST_S = 1.0
 """Look this often for records that left the log unread while no later record came (ConsumerGroup.find_lost)."""
 RUNTIME_POLL_S = 2.0
@@ -492,8 +494,9 @@ class Trainer:
         c = self.learner.counters
         self.digest = (c.updates, hashlib.sha256(self.learner.weights()).hexdigest()[:16])
 
-    async def _poll_once(self) -> None:
-        want, timeout_ms = self.intake.wants(), self.intake.strategy.poll_timeout_ms
+    async def _poll_once(self, timeout_ms: int | None = None, want: int | None = None) -> None:
+        want = self.intake.wants() if want is None else want
+        timeout_ms = self.intake.strategy.poll_timeout_ms if timeout_ms is None else timeout_ms
         if want == 0:  # waiting for a publication with a batch held: consume (and grant) nothing more
             await asyncio.sleep(timeout_ms / 1000)
             return
@@ -559,13 +562,19 @@ class Trainer:
                 if not batch.train and self.ranks is None:  # a rank takes part in the update all the same
                     return
             t0 = time.perf_counter()
+            frags = [p.frag for p in batch.train]
+            update = asyncio.ensure_future(asyncio.to_thread(self.learner.update, frags) if self.ranks is None
+                                           else asyncio.to_thread(self.learner.update, frags, self.ranks))
             try:
-                frags = [p.frag for p in batch.train]
-                stats = await (asyncio.to_thread(self.learner.update, frags) if self.ranks is None
-                               else asyncio.to_thread(self.learner.update, frags, self.ranks))
+                await self._prefetch_while(update)
+                stats = await update
             except BaseException:
                 self._update_failed = True  # the weights may hold part of this update: no final checkpoint
                 raise
+            finally:
+                if not update.done():  # the prefetch failed: the update thread still finishes before anything else
+                    await asyncio.wait([update])
+            self.stats.busy.add(time.perf_counter() - t0)
             # The ledger takes the outcomes in the same step as the weights took the gradients.
             for p in batch.train:
                 self.group.finished(p.tp, p.offset, "trained")
@@ -576,6 +585,19 @@ class Trainer:
             record_update(batch, stats, time.perf_counter() - t0, learner=self.learner, trainer_stats=self.stats,
                           stall=self.stall, tracker=self.tracker, log=self.log)
             await self._after_update_step(stats)
+
+    async def _prefetch_while(self, update: asyncio.Future[UpdateStats]) -> None:
+        """While the update runs in its thread, poll and decode the records of the next batch (what
+        ``Intake.wants_ahead`` says it still needs, none once it is complete), so the learner finds it ready instead of
+        waiting for the poll and the decode after the update. Short polls (``PREFETCH_POLL_MS``), each taken whole:
+        a record is never left half-handled, and the update waits at most one short poll for it. Records taken
+        now are admitted as any other; the staleness bound is applied when their batch is formed."""
+        while not update.done() and not self._stop.is_set():
+            want = self.intake.wants_ahead()
+            if want == 0:
+                await asyncio.wait([update])
+                return
+            await self._poll_once(PREFETCH_POLL_MS, want)
 
     async def _after_update_step(self, stats: UpdateStats) -> None:
         """The model's version moves every ``publish_every`` updates; rank 0 (or a single trainer) makes the

@@ -184,6 +184,7 @@ def trainer_beat(*, trainer_id: str, learner: Learner, stats: m.TrainerStats, in
         return_count=len(c.recent_returns), fragments_dropped_stale=s.dropped,
         fragments_dead_lettered=s.dead_lettered, published_version=intake.published,
         records_lost=lost[0], records_lost_partitions=lost[1], compute=compute,
+        learner_busy_fraction=s.busy.fraction(),
         stalled_since=None if stall is None else time.time() - (time.monotonic() - stall.since),
         stalled_reason=None if stall is None else stall.reason, nonfinite_steps_skipped=s.nonfinite_skipped,
         candidates_resent=publication.resent, health=health.as_dict(), started_at=s.started_at,

@@ -142,6 +142,30 @@ class SamplerLags:
         return out
 
 
+class BusyMeter:
+    """The fraction of wall time spent in updates over the last ``window_s`` (how often the learner waits: 1.0
+    means it never does)."""
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        self.window_s = window_s
+        self.started = time.monotonic()
+        self._spans: deque[tuple[float, float]] = deque()  # (end, seconds), oldest first
+
+    def add(self, seconds: float, now: float | None = None) -> None:
+        self._spans.append((time.monotonic() if now is None else now, seconds))
+
+    def fraction(self, now: float | None = None) -> float | None:
+        now = time.monotonic() if now is None else now
+        while self._spans and self._spans[0][0] < now - self.window_s:
+            self._spans.popleft()
+        span = min(self.window_s, now - self.started)
+        if span <= 0:
+            return None
+        lo = now - span
+        busy = sum(min(sec, end - lo) for end, sec in self._spans)  # an update that began before the window: its part
+        return round(min(1.0, busy / span), 4)
+
+
 @dataclasses.dataclass
 class TrainerStats:
     """This process's counts (the checkpointed ones live in ``LearnerCounters``)."""
@@ -156,6 +180,7 @@ class TrainerStats:
     nonfinite_skipped: int = 0
     last_update_at: float | None = None
     config_revision: int = 0
+    busy: BusyMeter = dataclasses.field(default_factory=lambda: BusyMeter())
 
     def staleness_summary(self) -> dict[str, Any]:
         st = list(self.staleness)
