@@ -317,9 +317,8 @@ class RollbackGuard:
         if culprit is not None and culprit.holder is not None:
             # A version observed after the blamed revision restores only when its mean was made by episodes
             # played after the revision: the mean lags the weights by return_window episodes, so versions
-            # trained under a harmful change post the old policy's returns (and new bests) for a while.
-            # Measured on the local stack: learning_rate=1.0 on solved CartPole, the newest holder before the
-            # fall was two versions past the change and restoring it did not bring the return back.
+            # trained under a harmful change post the old policy's returns (and new bests) for a while, and
+            # restoring such a version does not bring the return back (docs/operations.md, the rollback guard).
             lagging = target is None or (target.update > culprit.update
                                          and target.episodes - culprit.episodes < self.return_window)
             if lagging or self._still_holds(culprit.holder):

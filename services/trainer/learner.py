@@ -123,7 +123,7 @@ class Learner:
             self.model.channels_last_input = True
         self.frame_stack = spec.frame_stack  # > 1: fragments carry single frames, stacked here before training
         self.return_scaler = ReturnScaler(cfg.gamma) if cfg.normalize_rewards else None
-        # fused: one kernel for all parameters (+23% trainer throughput on CPU, bench/PERF-NOTES.md)
+        # fused: one kernel for all parameters, faster on the CPU (bench/PERF-NOTES.md has the measurement)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.learning_rate, eps=1e-5, fused=True)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.update_cfg = UpdateConfig(

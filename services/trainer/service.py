@@ -345,9 +345,8 @@ class Trainer:
         if decision is not None and decision.action == "rollback":
             # The remedy's revision (revert_config, lower_lr) is applied now, before the restored weights train:
             # the rollback is followed as soon as paramsync announces it (about a second), the runtime poll comes
-            # only every RUNTIME_POLL_S, and updates in between at the blamed settings broke the restored weights
-            # again (the fault suite's guard row: learning_rate 1.0 applied 1.4 s after the follow, return stuck
-            # at 9).
+            # only every RUNTIME_POLL_S, and updates in between at the blamed settings would break the restored
+            # weights again.
             await self.runtime_config()
 
     async def runtime_config(self) -> None:
