@@ -193,7 +193,7 @@ def outbox(s: AdminState) -> CommandOutbox:
             await _append_audit(s, "admin", action, params, outcome)
 
         box = _outboxes[s] = CommandOutbox(s.command, audit, lambda name, job: s.background.start(name, job, once=True),
-                                           s.log)
+                                           s.log, kafka_health=lambda: s.health_state.reasons.get("kafka"))
     return box
 
 

@@ -63,8 +63,12 @@ class CommandOutbox:
     """The control commands of one admin, in request order (see the module doc)."""
 
     def __init__(self, send: Send, audit: Audit, spawn: Spawn, log: Any, *, give_up_s: float = GIVE_UP_S,
-                 backoff: Callable[[int], float] = backoff_s, clock: Callable[[], float] = time.monotonic) -> None:
+                 backoff: Callable[[int], float] = backoff_s, clock: Callable[[], float] = time.monotonic,
+                 kafka_health: Callable[[], str | None] = lambda: None) -> None:
+        """``kafka_health``: what else the service has seen of Kafka (its degraded reason), said in a pending reason
+        while the command itself has not failed yet."""
         self._send, self._audit, self._spawn, self.log = send, audit, spawn, log
+        self._kafka_health = kafka_health
         self.give_up_s, self._backoff, self._clock = give_up_s, backoff, clock
         self.queue: deque[Outgoing] = deque()
         self._worker: asyncio.Task[None] | None = None
@@ -100,9 +104,11 @@ class CommandOutbox:
         elif ahead:
             head = self.queue[0].error
             seen = f"queued behind {ahead} unsent command{'s' if ahead != 1 else ''}" + \
-                   (f" (last error: {head})" if head else " (no answer from Kafka yet)")
+                   (f", last error: {head}" if head else ", no answer from Kafka yet")
         else:
             seen = "no answer from Kafka yet"
+        if item.error is None and (health := self._kafka_health()):
+            seen += f" (admin's Kafka clients: {health})"
         return f"stored; control command not acknowledged by Kafka within {waited:.1f} s: {seen}"
 
     async def deliver(self, cmd: ControlCommand, params: dict[str, Any], timeout_s: float = ACK_WAIT_S) -> str | None:

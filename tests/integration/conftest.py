@@ -16,11 +16,17 @@ TOKEN = "t0ken-for-tests-0123456789abcdefghij"
 
 
 @pytest.fixture
-async def api(kafka_bootstrap: str, s3_endpoint: Any, run_name: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+def admin_bootstrap(kafka_bootstrap: str) -> str:
+    """The bootstrap servers admin is given: the broker's (a module may override it to put a proxy in between)."""
+    return kafka_bootstrap
+
+
+@pytest.fixture
+async def api(admin_bootstrap: str, s3_endpoint: Any, run_name: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     for k, v in s3_endpoint.env().items():
         if k.startswith("AWS_"):
             monkeypatch.setenv(k, v)
-    env = {"FLYWHEEL_RUN": run_name, "FLYWHEEL_KAFKA_BOOTSTRAP": kafka_bootstrap, "FLYWHEEL_ADMIN_TOKEN": TOKEN,
+    env = {"FLYWHEEL_RUN": run_name, "FLYWHEEL_KAFKA_BOOTSTRAP": admin_bootstrap, "FLYWHEEL_ADMIN_TOKEN": TOKEN,
            "FLYWHEEL_ADMIN_REFRESH_INTERVAL_S": "0.2", **{k: v for k, v in s3_endpoint.env().items()
                                                          if k.startswith("FLYWHEEL_")}}
     settings = load_settings(None, environ=env)

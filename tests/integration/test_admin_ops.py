@@ -66,6 +66,8 @@ async def test_pause_and_resume_are_durable_commands(api: Any, kafka_bootstrap: 
     assert (await client.post("/samplers/pause", json={"extra": 1}, headers=AUTH)).status_code == 422
     r = await client.post("/samplers/pause", json={"sampler": "s-a"}, headers=AUTH)
     assert r.status_code == 202 and r.json()["action"] == "pause" and r.json()["sampler"] == "s-a"
+    assert r.json()["status"] == "sent" and r.json()["command_sent"] and r.json()["reason"] is None
+    first = r.json()["request_id"]
     assert "s-a" in read_paused(state.store, state.settings.run)["samplers"]
     r = await client.post("/samplers/pause", headers=AUTH)  # no body: every sampler
     assert r.status_code == 202 and r.json()["sampler"] is None
@@ -77,7 +79,8 @@ async def test_pause_and_resume_are_durable_commands(api: Any, kafka_bootstrap: 
     assert [(c.command, c.sampler) for c in cmds] == [("pause", "s-a"), ("pause", None), ("resume", None)]
     audit = (await client.get("/audit")).json()["entries"]
     assert [e["action"] for e in audit] == ["pause", "pause", "resume"]
-    assert audit[0]["params"] == {"sampler": "s-a"} and audit[0]["actor"].startswith("operator@")
+    assert audit[0]["params"] == {"sampler": "s-a", "request_id": first} and audit[0]["actor"].startswith("operator@")
+    assert [c.request_id for c in cmds][0] == first and audit[0]["outcome"] == "sent"
 
 
 async def test_runtime_config_is_validated_revised_and_reverted(api: Any) -> None:

@@ -4,8 +4,10 @@ code against, end to end. The unit tests (tests/unit/test_cli.py) cover each sub
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -35,11 +37,9 @@ async def _flywheel(capsys: pytest.CaptureFixture[str], url: str, *argv: str) ->
     return code, out, captured.err
 
 
-async def test_cli_against_the_admin_api(api: Any, run_name: str, capsys: pytest.CaptureFixture[str],
-                                         monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    _, state = api
-    monkeypatch.delenv("FLYWHEEL_ADMIN_TOKEN", raising=False)
-    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))  # no token file there
+@contextlib.asynccontextmanager
+async def served(state: Any) -> AsyncIterator[str]:
+    """The admin API of ``state`` over HTTP (uvicorn, in this loop): its URL."""
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="off"))
@@ -49,7 +49,18 @@ async def test_cli_against_the_admin_api(api: Any, run_name: str, capsys: pytest
             if server.started:
                 break
             await asyncio.sleep(0.05)
-        url = f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def test_cli_against_the_admin_api(api: Any, run_name: str, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    _, state = api
+    monkeypatch.delenv("FLYWHEEL_ADMIN_TOKEN", raising=False)
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))  # no token file there
+    async with served(state) as url:
         code, out, _ = await _flywheel(capsys, url, "status")
         assert code == 0 and out.startswith(f"run        {run_name}\n") and "trainer    DOWN" in out
 
@@ -83,6 +94,3 @@ async def test_cli_against_the_admin_api(api: Any, run_name: str, capsys: pytest
 
         code, out, _ = await _flywheel(capsys, url, "audit", "--limit", "10")
         assert code == 0 and "config_change" in out and "config_revert" in out and "pause" in out
-    finally:
-        server.should_exit = True
-        await task

@@ -51,14 +51,15 @@ def outbox(kafka: Kafka, **kw: Any) -> tuple[CommandOutbox, list[tuple[str, dict
         audit.append((action, params, outcome))
 
     def spawn(name: str, job: Any) -> asyncio.Task[None]:
-        tasks.append(asyncio.create_task(job, name=name))
-        return tasks[-1]
+        task = asyncio.create_task(job, name=name)
+        tasks.append(task)
+        return task
 
     return CommandOutbox(kafka.send, write, spawn, Log(), backoff=lambda n: 0.01, **kw), audit, tasks
 
 
-def cmd(rid: str, command: str = "pause") -> ControlCommand:
-    return ControlCommand(command=command, request_id=rid)  # type: ignore[arg-type]
+def cmd(rid: str, command: Any = "pause") -> ControlCommand:
+    return ControlCommand(command=command, request_id=rid)
 
 
 async def settled(box: CommandOutbox) -> None:
@@ -91,7 +92,7 @@ async def test_unreachable_kafka_answers_pending_with_the_error_then_sends_in_or
     assert reason is not None and reason.startswith("stored; control command not acknowledged by Kafka within 0.1 s: ")
     assert "attempts, last: KafkaConnectionError" in reason and "Unable to connect to node 1" in reason
     second = await box.deliver(cmd("r1", "resume"), {"command": "resume", "request_id": "r1"}, 0.05)
-    assert second is not None and "queued behind 1 unsent command (last error: KafkaConnectionError" in second
+    assert second is not None and "queued behind 1 unsent command, last error: KafkaConnectionError" in second
     assert kafka.sent == [] and [i.cmd.request_id for i in box.queue] == ["p1", "r1"]
     kafka.down = False  # the heal
     await settled(box)
@@ -109,9 +110,14 @@ async def test_a_send_without_an_answer_is_pending_and_audited_when_it_goes() ->
     reason = await box.deliver(cmd("h"), {"request_id": "h"}, 0.05)
     assert reason is not None and reason.startswith("stored; control command not acknowledged by Kafka within 0.")
     assert reason.endswith(" s: no answer from Kafka yet")
+    box._kafka_health = lambda: "lag refresh failed: KafkaConnectionError: Unable to bootstrap"
+    reason = await box.deliver(cmd("h2"), {"request_id": "h2"}, 0.02)
+    assert reason is not None and reason.endswith(" s: queued behind 1 unsent command, no answer from Kafka yet "
+                                                  "(admin's Kafka clients: lag refresh failed: KafkaConnectionError: "
+                                                  "Unable to bootstrap)")
     kafka.hang.set()
     await settled(box)
-    assert kafka.sent == ["h"] and [a for a, _, _ in audit] == ["command_sent"]
+    assert kafka.sent == ["h", "h2"] and [a for a, _, _ in audit] == ["command_sent", "command_sent"]
 
 
 async def test_the_request_waits_only_so_long_and_the_sending_goes_on() -> None:
