@@ -3,7 +3,8 @@
 A plain TCP proxy does not do for Kafka: the broker's Metadata answer names its advertised address, and the
 client connects there directly. This one rewrites the broker addresses in the Metadata and FindCoordinator
 answers (Kafka's protocol, decoded and encoded with aiokafka's own structs) to itself, so every connection the
-client makes goes through it; everything else passes unchanged. :meth:`KafkaCut.cut` resets every connection and
+client makes goes through it; everything else passes unchanged. The rest is the fault suite's
+:class:`~tests.faults.proxy.TcpProxy` (its own loop in a thread): :meth:`KafkaCut.cut` resets every connection and
 refuses new ones (what a client cut from every broker sees, fast), :meth:`KafkaCut.heal` listens again on the
 same port. One broker: every node id maps to this proxy.
 """
@@ -12,42 +13,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import struct
 from typing import Any
 
 from aiokafka.protocol import coordination, metadata
 
+from tests.faults.proxy import TcpProxy
+
 REWRITTEN = {3: (metadata, "MetadataResponse_v{}"), 10: (coordination, "FindCoordinatorResponse_v{}")}
 
 
-class KafkaCut:
+class KafkaCut(TcpProxy):
     def __init__(self, broker: str) -> None:
         host, _, port = broker.rpartition(":")
-        self.broker = (host, int(port))
-        self.port = 0
-        self._server: asyncio.base_events.Server | None = None
-        self._conns: set[asyncio.StreamWriter] = set()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            listen_port = sock.getsockname()[1]
+        super().__init__(listen_port, host, int(port))
         self.rewritten = 0
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    async def heal(self) -> None:
-        if self._server is None:
-            self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
-            self.port = self._server.sockets[0].getsockname()[1]
+    def cut(self) -> None:
+        self.down()
 
-    start = heal
-
-    async def cut(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        for w in list(self._conns):
-            with contextlib.suppress(Exception):
-                w.transport.abort()
-        self._conns.clear()
+    def heal(self) -> None:
+        self.up()
 
     def _rewrite(self, api_key: int, version: int, body: bytes) -> bytes:
         module, name = REWRITTEN[api_key]
@@ -63,7 +57,7 @@ class KafkaCut:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.broker)
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
             writer.transport.abort()
             return

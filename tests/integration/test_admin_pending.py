@@ -9,16 +9,15 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from shared.messages import ControlCommand
 from shared.runtime import read_paused
 from tests.integration.conftest import TOKEN
 from tests.integration.kafka_cut import KafkaCut
+from tests.integration.test_admin_ops import _control
 from tests.integration.test_cli import _flywheel, served
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3]
@@ -27,34 +26,16 @@ CLI_TIMEOUT_S = 10.0
 
 
 @pytest.fixture
-async def kafka_cut(kafka_bootstrap: str) -> AsyncIterator[KafkaCut]:
+def kafka_cut(kafka_bootstrap: str) -> Iterator[KafkaCut]:
     proxy = KafkaCut(kafka_bootstrap)
-    await proxy.start()
+    proxy.up()
     yield proxy
-    await proxy.cut()
+    proxy.close()
 
 
 @pytest.fixture
 def admin_bootstrap(kafka_cut: KafkaCut) -> str:
     return kafka_cut.address
-
-
-async def _commands(bootstrap: str, topic: str, wanted: set[str], timeout_s: float) -> list[ControlCommand]:
-    """The control topic from its start, read from the broker itself, until every request id in ``wanted`` is on it."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    await consumer.start()
-    try:
-        tp = TopicPartition(topic, 0)
-        consumer.assign([tp])
-        await consumer.seek_to_beginning(tp)
-        seen: list[ControlCommand] = []
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not wanted <= {c.request_id for c in seen}:
-            for recs in (await consumer.getmany(timeout_ms=250)).values():
-                seen += [ControlCommand.model_validate_json(r.value) for r in recs]
-        return seen
-    finally:
-        await consumer.stop()
 
 
 async def _audit(client: Any, action: str, request_id: str, timeout_s: float) -> dict[str, Any] | None:
@@ -75,7 +56,7 @@ async def test_pause_while_admin_is_cut_from_kafka_is_pending_then_sent_and_audi
         code, out, _ = await _flywheel(capsys, url, "--token", TOKEN, "resume")  # Kafka up: sent, exit 0
         assert code == 0 and out.strip().startswith("resume requested for every sampler") and "pending" not in out
 
-        await kafka_cut.cut()
+        kafka_cut.cut()
         try:
             t0 = time.monotonic()
             code, out, err = await _flywheel(capsys, url, "--token", TOKEN, "pause")
@@ -104,7 +85,7 @@ async def test_pause_while_admin_is_cut_from_kafka_is_pending_then_sent_and_audi
             assert "pending: stored" in config["outcome"]
             assert not [e for e in entries if e["action"] == "command_sent"]
         finally:
-            await kafka_cut.heal()
+            kafka_cut.heal()
 
         healed = time.monotonic()
         sent = await _audit(client, "command_sent", pause_id, 60)
@@ -113,7 +94,7 @@ async def test_pause_while_admin_is_cut_from_kafka_is_pending_then_sent_and_audi
         assert sent["params"]["requested_by"].startswith("operator@") and sent["params"]["pending_s"] >= 3
         assert sent["outcome"].startswith("pause sent on the control topic ")
         assert await _audit(client, "command_sent", config_id, 30) is not None
-        commands = await _commands(kafka_bootstrap, state.topics.control, {pause_id, config_id}, 30)
+        commands = await _control(kafka_bootstrap, state.topics.control, 3)  # resume, pause, config
         order = [c.request_id for c in commands if c.request_id in (pause_id, config_id)]
         assert order[:2] == [pause_id, config_id], order  # request order (a resend may follow)
         assert [c.command for c in commands if c.request_id == pause_id][0] == "pause"
