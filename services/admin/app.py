@@ -18,6 +18,8 @@ from services.admin.ops import router as ops_router
 from services.admin.pages import mount_pages
 from services.admin.state import SAMPLER_FORGET_S, AdminState
 
+SYNC_ACK_WAIT_S = 5.0
+"""Longest ``POST /policy/sync`` waits for Kafka to take the command before it answers 503 (the CLI waits 12 s)."""
 
 class PolicyStatus(BaseModel):
     version: int | None = Field(description="Version behind the marker; null before the first publish")
@@ -268,10 +270,15 @@ def create_app(state: AdminState) -> FastAPI:
         if rec is None:
             raise HTTPException(status_code=409, detail="no policy has been published yet")
         try:
-            cmd = await asyncio.wait_for(s.request_sync(), s.settings.kafka.request_timeout_ms / 1000)
+            # Bounded well inside the CLI's time limit: a sync stores nothing, so an operator told 503 in time can
+            # simply ask again (one not acknowledged in time may still reach the samplers).
+            cmd = await asyncio.wait_for(s.request_sync(), min(SYNC_ACK_WAIT_S, s.settings.kafka.request_timeout_ms
+                                                               / 1000))
         except (KafkaError, TimeoutError) as exc:
+            why = f"not acknowledged within {SYNC_ACK_WAIT_S:g} s" if isinstance(exc, TimeoutError) else \
+                f"{type(exc).__name__}: {exc}"
             raise HTTPException(status_code=503, detail=f"could not send the sync command, Kafka is unreachable: "
-                                                        f"{type(exc).__name__}: {exc}"[:300]) from None
+                                                        f"{why}"[:300]) from None
         t0 = time.monotonic()
         synced: bool | None = None
         if wait_s > 0:

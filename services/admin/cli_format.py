@@ -99,6 +99,17 @@ def render_status(s: dict[str, Any], now: float | None = None, style: Style = PL
         f"  {fmt(t.get('samples_per_s') or 0.0, '.0f')} steps/s  {t.get('samples_trained', 0)} steps trained"
         f"  last update {ago(t.get('last_update_at'), now)}",
     ]
+    compute = t.get("compute") or {}
+    if compute:
+        busy = t.get("learner_busy_fraction")
+        lines.append(f"           {compute.get('precision', '-')}, {compute.get('threads', '-')} thread(s) on "
+                     f"{compute.get('device', '-')}" + (f", learner busy {busy:.0%} of the last minute"
+                                                         if busy is not None else "")
+                     + f" ({compute.get('precision_reason', '')})")
+    if t.get("records_lost"):
+        lines.append(f"           {style.bad('LOST')} {t['records_lost']} record(s) left the log before training, "
+                     f"partitions {', '.join(str(p) for p in t.get('records_lost_partitions') or [])} "
+                     "(flywheel verify names them)")
     stalled = t.get("stalled")
     if stalled:
         since = f" since {ago(stalled.get('since'), now)}" if stalled.get("since") is not None else ""

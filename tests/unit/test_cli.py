@@ -582,3 +582,17 @@ def test_entry_point_help_is_fast_and_light() -> None:
     proc = subprocess.run([sys.executable, "-m", "services.admin.cli", "--help"], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "trace" in proc.stdout and time.monotonic() - t0 < 5
+
+
+def test_status_names_the_trainers_compute_choice_and_a_loss(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = fresh(STATUS)
+    doc["trainer"].update({
+        "records_lost": 17, "records_lost_partitions": [0, 3], "learner_busy_fraction": 0.92,
+        "compute": {"precision": "bf16", "threads": 2, "device": "cpu",
+                    "precision_reason": "auto: ... (1.41x) with 2 thread(s): bf16, at least 1.3x faster"}})
+    code, out, _, _ = run(capsys, ["status"], {("GET", "/status"): (200, doc)})
+    assert code == 0
+    assert "bf16, 2 thread(s) on cpu, learner busy 92% of the last minute (auto: ... (1.41x)" in out, out
+    assert "LOST 17 record(s) left the log before training, partitions 0, 3 (flywheel verify names them)" in out, out
+    code, out, _, _ = run(capsys, ["status"], {("GET", "/status"): (200, fresh(STATUS))})
+    assert code == 0 and "LOST" not in out and "thread(s) on" not in out  # an older server: neither line
