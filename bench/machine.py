@@ -33,9 +33,14 @@ def machine() -> dict[str, Any]:
         pass
     import torch
 
+    from services.trainer.compute import cpu_info
+
+    flags = cpu_info()[1]
     return {
         "cores": os.cpu_count(),
         "cpu_model": model,
+        # The ISA the learner's kernels can use: AVX2/FMA, AVX-512, bf16 (avx512_bf16, amx_bf16), AMX, VNNI.
+        "cpu_isa": sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma", "avx_vnni")),
         "mem_gib": mem_gib,
         "python": platform.python_version(),
         "torch": torch.__version__,

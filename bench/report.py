@@ -37,7 +37,7 @@ class FigureResult:
 ORDER = ["pipeline", "async_vs_sync", "scaling", "sync_latency", "solve", "stability", "async_sync_return",
          "forced_staleness", "pendulum", "recovery", "service_efficiency", "learner_scaling", "actor_learner",
          "sync_inline", "sampler_inference", "payloads", "policy_load", "footprint", "peers",
-         "peers_minatar", "peers_mujoco", "peers_pong"]
+         "peers_minatar", "peers_mujoco", "peers_pong", "learner_roofline"]
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -142,6 +142,18 @@ How the suite measures (and its limits):
 """
 
 
+def _isa(m: dict[str, Any]) -> str:
+    """The CPU's matrix and vector extensions as a figure's *Ran* line names them (runs before they were recorded:
+    nothing)."""
+    isa = m.get("cpu_isa")
+    if isa is None:
+        return ""
+    bf16 = [f for f in isa if "bf16" in f]
+    return "; " + ("native bf16 (" + ", ".join(bf16) + ")" if bf16 else "no native bf16") + \
+        (", AVX-512" if any(f.startswith("avx512f") for f in isa) else "") + (", AMX" if any(
+            f.startswith("amx") for f in isa) else "")
+
+
 def render(data: dict[str, Any]) -> str:
     figs = data.get("figures", {})
     out = [INTRO]
@@ -195,7 +207,8 @@ def _section(e: dict[str, Any]) -> str:
     before, after = la.get("before") or float("nan"), la.get("after") or float("nan")
     at = f" at commit `{m['commit']}`" if m.get("commit") else ""
     lines.append(f"*Ran:* `{e['command']}`{at} on {e['date']}, {e['duration_s']:.0f} s; {m.get('cores')} cores "
-                 f"({m.get('cpu_model')}), {m.get('mem_gib')} GiB, Python {m.get('python')}, torch {m.get('torch')}; "
+                 f"({m.get('cpu_model')}{_isa(m)}), {m.get('mem_gib')} GiB, Python {m.get('python')}, "
+                 f"torch {m.get('torch')}; "
                  f"1-min load average {before:.1f} before, {after:.1f} after" + _other(e) + ".\n")
     return "\n".join(lines)
 

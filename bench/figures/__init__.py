@@ -10,6 +10,7 @@ from bench.figures import (
     async_vs_sync,
     footprint,
     forced_staleness,
+    learner_roofline,
     learner_scaling,
     payloads,
     peers,
@@ -35,5 +36,5 @@ FIGURES: dict[str, ModuleType] = {
     m.NAME: m for m in (pipeline, async_vs_sync, scaling, sync_latency, solve, stability, stability_ablation,
                         async_sync_return, forced_staleness, pendulum, recovery, service_efficiency,
                         learner_scaling, actor_learner, peers, sync_inline, sampler_inference, payloads,
-                        policy_load, footprint, peers_minatar, peers_mujoco, peers_pong, swarm)
+                        policy_load, footprint, peers_minatar, peers_mujoco, peers_pong, swarm, learner_roofline)
 }
