@@ -171,6 +171,11 @@ def measure(quick: bool = False) -> dict[str, Any]:
         for threads in thread_counts:
             for bf16 in (False, True):
                 out["results"].append({"name": name, **measure_model(name, threads, bf16, runs, peak_s)})
+    broken = [f"{x['name']} {x['precision']} {x['threads']} thread(s): {x['fraction']:.2f}" for x in out["results"]
+              if x["fraction"] > 1.05]
+    if broken:  # the peak probe ran slower than the update itself: something else took the cores meanwhile
+        raise RuntimeError(f"achieved above the measured peak ({'; '.join(broken)}): the machine was not quiet, "
+                           "run again with nothing else running")
     raw = _envpool_raw()
     out["envpool_raw"] = raw
     pong = [r for r in out["results"] if r["name"] == "pong"]
