@@ -193,6 +193,11 @@ class EnvSettings(_Section):
     frame_stack: int | None = Field(None, ge=1, le=16)
     """Image envs: frames the policy sees per step; None: the env's default (4 for ``ALE/`` games, else 1).
     Fragments carry single frames and the trainer rebuilds the stacks (docs/pixels.md)."""
+    backend: Literal["auto", "gymnasium", "envpool"] = "auto"
+    """What steps the samplers' envs: ``gymnasium`` (a synchronous gymnasium vector env) or ``envpool`` (EnvPool,
+    extra ``envpool``; ``ALE/<Game>-v5`` games only, with the same Atari preprocessing and the same fragments);
+    ``auto`` is ``envpool`` where EnvPool is installed and has the game, else ``gymnasium``. An explicit ``envpool``
+    that cannot be used stops the sampler at start-up saying why (docs/pixels.md "Env backend")."""
 
 
 class SamplerSettings(_Section):

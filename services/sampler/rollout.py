@@ -6,6 +6,8 @@ onnxruntime (:class:`shared.rl.policy_onnx.OnnxPolicy`) or torch (:class:`shared
 each imported only when used.
 Image observations are uint8 frames; with ``frame_stack`` K the policy sees each env's last K frames
 (:class:`shared.rl.frames.FrameStacker`) while the fragment carries single frames (docs/pixels.md).
+The envs are a gymnasium vector env or EnvPool (``env.backend``, :mod:`shared.rl.envpool_env`): same frames, same
+same-step autoreset.
 
 Continuous actions: the env is stepped with the Gaussian sample clipped to the action space's bounds,
 and the fragment keeps the *unclipped* sample and its log-density, so the trainer's ratio is that of
@@ -22,6 +24,7 @@ import numpy as np
 
 from shared.fragment import Fragment
 from shared.rl.arch import PolicyArch, sampler_policy
+from shared.rl.envpool_env import resolve_backend
 from shared.rl.envs import LogNormalDelay, as_observation, fragment_spec, make_vector_env
 from shared.rl.frames import FrameStacker
 from shared.settings import Settings
@@ -50,16 +53,20 @@ class RolloutWorker:
         frame_stack: int | None = None,
         torch_threads: int = 1,
         inference: str = "auto",
+        backend: str = "auto",
     ) -> None:
         """``arch`` must be the trainer's (``PolicyArch.of(settings.trainer)``: the weights' key set and shapes,
         the forward pass); ``inference`` and ``torch_threads`` are ``sampler.inference`` and
         ``sampler.torch_threads``; ``fragment_latency_median_ms`` > 0 (benchmarks) sleeps one log-normal draw per
-        fragment."""
+        fragment; ``backend`` is ``env.backend`` (``auto`` resolved here: :func:`shared.rl.envpool_env.resolve_backend`,
+        which raises ``BackendUnavailable`` for an explicit ``envpool`` it cannot honour)."""
         self.env_id = env_id
+        self.backend = resolve_backend(backend, env_id)
         self.sampler_id = sampler_id
         self.steps = fragment_steps
-        self.envs = make_vector_env(env_id, num_envs, latency_median_ms, latency_sigma, seed, latency_overlap)
-        self.spec = spec = fragment_spec(env_id, max_bytes=1 << 30, frame_stack=frame_stack)
+        self.envs = make_vector_env(env_id, num_envs, latency_median_ms, latency_sigma, seed, latency_overlap,
+                                    backend=self.backend)
+        self.spec = spec = fragment_spec(env_id, max_bytes=1 << 30, frame_stack=frame_stack, backend=self.backend)
         self.policy: SamplerPolicy = sampler_policy(spec, arch, inference, torch_threads)
         space = self.envs.single_action_space
         self._bounds = (space.low, space.high) if isinstance(space, gym.spaces.Box) else None
@@ -83,7 +90,8 @@ class RolloutWorker:
                    e.latency_median_ms, e.latency_sigma, e.latency_overlap,
                    fragment_latency_median_ms=e.fragment_latency_median_ms,
                    fragment_latency_sigma=e.fragment_latency_sigma, frame_stack=e.frame_stack,
-                   torch_threads=settings.sampler.torch_threads, inference=settings.sampler.inference)
+                   torch_threads=settings.sampler.torch_threads, inference=settings.sampler.inference,
+                   backend=e.backend)
 
     def set_policy(self, version: int, weights: bytes) -> None:
         """Adopt a policy (between fragments only); raises WeightsError if it does not fit."""

@@ -50,14 +50,19 @@ class LogNormalLatency(gym.Wrapper):
 class OverlappedLogNormalLatency(gym.vector.VectorWrapper):
     """The same per-env log-normal delays, but the envs' delays overlap, as when each env is its own
     process or remote simulator: a vector step waits for the slowest of its ``num_envs`` delays
-    instead of their sum. The envs' own computation stays sequential (it is what a core does)."""
+    instead of their sum. The envs' own computation stays sequential (it is what a core does).
+    With ``overlap`` False it waits their sum: :class:`LogNormalLatency` for a vector env that steps its envs in one
+    call (EnvPool)."""
 
-    def __init__(self, env: gym.vector.VectorEnv, median_ms: float, sigma: float, seed: int | None = None) -> None:
+    def __init__(self, env: gym.vector.VectorEnv, median_ms: float, sigma: float, seed: int | None = None,
+                 overlap: bool = True) -> None:
         super().__init__(env)
         self._delay = LogNormalDelay(median_ms, sigma, seed)
+        self._overlap = overlap
 
     def step(self, actions: Any) -> Any:
-        time.sleep(float(self._delay.draw(self.num_envs).max()))
+        delays = self._delay.draw(self.num_envs)
+        time.sleep(float(delays.max() if self._overlap else delays.sum()))
         return self.env.step(actions)
 
 
@@ -121,19 +126,57 @@ def register_image_envs(env_id: str) -> None:
         gym.register_envs(ale_py)
 
 
+@dataclasses.dataclass(frozen=True)
+class AtariPreprocessing:
+    """The Atari preprocessing of every ``ALE/`` game, whichever backend steps it (``env.backend``): rl-zoo's, as
+    the ``NoFrameskip-v4`` games rl-zoo trains on. The gymnasium backend applies it with gymnasium's
+    ``AtariPreprocessing`` (:func:`env_options`), the EnvPool backend with EnvPool's own options
+    (``shared.rl.envpool_env.envpool_options``); both read this one table."""
+
+    frame_skip: int = 4
+    """Env steps repeat the action this many emulator frames; the frame is the max over the last two."""
+    noop_max: int = 30
+    """Up to this many no-op steps at reset (at least one)."""
+    screen_size: int = 84
+    """Frames are ``screen_size`` x ``screen_size``, resized with cv2's INTER_AREA."""
+    grayscale: bool = True
+    """One luminance channel: frames are HW uint8."""
+    terminal_on_life_loss: bool = False
+    """Episodic life: off, so an episode (its return and length in fragments) is a whole game."""
+    repeat_action_probability: float = 0.0
+    """Sticky actions: off."""
+    full_action_space: bool = False
+    """The game's minimal action set (ALE v5's default)."""
+    max_episode_frames: int = 108_000
+    """ALE v5's truncation: emulator frames per episode (27,000 env steps at frame skip 4)."""
+    reward_clip: bool = False
+    """Rewards unclipped (Pong's are already +-1)."""
+
+
+ATARI = AtariPreprocessing()
+
+
 def env_options(env_id: str) -> tuple[dict[str, Any], list[Any]]:
-    """``gym.make`` keyword arguments and wrappers of ``env_id``: ALE games get rl-zoo's Atari preprocessing
-    (frame skip 4 with max-pooling, up to 30 no-ops at reset, 84x84 grayscale; no sticky actions, as the
-    ``NoFrameskip-v4`` games rl-zoo trains on; rewards unclipped, which for Pong changes nothing)."""
+    """``gym.make`` keyword arguments and wrappers of ``env_id`` for the gymnasium backend: ALE games get
+    :data:`ATARI`'s preprocessing through gymnasium's ``AtariPreprocessing`` (frame skip 4 with max-pooling, up to
+    30 no-ops at reset, 84x84 grayscale; no sticky actions; rewards unclipped)."""
     if not env_id.startswith(ATARI_PREFIX):
         return {}, []
-    from gymnasium.wrappers import AtariPreprocessing
+    from gymnasium.wrappers import AtariPreprocessing as AtariWrapper
 
     def atari(env: gym.Env[Any, Any]) -> gym.Env[Any, Any]:
-        return AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84, grayscale_obs=True,
-                                  terminal_on_life_loss=False)
+        env = AtariWrapper(env, noop_max=ATARI.noop_max, frame_skip=ATARI.frame_skip, screen_size=ATARI.screen_size,
+                           grayscale_obs=ATARI.grayscale, terminal_on_life_loss=ATARI.terminal_on_life_loss)
+        if ATARI.reward_clip:  # the sign of the reward, as EnvPool's reward_clip and rl-zoo's ClipRewardEnv
+            from gymnasium.wrappers import TransformReward
 
-    return {"frameskip": 1, "repeat_action_probability": 0.0}, [atari]
+            return TransformReward(env, lambda r: float(np.sign(float(r))))
+        return env
+
+    kwargs = {"frameskip": 1, "repeat_action_probability": ATARI.repeat_action_probability,
+              "full_action_space": ATARI.full_action_space,
+              "max_num_frames_per_episode": ATARI.max_episode_frames}
+    return kwargs, [atari]
 
 
 def is_image_space(space: gym.Space[Any]) -> bool:
@@ -151,12 +194,23 @@ def as_observation(obs: Any, dtype: str) -> np.ndarray:
 
 def make_vector_env(
     env_id: str, num_envs: int, latency_median_ms: float = 0.0, latency_sigma: float = 1.0, seed: int | None = None,
-    latency_overlap: bool = False,
+    latency_overlap: bool = False, backend: str = "gymnasium",
 ) -> gym.vector.VectorEnv:
     """``num_envs`` copies stepped in one process; finished episodes reset in the same step.
 
+    ``backend`` is a resolved ``env.backend`` (``shared.rl.envpool_env.resolve_backend``): ``gymnasium`` (a
+    synchronous gymnasium vector env) or ``envpool`` (``ALE/`` games in EnvPool, the same preprocessing).
     With ``latency_median_ms`` > 0 every env step gets a log-normal delay (benchmarks): summed over
     the envs of a vector step, or with ``latency_overlap`` the slowest of them (envs in parallel)."""
+    if backend == "envpool":
+        from shared.rl.envpool_env import EnvPoolVectorEnv
+
+        pool: gym.vector.VectorEnv = EnvPoolVectorEnv(env_id, num_envs)
+        if latency_median_ms > 0:
+            return OverlappedLogNormalLatency(pool, latency_median_ms, latency_sigma, seed, overlap=latency_overlap)
+        return pool
+    if backend != "gymnasium":
+        raise ValueError(f"backend={backend!r}: gymnasium or envpool (resolve env.backend auto first)")
     register_image_envs(env_id)
     kwargs, wrappers = env_options(env_id)
     if latency_median_ms > 0 and not latency_overlap:
@@ -180,21 +234,32 @@ def default_frame_stack(env_id: str) -> int:
     return 4 if env_id.startswith(ATARI_PREFIX) else 1
 
 
-def fragment_spec(env_id: str, max_bytes: int, frame_stack: int | None = None) -> FragmentSpec:
-    """Observation shape and dtype and action space of ``env_id``: Box observations (uint8 or boolean ones
-    are image frames, stacked ``frame_stack`` deep, None: :func:`default_frame_stack`), Discrete or Box
-    actions."""
-    if frame_stack is None:
-        frame_stack = default_frame_stack(env_id)
+def env_spaces(env_id: str, backend: str = "gymnasium") -> tuple[gym.Space[Any], gym.Space[Any]]:
+    """One env's observation and action spaces on ``backend`` (a resolved ``env.backend``); EnvPool's need neither
+    ale-py nor an env."""
+    if backend == "envpool":
+        from shared.rl.envpool_env import envpool_action_space, frame_space
+
+        return frame_space(), envpool_action_space(env_id)
     register_image_envs(env_id)
     kwargs, wrappers = env_options(env_id)
     env = gym.make(env_id, **kwargs)
     for wrap in wrappers:
         env = wrap(env)
     try:
-        obs_space, act_space = env.observation_space, env.action_space
+        return env.observation_space, env.action_space
     finally:
         env.close()
+
+
+def fragment_spec(env_id: str, max_bytes: int, frame_stack: int | None = None,
+                  backend: str = "gymnasium") -> FragmentSpec:
+    """Observation shape and dtype and action space of ``env_id`` (on ``backend``, which gives the same ones):
+    Box observations (uint8 or boolean ones are image frames, stacked ``frame_stack`` deep, None:
+    :func:`default_frame_stack`), Discrete or Box actions."""
+    if frame_stack is None:
+        frame_stack = default_frame_stack(env_id)
+    obs_space, act_space = env_spaces(env_id, backend)
     if not isinstance(obs_space, gym.spaces.Box):
         raise ValueError(f"env.id={env_id!r}: only Box observation spaces are supported, got {obs_space}")
     obs_dtype = "uint8" if is_image_space(obs_space) else "float32"
