@@ -28,12 +28,14 @@ many of its fragments the trainer has not consumed yet, and sends only while tha
 - A sampler (:class:`CreditGate`) sends while ``sent - consumed - settled`` is below its window (or below
   ``limit - consumed`` when taking turns); otherwise it waits for the next grant (still adopting
   policies and sending heartbeats).
-- Credits cannot leak: a fragment that will never be consumed stops counting. One Kafka never acknowledged
-  is *lost* at once. One Kafka acknowledged at ``(partition, offset)`` is *settled* as soon as a grant's
-  ``seen`` (the trainer's position on that partition: every record below it reached the trainer or left the
-  log first) passes its offset while the consumed count has not reached it: it was removed before the trainer
-  read it (retention, ``deleteRecords``, a log truncated by an unclean leader election), or it was unreadable
-  (dead-lettered). Without this a sampler whose newest fragments were deleted waits for them for good.
+- Records that leave the log unread do not hold credits: a fragment Kafka never acknowledged is *lost* at
+  once. One Kafka acknowledged at ``(partition, offset)`` is *settled* when a later grant's ``seen`` (the
+  trainer's position on that partition: every record below it reached the trainer or left the log first)
+  passes its offset while the consumed count has not reached it: it was removed before the trainer read it
+  (retention, ``deleteRecords``), or it was unreadable (dead-lettered). Without this a sampler whose newest
+  fragments were deleted waits for them for good. Offsets are taken to grow: an acknowledgement below the
+  position already seen on its partition (the topic recreated, a log truncated) means they did not, and from
+  then on that partition's fragments count until consumed (the sampler logs it), never settled by position.
 
 The count is the highest ``n`` consumed, not a set: a sampler's fragments spread over partitions, so one
 still waiting on a slower partition counts as consumed once a later one was. In steady state that is
@@ -277,6 +279,8 @@ class CreditGate:
         self._seen: dict[int, int] = {}  # samples partition -> the trainer's position (max over grants)
         self.settled = 0  # fragments the trainer's position passed unconsumed (released, never trained)
         self.newly_settled: list[tuple[int, int, int]] = []  # (n, partition, offset) not reported yet: the caller's
+        self._regressed: set[int] = set()  # partitions whose offsets went backwards: positions not used there
+        self.newly_regressed: list[tuple[int, int, int]] = []  # (partition, acked offset, position), to report
 
     def next_seq(self) -> int:
         self.sent += 1
@@ -288,12 +292,15 @@ class CreditGate:
             self._lost.add(n)
 
     def placed(self, n: int, partition: int, offset: int) -> None:
-        """Kafka acknowledged fragment ``n`` at ``(partition, offset)``."""
+        """Kafka acknowledged fragment ``n`` at ``(partition, offset)``. Never settled here: an offset below what
+        the trainer's position already passed on that partition means offsets went backwards there (see the
+        module's doc), and that partition's positions are no longer used."""
         if n <= self.consumed or n in self._lost:
             return
+        if offset < self._seen.get(partition, -1) and partition not in self._regressed:
+            self._regressed.add(partition)
+            self.newly_regressed.append((partition, offset, self._seen[partition]))
         self._placed[n] = (partition, offset)
-        if offset < self._seen.get(partition, -1):  # the trainer's position passed it before the ack came back
-            self._settle(n)
 
     def _settle(self, n: int) -> None:
         self._lost.add(n)
@@ -312,7 +319,7 @@ class CreditGate:
             if off > self._seen.get(part, -1):
                 self._seen[part] = off
         for m, (part, off) in list(self._placed.items()):
-            if off < self._seen.get(part, -1):  # passed, never consumed: it will never be
+            if off < self._seen.get(part, -1) and part not in self._regressed:  # passed, never consumed: never will be
                 self._settle(m)
         if not g.allocates:  # another rank's counts: what it consumed counts, the window is rank 0's
             return

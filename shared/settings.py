@@ -16,7 +16,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -366,7 +366,7 @@ class TrainerSettings(_Section):
     Must be unique per trainer process (two live members with one id fence each other); a cleanly
     stopped static member does not leave the group, so its partitions wait for the session timeout
     (6 s) before another member gets them. None = dynamic membership."""
-    torch_threads: int | Literal["auto"] = 1
+    torch_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
     """Threads of the update's torch kernels; ``auto``: the cores this process may use (CPU affinity, capped by a
     cgroup CPU quota) less ``cores_reserved``, at least 1 (services/trainer/compute.py)."""
     cores_reserved: float = Field(0.0, ge=0)

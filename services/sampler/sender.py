@@ -94,7 +94,8 @@ class FragmentSender:
             if "kafka" in self.health_state.reasons:
                 self.health_state.recovered("kafka")
             meta = f.result()
-            self.credits.placed(seq, meta.partition, meta.offset)  # settled once the trainer's position passes it
+            if self.settings.sampler.credits:  # settled once the trainer's position passes it (shared.credits)
+                self.credits.placed(seq, meta.partition, meta.offset)
             self.fragments += 1
             self.env_steps += frag.steps
             self.steps_rate.add(frag.steps)

@@ -299,6 +299,11 @@ class Sampler:
         """Fragments the trainer's position passed without consuming them (removed from the log before it read
         them, or unreadable): no longer in flight, never trained. Logged with where they were (the
         ``fragment_produced`` lines name their sample ids at the same partition and offset) and counted."""
+        regressed, self.credits.newly_regressed = self.credits.newly_regressed, []
+        for part, offset, seen in regressed:
+            self.log.warning("credits_offsets_went_backwards", partition=part, offset=offset, trainer_position=seen,
+                             hint="Kafka acknowledged a fragment below the trainer's position on this partition (the "
+                                  "topic recreated, or its log truncated): its fragments now count until consumed")
         settled, self.credits.newly_settled = self.credits.newly_settled, []
         if settled:
             SETTLED.labels(**self._labels).inc(len(settled))

@@ -37,8 +37,8 @@ from shared.settings import Settings, TrainerSettings
 BF16_SPEEDUP = 1.3
 """bf16 is taken only when its timed epoch is at least this many times faster than float32's."""
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-PROBE_RUNS = 2
-"""Timed epochs per precision (after one untimed warm-up each); the median counts."""
+PROBE_RUNS = 3
+"""Timed epochs per precision (after one untimed warm-up each, the precisions in turn); the median counts."""
 
 
 @dataclass
@@ -180,22 +180,43 @@ def probe_fragments(spec: FragmentSpec, count: int, steps: int, envs: int, seed:
     return out
 
 
-def time_epoch(learner: Any, fragments: list[Fragment], bf16: bool, runs: int = PROBE_RUNS) -> float:
-    """Env steps per second of one epoch of ``learner``'s update on ``fragments`` (median of ``runs`` after a
-    warm-up), on a copy of its model and a fresh optimizer: the learner itself is untouched."""
+def _epoch_runner(learner: Any, fragments: list[Fragment], bf16: bool) -> Callable[[], float]:
+    """A function that runs one epoch of ``learner``'s update on ``fragments`` and returns its seconds, on a copy
+    of its model and a fresh optimizer of the same kind (fused Adam): the learner itself is untouched."""
     model = copy.deepcopy(learner.model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, eps=1e-5)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, eps=1e-5, fused=True)
     cfg = dataclasses.replace(learner.update_cfg, epochs=1, target_kl=None, bf16=bf16)
     frags = [stack_frames(f, learner.frame_stack) for f in fragments] if learner.frame_stack > 1 else fragments
     generator = torch.Generator().manual_seed(0)
-    steps = sum(f.steps for f in frags)
-    seconds = []
-    for i in range(runs + 1):
+
+    def run() -> float:
         t0 = time.perf_counter()
         ppo_update(model, optimizer, frags, cfg, learner.device, generator)
-        if i:  # the first run is the warm-up (allocations, lazy kernels)
-            seconds.append(time.perf_counter() - t0)
-    return steps / statistics.median(seconds)
+        return time.perf_counter() - t0
+
+    return run
+
+
+def time_epoch(learner: Any, fragments: list[Fragment], bf16: bool, runs: int = PROBE_RUNS) -> float:
+    """Env steps per second of one epoch of ``learner``'s update on ``fragments`` (median of ``runs`` after a
+    warm-up), on a copy of its model: the learner itself is untouched."""
+    return time_both(learner, fragments, runs, (bf16,))[bf16]
+
+
+def time_both(learner: Any, fragments: list[Fragment], runs: int = PROBE_RUNS,
+              precisions: tuple[bool, ...] = (False, True)) -> dict[bool, float]:
+    """Env steps per second of one update epoch per precision (False: float32, True: bf16), the precisions timed
+    in turn (a warm-up each, then ``runs`` rounds alternating), so that a machine getting busier or quieter
+    meanwhile weighs on both alike; the median of each."""
+    runners = {p: _epoch_runner(learner, fragments, p) for p in precisions}
+    for run in runners.values():
+        run()  # warm-up: allocations, lazy kernels
+    seconds: dict[bool, list[float]] = {p: [] for p in precisions}
+    for _ in range(runs):
+        for p, run in runners.items():
+            seconds[p].append(run())
+    steps = sum(f.steps for f in fragments)
+    return {p: steps / statistics.median(s) for p, s in seconds.items()}
 
 
 def choose(settings: Settings, learner: Any, spec: FragmentSpec, threads: tuple[int, str],
@@ -220,9 +241,11 @@ def choose(settings: Settings, learner: Any, spec: FragmentSpec, threads: tuple[
             f"auto: this CPU has no native bf16 (none of {', '.join(NATIVE_BF16_FLAGS)}): float32"))
     env = settings.env
     frags = probe_fragments(spec, cfg.batch_fragments, env.fragment_steps, env.num_envs)
-    timer = timer or time_epoch
-    fp32 = timer(learner, frags, False)
-    bf16 = timer(learner, frags, True)
+    if timer is None:
+        rates = time_both(learner, frags)
+        fp32, bf16 = rates[False], rates[True]
+    else:
+        fp32, bf16 = timer(learner, frags, False), timer(learner, frags, True)
     ratio = bf16 / fp32
     took = ratio >= BF16_SPEEDUP
     why = (f"auto: one update epoch of this run's shapes timed at {fp32:,.0f} env steps/s in float32 and "

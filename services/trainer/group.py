@@ -55,6 +55,7 @@ class ConsumerGroup:
         self.revoking: set[TopicPartition] = set()
         self.hold_commits = False  # a fresh run commits nothing until its first checkpoint holds what it trained
         self._commit_lock = asyncio.Lock()
+        self.in_hand: dict[TopicPartition, int] = {}  # the lowest offset polled and not yet taken, per partition
         self._ahead: dict[TopicPartition, tuple[int, int]] = {}  # (expected, position) at the last look
         self._looked: dict[TopicPartition, tuple[int, int]] = {}  # pairs already given to _skipped
 
@@ -120,9 +121,9 @@ class ConsumerGroup:
     async def find_lost(self) -> None:
         """Records that left the log while no later record came to show it (every untrained record of a
         partition deleted, and the samplers waiting for credits those records held): where the consumer's
-        position is past the ledger's next expected offset at two looks in a row (records polled but not yet
-        taken are no gap), :meth:`_skipped` decides from the log start whether they were lost. Each jump is
-        looked into once."""
+        position, capped at the lowest record polled and not yet taken (``in_hand``), is past the ledger's next
+        expected offset at two looks in a row, :meth:`_skipped` decides from the log start whether they were lost.
+        Each jump is looked into once."""
         ahead: dict[TopicPartition, tuple[int, int]] = {}
         for tp in sorted(self.source.assignment(), key=lambda t: t.partition):
             expected = self.ledger.expected(tp)
@@ -132,6 +133,8 @@ class ConsumerGroup:
                 position = await asyncio.wait_for(self.source.position(tp), POSITION_WAIT_S)
             except (TimeoutError, KafkaError):  # resetting, or the assignment changed meanwhile: the next look
                 continue
+            # Records polled and not yet taken are past the position already: they are not lost.
+            position = min(position, self.in_hand.get(tp, position))
             if position <= expected:
                 continue
             pair = (expected, position)

@@ -397,7 +397,10 @@ class Intake:
 
     def wants_ahead(self) -> int:
         """How many records to poll while an update runs: what the next batch still needs (async), so it is
-        decoded and waiting when the update ends, and no more (more would only wait, and free credits early)."""
+        decoded and waiting when the update ends, and no more (more would only wait, and free credits early);
+        none while the trainer may not train (it waits for a publication)."""
+        if not self.strategy.may_train(self.model_version, self.published, self.bound):
+            return 0
         return self.strategy.ahead(len(self.buffer))
 
     # ---- rebalances -------------------------------------------------------------------------

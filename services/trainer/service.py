@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
 
 from services.trainer import telemetry as m
 from services.trainer.agreement import Agreed, Agreement, Alone, Decision
@@ -84,7 +85,9 @@ DIGEST_EVERY = 10
 POLICY_REFRESH_S = 5.0
 """Re-read the marker this often (announcements are the fast path; this covers lost ones)."""
 PREFETCH_POLL_MS = 10
-"""Longest poll while an update runs (Trainer._prefetch_while): the update waits at most this for the loop."""
+"""Poll timeout while an update runs (Trainer._prefetch_while)."""
+PREFETCH_POLL_BOUND_S = 0.5
+"""A poll while an update runs that has not returned in this long is given up (a rebalance parks it)."""
 FIND_LOST_S = 1.0
 """Look this often for records that left the log unread while no later record came (ConsumerGroup.find_lost)."""
 RUNTIME_POLL_S = 2.0
@@ -194,6 +197,7 @@ class Trainer:
                                        consumption=self.consumption, stats=self.stats, spec=self.spec, log=self.log,
                                        consumed=self.grants.consumed, refresh_published=self.refresh_published)
         self._stop = asyncio.Event()
+        self._rebalancing = False  # from a revoke callback to the assignment: no prefetch polls meanwhile
         self._started = False
         self._update_lock = asyncio.Lock()  # a revoke, a rollback and a runtime change wait for the update
         self._fatal: BaseException | None = None  # a fatal error met inside a rebalance callback
@@ -269,6 +273,11 @@ class Trainer:
         if decision.adopt is not None:  # rank 0's hyperparameters, rollbacks and checkpoints are the group's
             self.pending_rollback = None
             self.learner.cfg, self.learner.update_cfg = decision.adopt.learner
+            runs = "bf16" if self.learner.update_cfg.bf16 else "fp32"
+            if runs != self.compute.precision:  # what the group runs is rank 0's choice: say so, not this rank's own
+                self.compute = dataclasses.replace(self.compute, precision=runs,
+                                                   precision_reason="rank 0's choice, adopted with its settings")
+                m.report_compute(self.compute)
             self.tail.adopt_checkpoint(decision.adopt.checkpoint)
         if decision.rollback is not None:
             self.intake.put_back(batch.train)  # formed before the rollback: staleness is checked again after it
@@ -501,12 +510,21 @@ class Trainer:
             return
         polled = await poll_or_pause(lambda: self.source.poll(max_records=want, timeout_ms=timeout_ms),
                                      what="poll", health=self.health_state, log=self.log)
-        for tp, records in (polled or {}).items():
-            for rec in records:
-                if not self.group.owned(tp):  # revoked while an earlier record was handled
-                    self.log.info("revoked_records_skipped", partition=tp.partition, from_offset=rec.offset)
-                    break
-                await self.outcomes.take(tp, rec, self.learner)
+        await self._take_polled(polled or {})
+
+    async def _take_polled(self, polled: dict[TopicPartition, list[Record]]) -> None:
+        """Each polled record's outcome, in order. While a partition's records are being taken, the group knows the
+        lowest offset still in hand (the consumer's position is already past them: not a loss, ``find_lost``)."""
+        for tp, records in polled.items():
+            try:
+                for rec in records:
+                    if not self.group.owned(tp):  # revoked while an earlier record was handled
+                        self.log.info("revoked_records_skipped", partition=tp.partition, from_offset=rec.offset)
+                        break
+                    self.group.in_hand[tp] = rec.offset
+                    await self.outcomes.take(tp, rec, self.learner)
+            finally:
+                self.group.in_hand.pop(tp, None)
 
     async def stop(self) -> None:
         try:
@@ -562,18 +580,30 @@ class Trainer:
                     return
             t0 = time.perf_counter()
             frags = [p.frag for p in batch.train]
-            update = asyncio.ensure_future(asyncio.to_thread(self.learner.update, frags) if self.ranks is None
-                                           else asyncio.to_thread(self.learner.update, frags, self.ranks))
+            spent = [0.0]  # the update's own time, in its thread (what the learner was busy for)
+
+            def timed_update() -> UpdateStats:
+                t = time.perf_counter()
+                try:
+                    return self.learner.update(frags) if self.ranks is None else self.learner.update(frags, self.ranks)
+                finally:
+                    spent[0] = time.perf_counter() - t
+
+            update = asyncio.ensure_future(asyncio.to_thread(timed_update))
             try:
-                await self._prefetch_while(update)
-                stats = await update
-            except BaseException:
+                try:
+                    await self._prefetch_while(update)
+                finally:
+                    if not update.done():  # the prefetch failed: the update thread still finishes first
+                        await asyncio.wait([update])
+                stats = update.result()
+            except BaseException as exc:
                 self._update_failed = True  # the weights may hold part of this update: no final checkpoint
+                failed = None if update.cancelled() else update.exception()
+                if failed is not None and failed is not exc:  # raised beside the prefetch's error: not lost
+                    self.log.error("update_failed", error=describe(failed))
                 raise
-            finally:
-                if not update.done():  # the prefetch failed: the update thread still finishes before anything else
-                    await asyncio.wait([update])
-            self.stats.busy.add(time.perf_counter() - t0)
+            self.stats.busy.add(spent[0])
             # The ledger takes the outcomes in the same step as the weights took the gradients.
             for p in batch.train:
                 self.group.finished(p.tp, p.offset, "trained")
@@ -588,15 +618,25 @@ class Trainer:
     async def _prefetch_while(self, update: asyncio.Future[UpdateStats]) -> None:
         """While the update runs in its thread, poll and decode the records of the next batch (what
         ``Intake.wants_ahead`` says it still needs, none once it is complete), so the learner finds it ready instead of
-        waiting for the poll and the decode after the update. Short polls (``PREFETCH_POLL_MS``), each taken whole:
-        a record is never left half-handled, and the update waits at most one short poll for it. Records taken
-        now are admitted as any other; the staleness bound is applied when their batch is formed."""
-        while not update.done() and not self._stop.is_set():
+        waiting for the poll and the decode after the update. Short polls (``PREFETCH_POLL_MS``, bounded by
+        ``PREFETCH_POLL_BOUND_S``), each batch of records taken whole: a record is never left half-handled, so a
+        record being taken (a dead-letter send, a store read) can hold the next update that long. None while a
+        rebalance is under way (its revoke callback waits for this update). Records taken now are admitted as any
+        other; the staleness bound is applied when their batch is formed."""
+        while not update.done() and not self._stop.is_set() and not self._rebalancing:
             want = self.intake.wants_ahead()
             if want == 0:
-                await asyncio.wait([update])
-                return
-            await self._poll_once(PREFETCH_POLL_MS, want)
+                break
+            try:
+                # Bounded: during a rebalance aiokafka parks a poll until the new assignment, which waits for the
+                # revoke callback, which waits for this update's lock: a poll left waiting would never return.
+                polled = await asyncio.wait_for(self.source.poll(max_records=want, timeout_ms=PREFETCH_POLL_MS),
+                                                PREFETCH_POLL_BOUND_S)
+            except (TimeoutError, KafkaError) as exc:  # the loop's own poll, after the update, deals with Kafka
+                self.log.debug("prefetch_stopped", reason=describe(exc) or "the poll did not return in time")
+                break
+            await self._take_polled(polled)
+        await asyncio.wait([update])
 
     async def _after_update_step(self, stats: UpdateStats) -> None:
         """The model's version moves every ``publish_every`` updates; rank 0 (or a single trainer) makes the
@@ -673,6 +713,7 @@ class Trainer:
     async def _on_revoke(self, revoked: set[TopicPartition]) -> None:
         """Before partitions leave: let the update in progress finish and commit it (its records are
         trained by this member and must not be re-delivered), commit, then drop the rest of theirs."""
+        self._rebalancing = True  # first: an update's prefetch stops polling (it would wait for this callback)
         self.group.revoking |= revoked
         try:
             async with self._update_lock:
@@ -703,6 +744,7 @@ class Trainer:
             off = self.group.ledger.resume_offset(tp)
             if off is not None:
                 self.intake.seeked(tp, off)
+        self._rebalancing = False
 
     # ---- rollback ----------------------------------------------------------------------------
     async def trusted(self, marker: tuple[VersionRecord, str] | None) -> bool:

@@ -42,8 +42,9 @@ def test_threads_as_set_or_the_free_cores_never_fewer_than_one() -> None:
     threads, why = choose_threads(TrainerSettings(torch_threads="auto", cores_reserved=3), (2.0, "2 cores"))
     assert threads == 1 and "cores_reserved 3" in why and "2 cores" in why  # oversubscribed: still one
     assert choose_threads(TrainerSettings(torch_threads="auto", cores_reserved=1), (7.5, "quota"))[0] == 6
-    with pytest.raises(ValueError):
-        TrainerSettings(torch_threads="many")  # type: ignore[arg-type]
+    for bad in ("many", 0, -3):
+        with pytest.raises(ValueError, match="torch_threads"):
+            TrainerSettings(torch_threads=bad)  # type: ignore[arg-type]
 
 
 def test_cgroup_quota_v2_takes_the_tightest_of_the_path_and_its_parents(tmp_path: Path) -> None:

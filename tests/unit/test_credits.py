@@ -138,8 +138,21 @@ def test_a_consumed_fragment_is_never_counted_as_settled() -> None:
     c = gate.next_seq()
     gate.grant(_grant(consumed={"s0/i": 2}, seen={0: 9}), now=2.0)  # not acknowledged yet: still in flight
     assert gate.in_flight == 1
-    gate.placed(c, 0, 8)  # acknowledged after the position passed it: settled at once
-    assert gate.in_flight == 0 and gate.settled == 1
+
+
+def test_offsets_that_go_backwards_stop_settling_on_that_partition() -> None:
+    # The topic recreated (or a log truncated): acknowledgements come below the position the trainer had passed.
+    # Settling by position there would let the sampler send without any window; it counts them until consumed.
+    gate = CreditGate("s0", initial_window=2, incarnation="i")
+    gate.grant(_grant(seen={0: 100, 1: 5}), now=1.0)
+    a, b = gate.next_seq(), gate.next_seq()
+    gate.placed(a, 0, 3)
+    gate.placed(b, 1, 7)
+    assert gate.newly_regressed == [(0, 3, 100)] and gate.settled == 0
+    gate.grant(_grant(seen={0: 100, 1: 9}), now=2.0)
+    assert gate.in_flight == 1 and gate.settled == 1  # partition 1 still settles by position; 0 no longer
+    gate.grant(_grant(consumed={"s0/i": 1}, seen={0: 100}), now=3.0)  # consumed: the count covers it
+    assert gate.in_flight == 0
 
 
 def test_an_unacknowledged_send_stays_lost_once_and_settling_counts_it_once() -> None:

@@ -138,3 +138,27 @@ async def test_every_untrained_record_deleted_is_found_without_a_later_record_an
     assert st["ranges"]["lost"] == [[2, 5]]
     entries = [e for e in AuditLog(t2.store, "r").entries() if e.action == "records_lost_before_training"]
     assert [(e.params["from_offset"], e.params["to_offset"]) for e in entries] == [(2, 5)]
+
+
+async def test_records_in_hand_are_never_counted_lost_by_the_position(tmp_path: Path) -> None:
+    # A poll returns offsets 0-3; the first one's dead-letter send is slow (longer than two looks of find_lost),
+    # and meanwhile the log start passes 1-3. The consumer's position (4) is past them, but they are in hand: they
+    # are trained, not recorded as lost.
+    import asyncio
+
+    from tests.unit.test_trainer_bus import T
+
+    t, mem = make(tmp_path, batch_fragments=4, poll_max_records=64, batch_timeout_s=0.2)  # one poll takes all 4
+    put(mem, TP0, 1, value=b"poison")
+    put(mem, TP0, 3)
+
+    async def slow_dead_letter(topic: str, _rec: object) -> None:
+        if topic == T.dlq:
+            mem.delete_records(TP0, 4)
+            await asyncio.sleep(2.5)
+
+    mem.send_hooks.append(slow_dead_letter)
+    await run_until(t, lambda: trained(t) == 3)
+    st = t.group.ledger.state()["r.samples:0"]
+    assert st["ranges"]["lost"] == [] and st["ranges"]["trained"] == [[1, 4]] and st["ranges"]["dead"] == [[0, 1]]
+    assert t.group.lost() == (0, [])
