@@ -37,7 +37,7 @@ class FigureResult:
 ORDER = ["pipeline", "async_vs_sync", "scaling", "sync_latency", "solve", "stability", "async_sync_return",
          "forced_staleness", "pendulum", "recovery", "service_efficiency", "learner_scaling", "actor_learner",
          "sync_inline", "sampler_inference", "payloads", "policy_load", "footprint", "peers",
-         "peers_minatar", "peers_mujoco", "peers_pong", "learner_roofline"]
+         "peers_minatar", "peers_mujoco", "peers_pong", "learner_roofline", "sampler_backends"]
 
 
 def load(path: Path) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from bench.figures import (
     pipeline,
     policy_load,
     recovery,
+    sampler_backends,
     sampler_inference,
     scaling,
     service_efficiency,
@@ -36,5 +37,6 @@ FIGURES: dict[str, ModuleType] = {
     m.NAME: m for m in (pipeline, async_vs_sync, scaling, sync_latency, solve, stability, stability_ablation,
                         async_sync_return, forced_staleness, pendulum, recovery, service_efficiency,
                         learner_scaling, actor_learner, peers, sync_inline, sampler_inference, payloads,
-                        policy_load, footprint, peers_minatar, peers_mujoco, peers_pong, swarm, learner_roofline)
+                        policy_load, footprint, peers_minatar, peers_mujoco, peers_pong, swarm, learner_roofline,
+                        sampler_backends)
 }
