@@ -13,7 +13,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from devstack.config import InfraEndpoints, StackError
-from shared.rl.envs import EnvPackageMissing, install_command, missing_extra
+from shared.rl.envs import EnvPackageMissing, missing_extra
+from shared.rl.extras import install_command
 from shared.settings import ConfigError, load_settings
 
 HOST = "127.0.0.1"

@@ -22,7 +22,8 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space
 
-from shared.rl.envs import ATARI, ATARI_PREFIX, AtariPreprocessing, install_command
+from shared.rl.atari import ATARI, ATARI_PREFIX, AtariPreprocessing
+from shared.rl.extras import install_command
 
 BACKENDS = ("auto", "gymnasium", "envpool")
 ATARI_VERSION = "-v5"

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -18,6 +16,8 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from shared.fragment import FragmentSpec
+from shared.rl.atari import ATARI, ATARI_PREFIX
+from shared.rl.extras import install_command
 
 
 class LogNormalDelay:
@@ -67,7 +67,6 @@ class OverlappedLogNormalLatency(gym.vector.VectorWrapper):
 
 
 MINATAR_PREFIX = "MinAtar/"
-ATARI_PREFIX = "ALE/"
 MUJOCO_ENTRY_POINT = "gymnasium.envs.mujoco"
 
 
@@ -78,13 +77,6 @@ class EnvPackageMissing(RuntimeError):
         self.env_id, self.extra, self.module = env_id, extra, module
         super().__init__(f"env {env_id} needs the Python package {module!r}, which is not installed: "
                          f"{install_command(extra)} (or make up CONFIG=..., which installs it)")
-
-
-def install_command(extra: str) -> str:
-    """The command that installs the project's ``extra`` into this interpreter's environment."""
-    repo = Path(__file__).resolve().parents[2]
-    where = f"-e '{repo}[{extra}]'" if (repo / "pyproject.toml").is_file() else f"'flywheel[{extra}]'"
-    return f"{sys.executable} -m pip install {where}"
 
 
 def env_extra(env_id: str) -> tuple[str, str] | None:
@@ -126,34 +118,6 @@ def register_image_envs(env_id: str) -> None:
         gym.register_envs(ale_py)
 
 
-@dataclasses.dataclass(frozen=True)
-class AtariPreprocessing:
-    """The Atari preprocessing of every ``ALE/`` game, whichever backend steps it (``env.backend``): rl-zoo's, as
-    the ``NoFrameskip-v4`` games rl-zoo trains on. The gymnasium backend applies it with gymnasium's
-    ``AtariPreprocessing`` (:func:`env_options`), the EnvPool backend with EnvPool's own options
-    (``shared.rl.envpool_env.envpool_options``); both read this one table."""
-
-    frame_skip: int = 4
-    """Env steps repeat the action this many emulator frames; the frame is the max over the last two."""
-    noop_max: int = 30
-    """Up to this many no-op steps at reset (at least one)."""
-    screen_size: int = 84
-    """Frames are ``screen_size`` x ``screen_size``, resized with cv2's INTER_AREA."""
-    grayscale: bool = True
-    """One luminance channel: frames are HW uint8."""
-    terminal_on_life_loss: bool = False
-    """Episodic life: off, so an episode (its return and length in fragments) is a whole game."""
-    repeat_action_probability: float = 0.0
-    """Sticky actions: off."""
-    full_action_space: bool = False
-    """The game's minimal action set (ALE v5's default)."""
-    max_episode_frames: int = 108_000
-    """ALE v5's truncation: emulator frames per episode (27,000 env steps at frame skip 4)."""
-    reward_clip: bool = False
-    """Rewards unclipped (Pong's are already +-1)."""
-
-
-ATARI = AtariPreprocessing()
 
 
 def env_options(env_id: str) -> tuple[dict[str, Any], list[Any]]:

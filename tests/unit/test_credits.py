@@ -135,7 +135,7 @@ def test_a_consumed_fragment_is_never_counted_as_settled() -> None:
     gate.placed(b, 0, 6)
     gate.grant(_grant(consumed={"s0/i": 2}, seen={0: 7}), now=1.0)  # both consumed: the count covers them
     assert gate.in_flight == 0 and gate.settled == 0 and gate.newly_settled == []
-    c = gate.next_seq()
+    gate.next_seq()
     gate.grant(_grant(consumed={"s0/i": 2}, seen={0: 9}), now=2.0)  # not acknowledged yet: still in flight
     assert gate.in_flight == 1
 

@@ -10,8 +10,9 @@ import importlib.util
 import numpy as np
 import pytest
 
+from shared.rl.atari import ATARI, AtariPreprocessing
 from shared.rl.envpool_env import BackendUnavailable, choose_backend, envpool_options, envpool_task
-from shared.rl.envs import ATARI, AtariPreprocessing, env_options
+from shared.rl.envs import env_options
 from shared.settings import ConfigError, load_settings
 
 PONG = "ALE/Pong-v5"
