@@ -52,6 +52,7 @@ class Checkpoints:
         self.audit = audit
         self.log = log
         self.last: int | None = None  # the step of the newest checkpoint written or restored
+        self.last_offsets: dict[str, int] = {}  # the offsets it holds
         self.fresh_start_at: float | None = None  # carried by every checkpoint after a deliberate fresh start
 
     async def write(self, step: int, data: bytes, extra: dict[str, Any]) -> str:
@@ -97,6 +98,13 @@ class Checkpoints:
         data = learner.state_bytes(offsets, ledger)
         await self.write(c.updates, data, {"policy_version": c.policy_version, "offsets": offsets, "ledger": ledger,
                                            **extra})
+        self.last_offsets = dict(offsets)
+
+    def holds(self, updates: int, frontiers: dict[str, int]) -> bool:
+        """Whether the newest checkpoint holds the model at ``updates`` and every ledger frontier as it is now:
+        records dropped as stale or dead-lettered after the last update move a frontier without an update, and a
+        checkpoint without them would read them again (and report them lost if the log start passed them)."""
+        return self.last == updates and all(self.last_offsets.get(k) == v for k, v in frontiers.items())
 
     async def try_save(self, learner: Learner, group: ConsumerGroup, extra: dict[str, Any],
                        fence: Callable[[], Awaitable[None]]) -> bool:
@@ -156,6 +164,7 @@ class Checkpoints:
         self.fresh_start_at = None if stamp is None else float(stamp)
         self.last = record.version
         offsets = {str(k): int(v) for k, v in dict(record.extra.get("offsets") or {}).items()}
+        self.last_offsets = dict(offsets)
         if refused:
             await self.audit("checkpoint_fallback", {"restored": record.version, "refused": refused[:3]},
                              "restored an older checkpoint")

@@ -540,7 +540,7 @@ class Trainer:
                                    "checkpoint stays the resume point")
                 elif not self.leader:
                     pass  # rank 0 writes the group's checkpoint
-                elif updates and self.checkpoints.last == updates:
+                elif updates and self.checkpoints.holds(updates, self.group.ledger.snapshot()):
                     self.log.info("checkpoint_up_to_date", update=updates)
                 elif updates:
                     try:  # fenced like every checkpoint: a trainer that lost its lease writes none
