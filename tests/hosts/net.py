@@ -28,7 +28,7 @@ from typing import Any
 from devstack import hosts as mh
 from devstack.config import REPO_ROOT
 from tests.faults.accounting import read_events, read_topic
-from tests.faults.liveness import SamplersBack, assert_back
+from tests.faults.liveness import BOUND_S, SamplersBack, assert_back
 from tests.hosts.alerts import AlertWatch
 
 ADMIN = f"http://{mh.address('admin')}:8080"
@@ -196,9 +196,9 @@ class Net:
             self._sampler_urls = {s: f"http://{mh.address(s)}:{self.http_port(s)}/healthz" for s in SAMPLERS}
         return self._sampler_urls
 
-    def watch_samplers(self, paused: dict[str, str] | None = None) -> SamplersBack:
-        """At a heal: watch every sampler but ``paused`` (name -> why) for its next fragment."""
-        return SamplersBack(self.sampler_urls(), paused=paused or {})
+    def watch_samplers(self, paused: dict[str, str] | None = None, bound_s: float = BOUND_S) -> SamplersBack:
+        """At a heal: watch every sampler but ``paused`` (name -> why) for its next fragment within ``bound_s``."""
+        return SamplersBack(self.sampler_urls(), paused=paused or {}, bound_s=bound_s)
 
     def samplers_back(self, row: NetRow, watch: SamplersBack) -> None:
         """Every watched sampler produced within the bound of the heal: fills ``row.samplers``, fails naming one
@@ -315,7 +315,8 @@ class Net:
         raise AssertionError(f"{row.name}: training and publishing did not both advance within {RECOVER_S:.0f} s "
                              f"of the heal ({self.progress()})")
 
-    def slowdown(self, row: NetRow, links: dict[str, list[str]], hold_s: float, *, delay_ms: float,
+    def slowdown(self, row: NetRow, links: dict[str, list[str]], hold_s: float, *, back_bound_s: float = BOUND_S,
+                 delay_ms: float,
                  rate_kbps: float, happened: Callable[[], list[str]]) -> tuple[dict[str, Any], dict[str, Any], int]:
         """Slow each part's links to its peers (``links``: part -> peers) for ``hold_s``, then heal; fills ``row``.
         Returns what ``/status`` showed over the 20 s before and over the slow period (:func:`_window`), and the
@@ -340,7 +341,7 @@ class Net:
             if row.watch is not None:
                 row.watch.heal()
         healed_at = time.monotonic()
-        samplers = self.watch_samplers()
+        samplers = self.watch_samplers(bound_s=back_bound_s)
         row.cut_s = round(healed_at - started, 1)
         base_u, base_p = self.progress()
         self._advanced(row, healed_at, int(base_u or 0), int(base_p or 0))
