@@ -29,7 +29,7 @@ def _suite_row(page: str, is_row: Callable[[str], bool]) -> tuple[str, str]:
     """The commit a generated suite page (docs/reliability*.md) names in its "Last run" line, and its first row
     ``is_row`` picks."""
     text = (REPO / "docs" / page).read_text()
-    commit = re.search(r"^Last run: .*?, commit `(\w+)`", text, re.M)
+    commit = re.search(r"^Last run: .*?, commit `(\w+)(?: \+ uncommitted changes)?`", text, re.M)
     row = next((line for line in text.splitlines() if is_row(line)), None)
     assert commit and row, f"docs/{page} has no such row or no commit line"
     return commit[1], row
