@@ -24,8 +24,9 @@ STOP_ORDER = ("sampler", "admin", "paramsync", "trainer")  # trainer last: it co
 TOKEN_ENV = "FLYWHEEL_ADMIN_TOKEN"
 TOKEN_FILE = "admin-token"
 SIGNING_DIR = "policy-keys"
-"""``<home>/policy-keys/<run>.keys``: the run's policy signing key (docs/security.md, "Signed policies")."""
-SIGNING_ENV = ("FLYWHEEL_SIGNING_ENABLED", "FLYWHEEL_SIGNING_KEYS_FILE", "FLYWHEEL_SIGNING_KEY_ID")
+"""``<home>/policy-keys/<run>/``: the run's signing keys (docs/security.md, "Signed policies"), as
+``flywheel keys init`` lays them out: ``trainer/trainer.key``, ``paramsync/paramsync.key``, ``public/public.keys``."""
+SIGNING_ENV = ("FLYWHEEL_SIGNING_ENABLED", "FLYWHEEL_SIGNING_KEYS_FILE", "FLYWHEEL_SIGNING_PRIVATE_KEY_FILE")
 
 
 REPLICATED = ("sampler", "trainer")
@@ -76,14 +77,14 @@ def service_env(
     overrides: Mapping[str, str],
     log_max_bytes: int | None = None,
     log_backups: int | None = None,
-    signing: tuple[Path, str] | None = None,
+    signing: Path | None = None,
 ) -> dict[str, str]:
     """``base`` (os.environ) + endpoints + config, run, store, HTTP, sampler id + ``overrides``.
 
     ``FLYWHEEL_HOME`` is set last: it marks the process as this stack's (see ``Proc.pid``). The
-    admin token goes to the admin only. ``signing`` (keys file, key id; :func:`resolve_signing_keys`) turns
-    signed policies on: every service verifies with the file, paramsync alone is told the key id it signs
-    with; unless ``base`` or ``overrides`` set ``FLYWHEEL_SIGNING_*`` themselves.
+    admin token goes to the admin only. ``signing`` (the keys directory; :func:`resolve_signing_keys`) turns
+    signed policies on: every service verifies with the public keys file, the trainer and paramsync alone are
+    given their own private key; unless ``base`` or ``overrides`` set ``FLYWHEEL_SIGNING_*`` themselves.
     """
     env = dict(base)
     env.update(endpoints.as_env())
@@ -110,9 +111,9 @@ def service_env(
         env["FLYWHEEL_LOG_BACKUPS"] = str(log_backups)
     if signing is not None and not any(k in env or k in overrides for k in SIGNING_ENV):
         env["FLYWHEEL_SIGNING_ENABLED"] = "true"
-        env["FLYWHEEL_SIGNING_KEYS_FILE"] = str(signing[0])
-        if service == "paramsync":
-            env["FLYWHEEL_SIGNING_KEY_ID"] = signing[1]
+        env["FLYWHEEL_SIGNING_KEYS_FILE"] = str(signing / "public" / "public.keys")
+        if service in ("trainer", "paramsync"):
+            env["FLYWHEEL_SIGNING_PRIVATE_KEY_FILE"] = str(signing / service / f"{service}.key")
     env.update(overrides)
     env["FLYWHEEL_HOME"] = str(home)
     return env
@@ -171,29 +172,16 @@ def resolve_admin_token(home: Path, env: Mapping[str, str]) -> tuple[str, str]:
     return token, str(path)
 
 
-def resolve_signing_keys(home: Path, run: str) -> tuple[Path, str]:
-    """(keys file, key id) of ``run``'s policy signing key: ``<home>/policy-keys/<run>.keys``, created once with
-    a fresh ``secrets.token_hex(32)`` under the id ``<run>-1`` and mode 0600 (later calls read it, so restarts
-    keep the key). The services get the path, never the secret (``signing.keys_file``); paramsync signs with the
-    first line's key, every line verifies. To rotate: put a new line first, keep the old one below it, restart the
-    services; remove the old line once a newer version is published (docs/security.md).
-    """
-    from shared.keyfile import read_keys
+def resolve_signing_keys(home: Path, run: str) -> Path:
+    """The directory of ``run``'s signing keys, ``<home>/policy-keys/<run>/``: the trainer's and paramsync's
+    Ed25519 keys (mode 0600) and the public list, generated once (``flywheel keys init``; later calls keep them,
+    so restarts keep the keys). Each service gets paths, never a secret: the public list for all, a private key
+    for its own role only. Rotation: ``flywheel keys rotate`` (docs/security.md)."""
+    from shared.signing import generate_keys
 
-    directory = home / SIGNING_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{run}.keys"
+    directory = home / SIGNING_DIR / run
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        if stat.S_IMODE(path.stat().st_mode) & 0o077:
-            path.chmod(0o600)
-        try:
-            return path, next(iter(read_keys(path)))
-        except ValueError as exc:
-            raise StackError(f"{exc}; fix or delete {path} (a new key is generated)") from None
-    key_id = f"{run}-1"
-    with os.fdopen(fd, "w") as fh:
-        fh.write(f"# policy signing keys of run {run}: '<key id> <secret hex>' per line (docs/security.md)\n"
-                 f"{key_id} {secrets.token_hex(32)}\n")
-    return path, key_id
+        generate_keys(directory)
+    except ValueError as exc:
+        raise StackError(f"{exc}; fix or delete {directory} (new keys are generated)") from None
+    return directory

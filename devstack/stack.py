@@ -122,7 +122,7 @@ class LocalStack:
         self._trainers = trainers
         self._progress = progress
         self._token: tuple[str, str] | None = None
-        self._signing: tuple[Path, str] | None = None
+        self._signing: Path | None = None
         self.state = StackState(self.home)
         self.hosts = multihost.active(self.home) if hosts is None else hosts
         if self.hosts and not self._owns_infra:
@@ -207,8 +207,8 @@ class LocalStack:
         return str(data.get("run") or "default") if isinstance(data, dict) else "default"
 
     @property
-    def signing(self) -> tuple[Path, str]:
-        """(keys file, key id) of the run's policy signing key, generated once (``resolve_signing_keys``)."""
+    def signing(self) -> Path:
+        """The directory of the run's signing keys, generated once (``resolve_signing_keys``)."""
         self._signing = self._signing or resolve_signing_keys(self.home, self.run_name)
         return self._signing
 
@@ -376,7 +376,7 @@ class LocalStack:
             if self.hosts:  # the hosts of samplers and ranks scaled down go too
                 multihost.prune(self.home, plan, self._progress)
             self.state.save(samplers=list(range(samplers)), trainers=self.trainers, prometheus=prometheus,
-                            config=str(self.config), signing_keys_file=str(self.signing[0]),
+                            config=str(self.config), signing_keys_file=str(self.signing / "public" / "public.keys"),
                             run=self.run, store_backend=self.store_backend, log_max_bytes=self.log_max_bytes,
                             ports={**self._ports, "sampler_base": self._sampler_base_port,
                                    "trainer_rank_base": self._trainer_rank_base_port,

@@ -262,9 +262,10 @@ class VersionedStore:
             return None
 
     def load_latest_good(
-        self, verify: Callable[[bytes], object] | None = None
+        self, verify: Callable[[bytes], object] | None = None, check: Callable[[VersionRecord], object] | None = None
     ) -> tuple[VersionRecord, bytes, list[str]] | None:
-        """The newest version whose payload is intact (and passes ``verify``, which raises to refuse it):
+        """The newest version whose record passes ``check`` (which raises to refuse it, before its payload is read)
+        and whose payload is intact (and passes ``verify``, which raises to refuse it):
         the marker's (repaired first if unreadable), else the history's, newest first. Returns it with
         the reasons the newer ones were refused, or None when nothing was ever published here.
 
@@ -286,6 +287,8 @@ class VersionedStore:
             return None
         for rec in candidates:
             try:
+                if check is not None:
+                    check(rec)
                 data = self.fetch(rec)
                 if verify is not None:
                     verify(data)

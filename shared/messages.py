@@ -20,6 +20,8 @@ from shared.marker import VersionRecord
 
 KEY_CANDIDATE = b"candidate"
 KEY_ANNOUNCE = b"announce"
+SIGNATURE_FIELD = "ed25519"
+"""The field of a record's ``extra["signature"]`` holding the hex signature (``shared.signing``)."""
 
 
 class _Msg(BaseModel):
@@ -59,10 +61,12 @@ class PolicyMessage(_Msg):
     ``paramsync.inline_max_bytes`` and ``kafka.max_message_bytes``; their sha256 and size are ``sha256`` and
     ``size``. None: fetch ``blob`` from the store. Readers that do not know the field ignore it."""
     key_id: str | None = None
-    """On an announcement: the id of the key paramsync signed it with (``shared.signing``); None: unsigned."""
+    """The id of the key that signed it (``shared.signing``): the trainer's on a candidate, paramsync's on an
+    announcement; None: unsigned."""
     signature: str | None = None
-    """On an announcement: HMAC-SHA256 (hex) of the policy's claims (run, version, sha256, size, trainer step,
-    lineage, rollback_of) under ``key_id``. Readers with signing on refuse an announcement without a valid one."""
+    """Ed25519 signature (hex) of the policy's claims (run, version, sha256, size, trainer step, lineage,
+    rollback_of) under ``key_id``. With signing on, paramsync refuses a candidate without the trainer's valid one
+    and readers refuse an announcement without paramsync's."""
 
     def to_bytes(self) -> bytes:
         unset = {name for name in ("inline", "key_id", "signature") if getattr(self, name) is None}
@@ -95,7 +99,7 @@ class PolicyMessage(_Msg):
     def of(cls, type_: Literal["candidate", "announce"], rec: VersionRecord) -> PolicyMessage:
         """The message of ``rec``; an announcement carries the record's signature (``extra["signature"]``)."""
         sig = rec.extra.get("signature") if type_ == "announce" else None
-        key_id, signature = (sig.get("key_id"), sig.get("hmac")) if isinstance(sig, dict) else (None, None)
+        key_id, signature = (sig.get("key_id"), sig.get(SIGNATURE_FIELD)) if isinstance(sig, dict) else (None, None)
         return cls(type=type_, version=rec.version, blob=rec.blob, sha256=rec.sha256, size=rec.size,
                    trainer_step=rec.trainer_step, created_at=rec.created_at,
                    lineage=rec.lineage, rollback_of=rec.extra.get("rollback_of"),
@@ -103,12 +107,15 @@ class PolicyMessage(_Msg):
                    signature=signature if isinstance(signature, str) else None)
 
     def record(self) -> VersionRecord:
-        """The version record this message names (with its signature, when it carries one)."""
+        """The version record this message names, with its signature when it carries one: an announcement's
+        (paramsync's) as ``extra["signature"]``, a candidate's (the trainer's) as ``extra["candidate_signature"]``,
+        kept on the published record as the trainer's word for its weights."""
         extra: dict[str, Any] = {"lineage": self.lineage} if self.lineage else {}
         if self.rollback_of is not None:
             extra["rollback_of"] = self.rollback_of
         if self.key_id is not None and self.signature is not None:
-            extra["signature"] = {"key_id": self.key_id, "hmac": self.signature}
+            field = "signature" if self.type == "announce" else "candidate_signature"
+            extra[field] = {"key_id": self.key_id, SIGNATURE_FIELD: self.signature}
         return VersionRecord(version=self.version, blob=self.blob, sha256=self.sha256, size=self.size,
                              trainer_step=self.trainer_step, created_at=self.created_at, extra=extra)
 

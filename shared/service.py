@@ -60,6 +60,9 @@ def entrypoint(service: str, argv: list[str] | None = None) -> Settings:
         stream = RotatingFile(settings.log.file, settings.log.max_bytes, settings.log.backups)
     configure_logging(service, settings.run, settings.log.level, stream)
     get_logger().info("config_resolved", config=settings.redacted())
+    if not settings.signing.enabled:
+        get_logger().warning("signing_disabled", hint="signing.enabled=false: candidates, policies and checkpoints "
+                             "are neither signed nor checked (docs/security.md)")
     return settings
 
 

@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from shared.keyfile import read_keys
+from shared.keyfile import check_pair, read_private_key, read_public_keys
 
 ENV_PREFIX = "FLYWHEEL_"
 # Variables with the prefix that are not settings fields.
@@ -465,41 +465,45 @@ class ParamsyncSettings(_Section):
 
 
 class SigningSettings(_Section):
-    """Signed policies (docs/security.md, "Signed policies"): paramsync signs every version record and
-    announcement with HMAC-SHA256; samplers, the trainer and the admin refuse what is unsigned or badly signed."""
+    """Signed policies and checkpoints (docs/security.md, "Signed policies"), Ed25519 with one key per role: the
+    trainer signs its candidates and checkpoints, paramsync publishes only candidates the trainer signed and signs
+    every version record and announcement; samplers, the trainer and the admin refuse what is unsigned or badly
+    signed. Every deployment the project ships turns it on (the local stack, compose, Kubernetes); a service
+    started with it off says so in its log (``signing_disabled``) and in ``/status``."""
 
     keys_file: Path | None = None
-    """A file of ``<key id> <secret, hex>`` lines (at least 32 bytes each; ``#`` comments): every key listed
-    verifies, the one ``key_id`` names signs. A reference, never the secret: mount it from a secret store (mode
-    0600). Required when ``enabled``."""
-    key_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
-    """The key paramsync signs with (one listed in ``keys_file``); required by paramsync, unused by readers."""
+    """The public keys: ``<key id> <role> <Ed25519 public key, hex>`` lines (``#`` comments), role ``trainer`` or
+    ``paramsync``. Every key listed verifies what its role signs (two per role during a rotation). Required when
+    ``enabled``; ``flywheel keys init --dir DIR`` writes it as ``DIR/public/public.keys``."""
+    private_key_file: Path | None = None
+    """This process's own private key (``<key id> <role> <seed hex>``, one line, listed in ``keys_file`` with the
+    same role): required by the trainer and paramsync, refused anywhere else. A reference, never the secret: mount
+    it from a secret store, to that one service (mode 0600)."""
     # Declared after the fields it governs: its validator checks them against it (as kafka.security_protocol).
     enabled: bool = Field(False, validate_default=True)
-    """Sign (paramsync) and require signatures (every reader). Off: nothing is signed or checked, as before
-    signed policies; the local stack turns it on with a key file of its own per run."""
+    """Sign (trainer, paramsync) and require signatures (every reader). Off: nothing is signed or checked
+    (a checkpoint naming another run is still refused); set it off only deliberately, it is logged."""
 
     @field_validator("enabled")
     @classmethod
     def _keys_are_usable(cls, enabled: bool, info: ValidationInfo) -> bool:
         given = info.data
         path: Path | None = given.get("keys_file")
-        key_id: str | None = given.get("key_id")
+        private: Path | None = given.get("private_key_file")
         if not enabled:
-            for name, value in (("keys_file", path), ("key_id", key_id)):
+            for name, value in (("keys_file", path), ("private_key_file", private)):
                 if value is not None:
                     raise ValueError(f"signing.{name} is set but signing.enabled=false: policies would be neither "
                                      f"signed nor checked (set signing.enabled=true, or unset signing.{name})")
             return enabled
         if "keys_file" in given and path is None:
-            raise ValueError("signing.keys_file is required when signing.enabled=true "
-                             "(FLYWHEEL_SIGNING_KEYS_FILE: a file of '<key id> <secret hex>' lines)")
+            raise ValueError("signing.keys_file is required when signing.enabled=true (FLYWHEEL_SIGNING_KEYS_FILE: "
+                             "'<key id> <role> <public key hex>' lines; flywheel keys init --dir DIR makes one)")
         if path is None:
             return enabled  # keys_file itself failed validation: its own error says why
-        keys = read_keys(path)
-        if key_id is not None and key_id not in keys:
-            raise ValueError(f"signing.key_id {key_id!r} is not in signing.keys_file {str(path)!r} "
-                             f"(listed: {', '.join(sorted(keys))})")
+        keys = read_public_keys(path)
+        if private is not None:
+            check_pair(read_private_key(private), keys)
         return enabled
 
 

@@ -1,49 +1,64 @@
-"""Signed policies (docs/security.md, "Signed policies"): HMAC-SHA256 with a per-run key, stdlib only.
+"""Signed policies and checkpoints (docs/security.md, "Signed policies"): Ed25519, one key per role.
 
-paramsync signs every version record it publishes (the marker ``<run>/policy/LATEST`` and the history record
-``versions/<v>.json``, in ``extra["signature"]``) and every announcement it sends on ``<run>.policy``
-(``PolicyMessage.key_id`` / ``signature``). The signature covers the *claims*: run, version, the weights'
-sha256 and size, the trainer step, and the lineage and rollback fields, so a blob is covered through its
-digest (every reader checks a blob against the record's sha256). Readers (samplers, the trainer, the
-admin's ``/status``, ``eval`` and ``export``) refuse an unsigned or badly signed policy: not adopted, not
-taken as published; logged, counted (:data:`REFUSED`) and, where the reader may write the audit trail,
-audited.
+The chain: the **trainer** signs each candidate it sends on ``<run>.policy`` (``PolicyMessage.key_id`` /
+``signature``) and each checkpoint record; **paramsync** publishes a candidate only when the trainer's signature
+verifies, then signs the version records it publishes (the marker ``<run>/policy/LATEST`` and the history record
+``versions/<v>.json``, in ``extra["signature"]``) and every announcement with its own key; a rollback republishes
+only a kept record whose paramsync signature verifies. Samplers, the admin, ``eval``, ``export`` and
+``flywheel verify`` hold public keys only: no process that runs environment code, and no reader, can make a
+signature anything accepts. Readers refuse an unsigned or badly signed policy: not adopted, not taken as
+published; logged, counted (:data:`REFUSED`) and, where the reader may write the audit trail, audited.
 
-Keys are given by reference: ``signing.keys_file`` names a file of ``<key id> <secret, hex>`` lines (all
-of them verify; ``signing.key_id`` names the one paramsync signs with), never the secret itself in a config
-file. Rotation: add the new key to every reader's file, switch paramsync's ``key_id``, restart; remove the
-old key once a version signed with the new one is published.
+A signature covers the *claims*, prefixed by what is signed (a candidate's signature is never a valid
+announcement's, and the reverse): for policies the run, version, the weights' sha256 and size, the trainer step,
+the lineage and rollback fields; for checkpoints the run, the step, the blob's sha256 and size and the whole
+record (ledger, offsets, lineage), so a blob is covered through its digest (every reader checks a blob against
+the record's sha256). Each key has a role (``trainer`` or ``paramsync``) and verifies only what that role signs.
 
-HMAC means a reader holds the same secret as the signer, so this keeps out whoever can write the policy
-topic or the store without holding the key (a producer with write access, a misconfigured ACL), not a
-compromised process that holds the key.
-
-The key file's format and reading are in :mod:`shared.keyfile`, which ``shared.settings`` uses at start-up.
+Keys are given by reference: ``signing.keys_file`` lists the public keys (every one listed verifies for its role,
+so two keys of a role are valid at once during a rotation), ``signing.private_key_file`` is the trainer's or
+paramsync's own private key. Formats in :mod:`shared.keyfile`; ``flywheel keys`` generates and rotates them.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
+import secrets
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from prometheus_client import Counter
 
-from shared.keyfile import read_keys
+from shared.keyfile import (
+    ROLES,
+    PrivateKeyEntry,
+    PublicKeyEntry,
+    Role,
+    check_pair,
+    read_private_key,
+    read_public_keys,
+)
+from shared.messages import SIGNATURE_FIELD
 
 if TYPE_CHECKING:
     from shared.marker import VersionRecord
     from shared.messages import PolicyMessage
     from shared.settings import Settings, SigningSettings
 
-DOMAIN = b"flywheel-policy-signature-v1\n"
-"""Prefix of every signed message: a signature over policy claims means nothing anywhere else."""
+Kind = Literal["candidate", "policy", "checkpoint"]
+DOMAINS: dict[Kind, bytes] = {"candidate": b"flywheel-candidate-ed25519-v1\n",
+                              "policy": b"flywheel-policy-ed25519-v1\n",
+                              "checkpoint": b"flywheel-checkpoint-ed25519-v1\n"}
+"""Prefix of every signed message, by what it signs: a signature means nothing anywhere else."""
+SIGNER_OF: dict[Kind, Role] = {"candidate": "trainer", "policy": "paramsync", "checkpoint": "trainer"}
 
-Reason = Literal["unsigned", "unknown_key", "bad_signature"]
+Reason = Literal["unsigned", "unknown_key", "wrong_role", "bad_signature", "other_run"]
 
 REFUSED = Counter("flywheel_policy_signature_refused_total",
                   "Policies refused because they were unsigned or badly signed (not adopted, not taken as published)",
@@ -51,7 +66,7 @@ REFUSED = Counter("flywheel_policy_signature_refused_total",
 
 
 class SignatureRefused(ValueError):
-    """A policy (announcement or version record) whose signature does not verify: never act on it."""
+    """A policy, candidate or checkpoint whose signature does not verify: never act on it."""
 
     def __init__(self, reason: Reason, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -61,10 +76,10 @@ class SignatureRefused(ValueError):
 
 def claims(run: str, version: int, sha256: str, size: int, trainer_step: int, lineage: int,
            rollback_of: int | None) -> bytes:
-    """The bytes a policy's signature covers: canonical JSON of what identifies the policy."""
+    """What a policy's (or candidate's) signature covers: canonical JSON of what identifies the policy."""
     body = {"run": run, "version": int(version), "sha256": sha256, "size": int(size), "trainer_step": int(trainer_step),
             "lineage": int(lineage), "rollback_of": None if rollback_of is None else int(rollback_of)}
-    return DOMAIN + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def record_claims(run: str, rec: VersionRecord) -> bytes:
@@ -77,92 +92,145 @@ def message_claims(run: str, msg: PolicyMessage) -> bytes:
     return claims(run, msg.version, msg.sha256, msg.size, msg.trainer_step, msg.lineage, msg.rollback_of)
 
 
-def mac(key: bytes, data: bytes) -> str:
-    return hmac.new(key, data, hashlib.sha256).hexdigest()
+def checkpoint_claims(run: str, rec: VersionRecord) -> bytes:
+    """A checkpoint record's claims: the run, the blob, and every field of ``extra`` but its signature (the
+    ledger and offsets ``flywheel verify`` reads, the lineage, the abandoned versions)."""
+    extra = {k: v for k, v in rec.extra.items() if k != "signature"}
+    body = {"run": run, "version": int(rec.version), "sha256": rec.sha256, "size": int(rec.size),
+            "trainer_step": int(rec.trainer_step), "extra": extra}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def public_of(seed: bytes) -> bytes:
+    return Ed25519PrivateKey.from_private_bytes(seed).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def new_key(role: Role, key_id: str | None = None) -> tuple[PrivateKeyEntry, PublicKeyEntry]:
+    """A fresh key pair for ``role`` (id ``<role>-<8 hex>`` unless given)."""
+    seed = secrets.token_bytes(32)
+    key_id = key_id or f"{role}-{secrets.token_hex(4)}"
+    return PrivateKeyEntry(key_id, role, seed), PublicKeyEntry(key_id, role, public_of(seed))
 
 
 @dataclass(frozen=True)
 class KeyRing:
-    """The verification keys of a run, and the id of the one to sign with (paramsync's; None elsewhere)."""
+    """The run's public keys by id (each with its role), and this process's private key (trainer, paramsync)."""
 
-    keys: Mapping[str, bytes]
-    signing_id: str | None = None
+    public: Mapping[str, PublicKeyEntry]
+    private: PrivateKeyEntry | None = None
 
     def __post_init__(self) -> None:
-        if not self.keys:
-            raise ValueError("a key ring needs at least one key")
-        if self.signing_id is not None and self.signing_id not in self.keys:
-            raise ValueError(f"signing.key_id {self.signing_id!r} is not in signing.keys_file")
+        if not self.public:
+            raise ValueError("a key ring needs at least one public key")
+        if self.private is not None:
+            check_pair(self.private, dict(self.public))
+            if public_of(self.private.seed) != self.public[self.private.key_id].public:
+                raise ValueError(f"signing.private_key_file's key {self.private.key_id!r} is not the private half of "
+                                 "the public key signing.keys_file lists under that id")
 
-    def __repr__(self) -> str:  # never the secrets
-        return f"KeyRing(ids={sorted(self.keys)}, signing_id={self.signing_id!r})"
+    def __repr__(self) -> str:  # never the secret
+        return f"KeyRing(ids={sorted(self.public)}, signer={None if self.private is None else self.private.key_id!r})"
 
-    def sign(self, data: bytes) -> tuple[str, str]:
-        """``(key id, hex HMAC-SHA256)`` of ``data`` with the signing key."""
-        if self.signing_id is None:
-            raise ValueError("signing.key_id is not set: this process verifies only")
-        return self.signing_id, mac(self.keys[self.signing_id], data)
+    def sign(self, kind: Kind, data: bytes) -> tuple[str, str]:
+        """``(key id, hex Ed25519 signature)`` of ``data`` as ``kind``; ValueError unless this process's key has the
+        role that signs ``kind``."""
+        if self.private is None:
+            raise ValueError("signing.private_key_file is not set: this process verifies only")
+        if self.private.role != SIGNER_OF[kind]:
+            raise ValueError(f"a {self.private.role} key does not sign {kind}s (the {SIGNER_OF[kind]} does)")
+        key = Ed25519PrivateKey.from_private_bytes(self.private.seed)
+        return self.private.key_id, key.sign(DOMAINS[kind] + data).hex()
 
-    def verify(self, data: bytes, key_id: str | None, signature: str | None) -> None:
-        """Raise :class:`SignatureRefused` unless ``signature`` is ``data``'s HMAC under the listed key ``key_id``."""
+    def verify(self, kind: Kind, data: bytes, key_id: str | None, signature: str | None) -> None:
+        """Raise :class:`SignatureRefused` unless ``signature`` is a valid ``kind`` signature of ``data`` by the
+        listed key ``key_id``, whose role signs ``kind``."""
         if not key_id or not signature:
             raise SignatureRefused("unsigned", "no signature")
-        key = self.keys.get(key_id)
-        if key is None:
+        entry = self.public.get(key_id)
+        if entry is None:
             raise SignatureRefused("unknown_key", f"signed with key {key_id!r}, which is not listed (removed, or "
-                                                  f"never issued; listed: {', '.join(sorted(self.keys))})")
-        if not hmac.compare_digest(mac(key, data), signature):
-            raise SignatureRefused("bad_signature", f"the signature under key {key_id!r} does not match the policy's "
-                                                    "run, version, digest and lineage")
+                                                  f"never issued; listed: {', '.join(sorted(self.public))})")
+        if entry.role != SIGNER_OF[kind]:
+            raise SignatureRefused("wrong_role", f"key {key_id!r} is a {entry.role} key; only a "
+                                                 f"{SIGNER_OF[kind]} key signs {kind}s")
+        try:
+            Ed25519PublicKey.from_public_bytes(entry.public).verify(bytes.fromhex(signature), DOMAINS[kind] + data)
+        except (InvalidSignature, ValueError):
+            raise SignatureRefused("bad_signature", f"the {kind} signature under key {key_id!r} does not match its "
+                                                    "claims (run, version, digest, lineage)") from None
 
     @classmethod
-    def from_settings(cls, signing: SigningSettings, *, signer: bool = False) -> KeyRing | None:
-        """The ring ``signing`` names (None when signing is off). ``signer``: ``signing.key_id`` is required.
-        Raises ValueError naming the field."""
+    def from_settings(cls, signing: SigningSettings, *, role: Role | None = None) -> KeyRing | None:
+        """The ring ``signing`` names (None when signing is off); ``role``: this process signs as it, and
+        ``signing.private_key_file`` must hold a key of that role. Raises ValueError naming the field."""
         if not signing.enabled:
             return None
         if signing.keys_file is None:
             raise ValueError("signing.keys_file is required when signing.enabled=true")
-        if signer and signing.key_id is None:
-            raise ValueError("signing.key_id is required by paramsync (it signs) when signing.enabled=true")
-        return cls(read_keys(signing.keys_file), signing.key_id if signer else None)
+        private = None
+        if role is not None:
+            if signing.private_key_file is None:
+                raise ValueError(f"signing.private_key_file is required by the {role} (it signs) when "
+                                 "signing.enabled=true")
+            private = read_private_key(signing.private_key_file)
+            if private.role != role:
+                raise ValueError(f"signing.private_key_file holds a {private.role} key; the {role} signs with a "
+                                 f"{role} key")
+        return cls(read_public_keys(signing.keys_file), private)
 
 
-def _signature_of(rec: VersionRecord) -> tuple[str | None, str | None]:
-    sig = rec.extra.get("signature")
+def _signature_in(rec: VersionRecord, field: str = "signature") -> tuple[str | None, str | None]:
+    sig = rec.extra.get(field)
     if not isinstance(sig, dict):
         return None, None
-    key_id, value = sig.get("key_id"), sig.get("hmac")
+    key_id, value = sig.get("key_id"), sig.get(SIGNATURE_FIELD)
     return (key_id if isinstance(key_id, str) else None), (value if isinstance(value, str) else None)
 
 
-class PolicySigner:
-    """paramsync's: signs version records (marker, history) and announcements with the run's current key."""
+def _signature_of(rec: VersionRecord) -> tuple[str | None, str | None]:
+    return _signature_in(rec)
+
+
+class Signer:
+    """The trainer's (candidates, checkpoints) or paramsync's (version records, announcements) signing."""
 
     def __init__(self, run: str, ring: KeyRing) -> None:
-        if ring.signing_id is None:
-            raise ValueError("signing.key_id is required to sign")
+        if ring.private is None:
+            raise ValueError("signing.private_key_file is required to sign")
         self.run = run
         self.ring = ring
+        self.role: Role = ring.private.role
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> PolicySigner | None:
-        """None when signing is off. Raises ValueError naming the field (``signing.key_id``, ``signing.keys_file``)."""
-        ring = KeyRing.from_settings(settings.signing, signer=True)
+    def from_settings(cls, settings: Settings, role: Role) -> Signer | None:
+        """None when signing is off. Raises ValueError naming the field."""
+        ring = KeyRing.from_settings(settings.signing, role=role)
         return None if ring is None else cls(settings.run, ring)
 
     def sign_record(self, rec: VersionRecord) -> VersionRecord:
-        key_id, value = self.ring.sign(record_claims(self.run, rec))
-        return replace(rec, extra={**rec.extra, "signature": {"key_id": key_id, "hmac": value}})
+        """paramsync: the version record it publishes."""
+        key_id, value = self.ring.sign("policy", record_claims(self.run, rec))
+        return replace(rec, extra={**rec.extra, "signature": {"key_id": key_id, SIGNATURE_FIELD: value}})
 
     def sign_message(self, msg: PolicyMessage) -> PolicyMessage:
-        key_id, value = self.ring.sign(message_claims(self.run, msg))
+        """An announcement (paramsync) or a candidate (trainer)."""
+        kind: Kind = "policy" if self.role == "paramsync" else "candidate"
+        key_id, value = self.ring.sign(kind, message_claims(self.run, msg))
         return msg.model_copy(update={"key_id": key_id, "signature": value})
+
+    def sign_checkpoint(self, rec: VersionRecord) -> VersionRecord:
+        """The trainer: a checkpoint record, bound to this run (``extra["run"]``). ``extra`` is taken through JSON
+        first, as a reader will see it (integer keys become strings), so the claims are the ones read back."""
+        extra = json.loads(json.dumps({**rec.extra, "run": self.run}))
+        extra.pop("signature", None)
+        rec = replace(rec, extra=extra)
+        key_id, value = self.ring.sign("checkpoint", checkpoint_claims(self.run, rec))
+        return replace(rec, extra={**extra, "signature": {"key_id": key_id, SIGNATURE_FIELD: value}})
 
 
 class PolicyVerifier:
-    """A reader's check: :meth:`check_record` / :meth:`check_message` raise :class:`SignatureRefused`.
-    With signing off (``ring`` None) everything passes, as before signed policies."""
+    """A reader's check: each ``check_*`` raises :class:`SignatureRefused`. With signing off (``ring`` None) a
+    policy passes unchecked; a checkpoint is still refused when it names another run."""
 
     def __init__(self, run: str, ring: KeyRing | None) -> None:
         self.run = run
@@ -178,12 +246,101 @@ class PolicyVerifier:
         return cls(settings.run, KeyRing.from_settings(settings.signing))
 
     def check_record(self, rec: VersionRecord) -> None:
+        """A published version record carries paramsync's signature."""
         if self.ring is not None:
-            self.ring.verify(record_claims(self.run, rec), *_signature_of(rec))
+            self.ring.verify("policy", record_claims(self.run, rec), *_signature_of(rec))
 
     def check_message(self, msg: PolicyMessage) -> None:
+        """An announcement carries paramsync's signature."""
         if self.ring is not None:
-            self.ring.verify(message_claims(self.run, msg), msg.key_id, msg.signature)
+            self.ring.verify("policy", message_claims(self.run, msg), msg.key_id, msg.signature)
+
+    def check_candidate(self, msg: PolicyMessage) -> None:
+        """A candidate carries the trainer's signature."""
+        if self.ring is not None:
+            self.ring.verify("candidate", message_claims(self.run, msg), msg.key_id, msg.signature)
+
+    def check_checkpoint(self, rec: VersionRecord) -> None:
+        """A checkpoint record belongs to this run (``extra["run"]``, when it names one; with signing on it must)
+        and carries the trainer's signature."""
+        owner = rec.extra.get("run")
+        if owner is not None and owner != self.run:
+            raise SignatureRefused("other_run", f"checkpoint {rec.version} belongs to run {owner!r}, not to this "
+                                                f"run {self.run!r} (copied from another run's prefix?)")
+        if self.ring is not None:
+            if owner is None:
+                raise SignatureRefused("unsigned", f"checkpoint {rec.version} names no run and carries no signature "
+                                                   f"(this run {self.run!r} signs its checkpoints)")
+            self.ring.verify("checkpoint", checkpoint_claims(self.run, rec), *_signature_of(rec))
+
+
+def generate_keys(directory: Path) -> dict[str, Path]:
+    """``flywheel keys init``: ``<dir>/trainer/trainer.key``, ``<dir>/paramsync/paramsync.key`` (mode 0600) and
+    ``<dir>/public/public.keys`` listing both, each written only when absent (a second call keeps the keys, so a
+    restart never invalidates what was signed). Returns the three paths."""
+    paths = {role: directory / role / f"{role}.key" for role in ROLES}
+    public_path = directory / "public" / "public.keys"
+    listed = read_public_keys(public_path) if public_path.exists() else {}
+    lines: list[str] = []
+    for role, path in paths.items():
+        if path.exists():
+            check_pair(read_private_key(path), listed)
+            continue
+        private, public = new_key(role)
+        write_private(path, private)
+        lines.append(public.line())
+    if lines or not public_path.exists():
+        append_public(public_path, lines)
+    return {**{r: p for r, p in paths.items()}, "public": public_path}
+
+
+def write_private(path: Path, private: PrivateKeyEntry) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.touch(mode=0o600)
+    tmp.chmod(0o600)
+    tmp.write_text(f"# the {private.role}'s private signing key (docs/security.md): keep it to the {private.role}\n"
+                   f"{private.line()}\n")
+    tmp.replace(path)
+
+
+def append_public(path: Path, lines: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = "" if path.exists() else ("# public signing keys: '<key id> <role> <Ed25519 public key hex>' "
+                                     "(docs/security.md)\n")
+    with path.open("a") as fh:
+        fh.write(head + "".join(line + "\n" for line in lines))
+
+
+def rotate_key(directory: Path, role: Role) -> tuple[str, str]:
+    """``flywheel keys rotate``: a new ``role`` key replaces ``<dir>/<role>/<role>.key`` and is appended to the
+    public list, where the old one stays listed (both verify) until ``flywheel keys retire`` removes it.
+    Returns (old id, new id)."""
+    path = directory / role / f"{role}.key"
+    old = read_private_key(path)
+    private, public = new_key(role)
+    append_public(directory / "public" / "public.keys", [public.line()])
+    write_private(path, private)
+    return old.key_id, private.key_id
+
+
+def retire_key(directory: Path, key_id: str) -> None:
+    """``flywheel keys retire``: remove ``key_id`` from the public list (what it signed no longer verifies).
+    ValueError when it is unknown or still some role's current private key."""
+    public_path = directory / "public" / "public.keys"
+    listed = read_public_keys(public_path)
+    if key_id not in listed:
+        raise ValueError(f"key {key_id!r} is not listed in {public_path} (listed: {', '.join(sorted(listed))})")
+    for role in ROLES:
+        path = directory / role / f"{role}.key"
+        if path.exists() and read_private_key(path).key_id == key_id:
+            raise ValueError(f"key {key_id!r} is the {role}'s current key: rotate it first")
+    kept = [line for line in public_path.read_text().splitlines() if line.split()[:1] != [key_id]]
+    public_path.write_text("".join(line + "\n" for line in kept))
+
+
+def _source_of(msg: PolicyMessage) -> str:
+    return "announcement" if msg.type == "announce" else "candidate"
 
 
 class Refusals:
@@ -218,7 +375,7 @@ class Refusals:
                          **context)
 
     def note_message(self, exc: SignatureRefused, msg: PolicyMessage, **context: Any) -> bool:
-        return self.note(exc, source="announcement", version=msg.version, sha256=msg.sha256, key_id=msg.key_id,
+        return self.note(exc, source=_source_of(msg), version=msg.version, sha256=msg.sha256, key_id=msg.key_id,
                          **context)
 
 
@@ -235,19 +392,30 @@ def record_audit_params(exc: SignatureRefused, rec: VersionRecord, source: str, 
 
 
 def message_audit_params(exc: SignatureRefused, msg: PolicyMessage, **context: Any) -> dict[str, Any]:
-    return audit_params(exc, source="announcement", version=msg.version, sha256=msg.sha256, key_id=msg.key_id,
+    return audit_params(exc, source=_source_of(msg), version=msg.version, sha256=msg.sha256, key_id=msg.key_id,
                         **context)
 
 
-SIGNERS = ("paramsync",)
-"""The services that sign (and so need ``signing.key_id``); every other one only verifies."""
+SIGNERS: tuple[Role, ...] = ROLES
+"""The services that sign (and so need ``signing.private_key_file``, holding a key of their own role); every other
+one only verifies and must hold no private key."""
 
 
 def startup_problem(service: str, settings: Settings) -> str | None:
     """Why ``service`` must not start with these signing settings (the message names the field), or None.
-    The settings' own validation has already checked that the keys file is readable and lists ``key_id``."""
+    The settings' own validation has already checked that the files are readable and agree."""
     signing = settings.signing
-    if signing.enabled and service in SIGNERS and signing.key_id is None:
-        return (f"signing.key_id is required by {service} when signing.enabled=true: the id of the key in "
-                "signing.keys_file it signs policies with (FLYWHEEL_SIGNING_KEY_ID)")
+    if not signing.enabled:
+        return None
+    if service in SIGNERS:
+        if signing.private_key_file is None:
+            return (f"signing.private_key_file is required by the {service} when signing.enabled=true: its own "
+                    f"{service} key (FLYWHEEL_SIGNING_PRIVATE_KEY_FILE; flywheel keys init --dir DIR makes one)")
+        role = read_private_key(signing.private_key_file).role
+        if role != service:
+            return f"signing.private_key_file holds a {role} key; the {service} signs only with a {service} key"
+        return None
+    if signing.private_key_file is not None:
+        return (f"signing.private_key_file is set for the {service}, which only verifies: give it the public keys "
+                "file alone (a process holding a private key could sign what readers trust)")
     return None

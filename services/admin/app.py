@@ -25,6 +25,9 @@ class PolicyStatus(BaseModel):
     version: int | None = Field(description="Version behind the marker; null before the first publish")
     sha256: str | None
     published_at: float | None = Field(description="Unix time the version's record was created")
+    signed: bool = Field(description="Whether signing is on here (signing.enabled): only versions paramsync signed "
+                         "are shown, and paramsync publishes only candidates the trainer signed")
+    signed_by: str | None = Field(None, description="The id of the paramsync key that signed the version shown")
 
 
 class ServiceHealth(BaseModel):
@@ -164,6 +167,12 @@ class HealthBody(BaseModel):
     ok: bool
 
 
+def _signer_of(rec: Any) -> str | None:
+    sig = rec.extra.get("signature")
+    key_id = sig.get("key_id") if isinstance(sig, dict) else None
+    return key_id if isinstance(key_id, str) else None
+
+
 def create_app(state: AdminState) -> FastAPI:
     app = FastAPI(title="Flywheel admin", version="1", docs_url=None,
                   description="Status of a Flywheel run and manual policy sync. See docs/api.md.")
@@ -222,7 +231,8 @@ def create_app(state: AdminState) -> FastAPI:
             run=s.settings.run,
             services=services,
             policy=PolicyStatus(version=rec.version if rec else None, sha256=rec.sha256 if rec else None,
-                                published_at=rec.created_at if rec else None),
+                                published_at=rec.created_at if rec else None, signed=s.verifier.enabled,
+                                signed_by=_signer_of(rec) if rec and s.verifier.enabled else None),
             trainer=TrainerStatus(
                 alive=s.alive(v.trainer, now), step=tb.updates if tb else 0, updates=tb.updates if tb else 0,
                 samples_trained=tb.env_steps_trained if tb else 0,

@@ -381,6 +381,17 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--config", metavar="FILE", help="the run's config file (endpoints also from FLYWHEEL_* env)")
     ev.add_argument("--json", action="store_true", help="the per-episode returns and their statistics as JSON")
 
+    ks = sub.add_parser("keys", help="the signing keys: init, rotate, retire (docs/security.md; local files only)")
+    ksub = ks.add_subparsers(dest="action", required=True, metavar="ACTION")
+    kinit = ksub.add_parser("init", help="make the trainer's and paramsync's keys and the public list, where absent")
+    krot = ksub.add_parser("rotate", help="a new key for ROLE; the old one stays listed (both verify) until retired")
+    krot.add_argument("role", choices=("trainer", "paramsync"))
+    kret = ksub.add_parser("retire", help="remove KEY_ID from the public list: what it signed no longer verifies")
+    kret.add_argument("key_id", metavar="KEY_ID")
+    for kp in (kinit, krot, kret):
+        kp.add_argument("--dir", type=Path, required=True, metavar="DIR",
+                        help="DIR/trainer/trainer.key, DIR/paramsync/paramsync.key, DIR/public/public.keys")
+
     xp = sub.add_parser("export", help="write a policy version as ONNX or safetensors "
                         "(reads the store directly; docs/using-a-policy.md)")
     xp.add_argument("version", nargs="?", type=int, metavar="VERSION",
@@ -409,6 +420,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 2
     print("\n".join(lines))
     return code
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    """``flywheel keys``: exit 1 with the reason when a file is malformed or a key cannot be retired."""
+    from shared.signing import generate_keys, retire_key, rotate_key  # cryptography: only for this command
+
+    try:
+        if args.action == "init":
+            paths = generate_keys(args.dir)
+            out("\n".join(f"{name}: {path}" for name, path in paths.items()))
+        elif args.action == "rotate":
+            old, new = rotate_key(args.dir, args.role)
+            out(f"{args.role} key {new} replaces {old}; both verify until 'flywheel keys retire {old}'. Give every "
+                f"reader the new public list, then restart the {args.role}")
+        else:
+            retire_key(args.dir, args.key_id)
+            out(f"key {args.key_id} removed from {args.dir / 'public' / 'public.keys'}; restart the readers")
+    except (ValueError, OSError) as exc:
+        print(f"flywheel: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
@@ -449,6 +481,8 @@ def run(args: argparse.Namespace, transport: httpx.BaseTransport | None, sleep: 
         return cmd_trace(args)
     if args.command == "verify":
         return cmd_verify(args)
+    if args.command == "keys":
+        return cmd_keys(args)
     if args.command in ("eval", "export"):
         return cmd_policy(args)
     timeout = 10.0 + (args.wait if args.command == "sync" else 0.0)

@@ -21,6 +21,10 @@ ledger is cumulative from the partition's origin, so the newest checkpoint alone
    none at a gap. So the trained records are exactly the range minus what the DLQ and the drops account for.
    Drops as stale leave no record on a topic: they are checked by (3) and (4) only.
 
+6. **the checkpoint itself**: its record names this run and, where signing is on, carries the trainer's valid
+   signature over the run, the blob's digest and the whole record (ledger and offsets included); its blob is
+   present with that digest.
+
 Where the proof ends (``docs/reliability.md``): records beyond the checkpoint's frontier are not yet in the
 model and are not claimed; offsets the log no longer holds (expired by retention after they were read) are
 checked by the digests only; a log truncated below the trainer's position (unclean leader election, which
@@ -40,8 +44,9 @@ from aiokafka import TopicPartition
 
 from shared.digest import ORIGIN, OUTCOMES, Digest, mix64, range_digest
 from shared.kafka import Topics, make_consumer
-from shared.marker import VersionedStore, VersionRecord
+from shared.marker import BadPayload, VersionedStore, VersionRecord
 from shared.settings import Settings
+from shared.signing import PolicyVerifier, SignatureRefused
 from shared.store import open_store
 
 MAX_NAMED = 20  # offsets named per problem
@@ -260,6 +265,23 @@ def checkpoint_record(store: VersionedStore, step: int | None) -> VersionRecord:
     raise LookupError(f"checkpoint {step} is not kept (have {[r.version for r in store.records()]})")
 
 
+def check_checkpoint_blob(settings: Settings, ckpts: VersionedStore, rec: VersionRecord) -> tuple[bool, str]:
+    """The checkpoint's own trust: its record belongs to this run and carries the trainer's valid signature
+    (where signing is on), and its blob is present with the sha256 and size the record names. The ledger the
+    proof reads is part of the signed record, so an edited ledger fails here."""
+    verifier = PolicyVerifier.from_settings(settings)
+    try:
+        verifier.check_checkpoint(rec)
+        ckpts.fetch(rec)
+    except SignatureRefused as exc:
+        return False, f"  checkpoint record: REFUSED ({exc})"
+    except BadPayload as exc:
+        return False, f"  checkpoint blob: FAILED ({exc})"
+    key_id = (rec.extra.get("signature") or {}).get("key_id") if verifier.enabled else None
+    signed = f"signed by trainer key {key_id}" if key_id else "signing is off: not signed"
+    return True, f"  checkpoint record and blob: ok (run {settings.run}, {signed}, sha256 {rec.sha256[:12]}..)"
+
+
 def verify(settings: Settings, step: int | None = None, read_log: bool = True) -> tuple[int, list[str]]:
     """Run every check on one checkpoint (the newest by default): exit code and the lines to print."""
     ckpts = VersionedStore(open_store(settings), settings.run, "checkpoints")
@@ -269,6 +291,8 @@ def verify(settings: Settings, step: int | None = None, read_log: bool = True) -
              f"{len(parts)} partition(s) in its ledger)"]
     if not parts:
         return 1, [*lines, "no ledger in this checkpoint (written before ledgers existed?): nothing can be proven"]
+    trusted, said = check_checkpoint_blob(settings, ckpts, rec)
+    lines.append(said)
     fresh = rec.extra.get("fresh_start_at")
     origin = None if fresh is not None else ORIGIN
     if fresh is not None:
@@ -281,10 +305,10 @@ def verify(settings: Settings, step: int | None = None, read_log: bool = True) -
         counts = ", ".join(f"{name} {n}" for name, n in r.counts.items() if n)
         lines.append(f"  {k} [{r.start}, {r.end}): {'ok' if r.ok else 'FAILED'} ({counts or 'empty'})")
         lines.extend(f"    - {p}" for p in r.problems)
-    ok = all(r.ok for r in reports.values())
+    ok = trusted and all(r.ok for r in reports.values())
     if ok:
         lines.append(f"verify: ok: every offset exactly once ({len(reports)} partition(s), each from the run's origin "
                      "to the checkpoint's frontier; none lost before training)")
     else:
-        lines.append("verify: FAILED")
+        lines.append("verify: FAILED" + ("" if trusted else " (the checkpoint itself is not trusted)"))
     return (0 if ok else 1), lines

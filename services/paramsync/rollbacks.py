@@ -26,12 +26,15 @@ __all__ = ["RollbackQueue", "RollbackRequest", "Status", "republish"]
 
 
 def republish(policies: VersionedStore, model: ActorCritic, req: RollbackRequest,
-              sign: Callable[[VersionRecord], VersionRecord] = lambda rec: rec) -> VersionRecord:
+              sign: Callable[[VersionRecord], VersionRecord] = lambda rec: rec,
+              check: Callable[[VersionRecord], None] = lambda rec: None) -> VersionRecord:
     """Publish ``req.version``'s weights as the newest version, from a pinned copy of its payload (a
     concurrent prune cannot delete the blob the new marker names). Idempotent per request: a version
     already published for this request (paramsync stopped before recording it) is returned as is.
-    ``sign`` signs the new record (paramsync's key; docs/security.md).
-    Raises LookupError (refused: not kept, already current), BadPayload, WeightsError, MarkerConflict."""
+    ``check`` raises to refuse the kept record (``PolicyVerifier.check_record``: only a version paramsync signed
+    is republished, never one written into the history by anyone else); ``sign`` signs the new record
+    (paramsync's key; docs/security.md). Raises LookupError (refused: not kept, already current),
+    SignatureRefused, BadPayload, WeightsError, MarkerConflict."""
     version = req.version
     current = policies.read_marker()
     for rec in ([current[0]] if current else []) + policies.records()[::-1]:
@@ -44,6 +47,7 @@ def republish(policies: VersionedStore, model: ActorCritic, req: RollbackRequest
         target = VersionRecord.from_json(old.data)
     except (ValueError, KeyError, TypeError) as exc:
         raise LookupError(f"version {version}'s record is unreadable: {exc}") from exc
+    check(target)
     if current is not None and current[0].sha256 == target.sha256:
         raise LookupError(f"version {current[0].version} already has version {version}'s weights")
     load_weights(model, policies.fetch(target))  # present, intact, loadable

@@ -47,7 +47,14 @@ from shared.rl.envs import fragment_spec
 from shared.rl.model import ActorCritic, WeightsError, load_weights
 from shared.runtime import AuditLog
 from shared.settings import Settings
-from shared.signing import PolicySigner
+from shared.signing import (
+    PolicyVerifier,
+    Refusals,
+    SignatureRefused,
+    Signer,
+    message_audit_params,
+    record_audit_params,
+)
 from shared.store import open_store
 
 SYNC_LATENCY = Histogram("flywheel_paramsync_sync_latency_seconds",
@@ -92,8 +99,12 @@ class Paramsync:
         store = open_store(settings)
         repaired = AuditLog(store, settings.run).repair_hook("paramsync", "policy", self.log)
         self.policies = VersionedStore(store, settings.run, "policy", on_repair=repaired)
-        # Signs every record it publishes and every announcement (docs/security.md); None: signing is off.
-        self.signer = PolicySigner.from_settings(settings)
+        # Publishes only candidates the trainer signed, and signs every record it publishes and every announcement
+        # with its own key (docs/security.md); None: signing is off.
+        self.signer = Signer.from_settings(settings, "paramsync")
+        self.verifier = PolicyVerifier.from_settings(settings)
+        self.refusals = Refusals("paramsync", self.log)
+        self.audit_log = AuditLog(store, settings.run)
         self.rollbacks = RollbackQueue(store, settings.run)
         self._rollback_wanted = asyncio.Event()
         spec = fragment_spec(settings.env.id, settings.kafka.max_message_bytes, settings.env.frame_stack)
@@ -127,7 +138,7 @@ class Paramsync:
         self.candidates.subscribe(self.topics.policy, _nothing, _nothing)  # nothing in hand to commit on revoke
         await self.retry(self.inbox.start, "start inbox", "kafka")
         current = await self.retry(lambda: asyncio.to_thread(self.policies.read_marker), "read marker", "store")
-        if current is not None:
+        if current is not None and await self._signed_by_paramsync(current[0]):
             self._set_published(current[0])
         if self._policy_topic_limit is not None and self.inline.limit > 0:
             limit = await self.retry(self._policy_topic_limit, "read the policy topic's message limit", "kafka",
@@ -179,7 +190,7 @@ class Paramsync:
             received = time.monotonic()
             candidates = [msg for records in polled.values() for rec in records
                           if (msg := self._parse_policy_message(rec.value, rec.offset)) is not None
-                          and msg.type == "candidate"]
+                          and msg.type == "candidate" and await self._trainer_signed(msg, rec.offset)]
             if candidates:
                 # Only the newest of a burst is published: the older ones are already superseded.
                 newest = max(candidates, key=lambda m: m.version)
@@ -205,6 +216,36 @@ class Paramsync:
                     "CommitFailedError", "IllegalStateError"):
                 raise
             self.log.warning("candidate_commit_failed", error=describe(exc))
+
+    async def _signed_by_paramsync(self, record: VersionRecord) -> bool:
+        """The marker found at start is re-announced (signed again with the current key) only when a paramsync
+        signed it: one written into the store by anyone else is refused, audited, and never announced."""
+        try:
+            self.verifier.check_record(record)
+            return True
+        except SignatureRefused as exc:
+            if self.refusals.note_record(exc, record, "marker"):
+                await self._audit("policy_signature_refused", record_audit_params(exc, record, "marker"),
+                                  "not announced")
+            return False
+
+    async def _audit(self, action: str, params: dict[str, Any], outcome: str) -> None:
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.audit_log.append, "paramsync", action, params, outcome), 10)
+        except Exception as exc:  # the refusal stands; its log line is its record
+            self.log.warning("audit_write_failed", action=action, error=describe(exc))
+
+    async def _trainer_signed(self, msg: PolicyMessage, offset: int) -> bool:
+        """False when ``msg`` lacks the trainer's valid signature: never published, never supersedes one that has
+        it; logged, counted and audited once (docs/security.md)."""
+        try:
+            self.verifier.check_candidate(msg)
+            return True
+        except SignatureRefused as exc:
+            CANDIDATES.labels(outcome="signature_refused").inc()
+            if self.refusals.note_message(exc, msg, offset=offset):
+                await self._audit("candidate_refused", message_audit_params(exc, msg, offset=offset), "not published")
+            return False
 
     def _parse_policy_message(self, value: bytes | None, offset: int) -> PolicyMessage | None:
         if value is None:
@@ -401,7 +442,8 @@ class Paramsync:
                 for attempt in range(3):
                     try:
                         record = await self.retry(
-                            lambda: asyncio.to_thread(republish, self.policies, self.model, req, self._signed),
+                            lambda: asyncio.to_thread(republish, self.policies, self.model, req, self._signed,
+                                                      self.verifier.check_record),
                             "rollback", "store", timeout_s=60)
                         # At once, under the lock: no candidate of the abandoned lineage slips in after it.
                         self.lineage_required = max(self.lineage_required, record.lineage)
@@ -409,7 +451,7 @@ class Paramsync:
                     except MarkerConflict:  # another writer (a second paramsync?) moved it: read again
                         if attempt == 2:
                             raise
-        except (LookupError, BadPayload, WeightsError, MarkerConflict) as exc:
+        except (LookupError, BadPayload, WeightsError, MarkerConflict, SignatureRefused) as exc:
             reason = str(exc)[:300]
             self.log.warning("rollback_refused", request_id=req.request_id, version=req.version, reason=reason)
             await self._decide(req, etag, "refused", reason=reason)

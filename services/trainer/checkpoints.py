@@ -28,6 +28,7 @@ from services.trainer.learner import Learner
 from services.trainer.telemetry import CHECKPOINTS, DEFERRED, Auditor
 from shared.marker import BadPayload, MarkerConflict, VersionedStore, VersionRecord
 from shared.retry import Health, Retrier, describe, is_transient
+from shared.signing import SignatureRefused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +45,16 @@ class Restored:
 
 class Checkpoints:
     def __init__(self, store: VersionedStore, *, keep: int, health: Health, retry: Retrier, audit: Auditor,
-                 log: Any) -> None:
+                 log: Any, run: str | None = None, sign: Callable[[VersionRecord], VersionRecord] | None = None,
+                 check: Callable[[VersionRecord], None] | None = None) -> None:
+        """``run``: written into every checkpoint record (``extra["run"]``); ``sign``: the trainer's signature on it
+        (``Signer.sign_checkpoint``, which writes the run too); ``check``: raises to refuse a record at restore
+        (``PolicyVerifier.check_checkpoint``: another run's, or unsigned or badly signed where signing is on)."""
         self.store = store
+        self.run = run
+        self.sign = sign
+        self.check = check
+        self.refused_records: list[str] = []  # what ``check`` refused at the last restore
         self.keep = keep
         self.health = health
         self.retry = retry
@@ -68,6 +77,10 @@ class Checkpoints:
             sha = hashlib.sha256(data).hexdigest()
             key, _ = self.store.put_blob(data, f"{self.store.prefix}/{step}/{sha}.pt")
             rec = VersionRecord(version=step, blob=key, sha256=sha, size=len(data), trainer_step=step, extra=extra)
+            if self.sign is not None:
+                rec = self.sign(rec)
+            elif self.run is not None:
+                rec = dataclasses.replace(rec, extra={**extra, "run": self.run})
             try:
                 self.store.publish(rec, None if current is None else current[1])
             except MarkerConflict:
@@ -138,10 +151,12 @@ class Checkpoints:
         """Load the newest usable checkpoint with ``load`` (``Learner.restore``, which raises to refuse one).
 
         None: start from scratch (nothing was ever checkpointed here, or a deliberate fresh start)."""
+        self.refused_records = []
         try:
-            found = await self.retry(lambda: asyncio.to_thread(self.store.load_latest_good, load),
+            found = await self.retry(lambda: asyncio.to_thread(self.store.load_latest_good, load, self._check),
                                      "read checkpoint", "store")
         except BadPayload as exc:
+            await self._audit_refused()
             if not fresh_start:
                 raise RuntimeError(f"no usable checkpoint ({exc}); refusing to start from scratch over an existing "
                                    "run: set trainer.fresh_start=true to do so deliberately") from None
@@ -152,6 +167,7 @@ class Checkpoints:
             if fresh_start:
                 self._fresh()
             return None
+        await self._audit_refused()
         record, _data, refused = found
         stamp = record.extra.get("fresh_start_at")
         if fresh_start and stamp is None:
@@ -173,6 +189,22 @@ class Checkpoints:
                         lineage=record.lineage,
                         abandoned=[(int(lo), int(hi)) for lo, hi in record.extra.get("abandoned") or []],
                         fresh_start_at=self.fresh_start_at)
+
+    def _check(self, rec: VersionRecord) -> None:
+        """``check`` on a record found at restore, each refusal remembered for its audit entry."""
+        if self.check is None:
+            return
+        try:
+            self.check(rec)
+        except SignatureRefused as exc:
+            self.refused_records.append(f"checkpoint {rec.version}: {exc}")
+            self.log.error("checkpoint_refused", update=rec.version, reason=exc.reason, detail=exc.detail,
+                           checkpoint_run=rec.extra.get("run"))
+            raise
+
+    async def _audit_refused(self) -> None:
+        for what in self.refused_records[:5]:
+            await self.audit("checkpoint_refused", {"run": self.run, "refused": what[:300]}, "not restored")
 
     def _fresh(self) -> None:
         self.fresh_start_at = time.time()

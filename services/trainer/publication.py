@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from services.trainer.telemetry import DEFERRED, RECOVERIES, VERSION, Auditor
@@ -26,8 +27,11 @@ PUBLISH_RETRY_MIN_S, PUBLISH_RETRY_MAX_S = 1.0, 10.0  # back-off of a deferred c
 
 class Publication:
     def __init__(self, policies: VersionedStore, producer: Publisher, *, policy_topic: str, kafka_timeout_s: float,
-                 health: Health, retry: Retrier, audit: Auditor, log: Any) -> None:
+                 health: Health, retry: Retrier, audit: Auditor, log: Any,
+                 sign: Callable[[PolicyMessage], PolicyMessage] | None = None) -> None:
+        """``sign``: the trainer's signature on each candidate (``Signer.sign_message``; None: signing off)."""
         self.policies = policies
+        self.sign = sign
         self.producer = producer
         self.policy_topic = policy_topic
         self.kafka_timeout_s = kafka_timeout_s
@@ -50,6 +54,8 @@ class Publication:
             rec = VersionRecord(version=version, blob=key, sha256=sha, size=len(data), trainer_step=update,
                                 extra=dict(extra))
             msg = PolicyMessage.of("candidate", rec)
+            if self.sign is not None:
+                msg = self.sign(msg)
             await asyncio.wait_for(self.producer.send_and_wait(self.policy_topic, msg.to_bytes(), key=KEY_CANDIDATE),
                                    self.kafka_timeout_s)
             return msg

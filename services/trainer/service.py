@@ -75,6 +75,7 @@ from shared.signing import (
     PolicyVerifier,
     Refusals,
     SignatureRefused,
+    Signer,
     message_audit_params,
     record_audit_params,
 )
@@ -141,6 +142,9 @@ class Trainer:
         # a forged version never becomes the staleness reference. Each refusal is logged, counted and audited.
         self.verifier = PolicyVerifier.from_settings(settings)
         self.refusals = Refusals("trainer", self.log)
+        # Signs each candidate and checkpoint with the trainer's own key: paramsync publishes only what it signed,
+        # and a restore takes only this run's signed checkpoints. None: signing is off.
+        self.signer = Signer.from_settings(settings, "trainer")
         self.health_state = Health("trainer")
         self.retry = Retrier(self.health_state, self.log)
         instance = self.cfg.group_instance_id
@@ -157,11 +161,14 @@ class Trainer:
                                    audit=self.audit, log=self.log)
         self.publication = Publication(self.policies, self.producer, policy_topic=self.topics.policy,
                                        kafka_timeout_s=kafka_timeout_s, health=self.health_state, retry=self.retry,
-                                       audit=self.audit, log=self.log)
+                                       audit=self.audit, log=self.log,
+                                       sign=None if self.signer is None else self.signer.sign_message)
         ckpt_store = VersionedStore(store, settings.run, "checkpoints", on_repair=repaired("checkpoints"))
         self.checkpoints = Checkpoints(ckpt_store,
                                        keep=self.cfg.keep_checkpoints, health=self.health_state, retry=self.retry,
-                                       audit=self.audit, log=self.log)
+                                       audit=self.audit, log=self.log, run=settings.run,
+                                       sign=None if self.signer is None else self.signer.sign_checkpoint,
+                                       check=self.verifier.check_checkpoint)
         # How batches form (async, or the synchronous baseline) is the one thing settings.mode changes here.
         strategy = strategy or strategy_for(settings.mode, self.cfg.batch_fragments, self.cfg.poll_max_records)
         self.intake = Intake(max_staleness=self.cfg.max_staleness, batch_timeout_s=self.cfg.batch_timeout_s,

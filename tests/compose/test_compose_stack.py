@@ -1,14 +1,17 @@
 """docker-compose.yml run for real (issue 31): CartPole learns through the containers, crashes heal by the
 restart policy with `flywheel verify` ok, `down`/`up` resumes the run, `--scale sampler=4` gives four samplers,
-and under deploy/kafka/compose.acl.yml the sampler's identity is refused writing the policy topic. The tests
-share one stack and run in file order."""
+candidates the trainer did not sign are never published (signing is on by default, issue 43), and under
+deploy/kafka/compose.acl.yml the sampler's identity is refused writing the policy topic. The tests share one
+stack and run in file order."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.compose.conftest import Compose, wait_until
@@ -164,6 +167,77 @@ def test_scale_to_four_samplers(compose: Compose) -> None:
     print(f"\nscaled: live samplers {live_samplers(s)}")
     assert len(live_samplers(s)) == 4
     compose.up("--scale", "sampler=1")
+
+
+FORGE = """
+import asyncio, json, os, time
+from aiokafka import AIOKafkaProducer
+from shared.messages import KEY_CANDIDATE, PolicyMessage
+from shared.marker import VersionedStore
+from shared.settings import load_settings
+from shared.signing import KeyRing, Signer, new_key
+from shared.store import open_store
+
+async def main():
+    settings = load_settings(None)
+    policies = VersionedStore(open_store(settings), settings.run, "policy")
+    current = policies.read_marker()[0]
+    old = policies.records()[0]
+    # A forged rollback: a newer version naming an old kept version's blob, signed with a trainer key of its own
+    # making (not listed), and the same unsigned.
+    private, public = new_key("trainer")
+    forger = Signer(settings.run, KeyRing({public.key_id: public}, private))
+    forged = PolicyMessage(type="candidate", version=current.version + 5, blob=old.blob, sha256=old.sha256,
+                           size=old.size, trainer_step=old.trainer_step, created_at=time.time(),
+                           lineage=current.version + 5, rollback_of=old.version)
+    p = AIOKafkaProducer(bootstrap_servers=os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"])
+    await p.start()
+    try:
+        for msg in (forged, forger.sign_message(forged.model_copy(update={"version": current.version + 6}))):
+            await p.send_and_wait(f"{settings.run}.policy", msg.to_bytes(), key=KEY_CANDIDATE)
+    finally:
+        await p.stop()
+    print(json.dumps({"forged": [current.version + 5, current.version + 6], "current": current.version}))
+
+asyncio.run(main())
+"""
+
+
+def test_signed_by_default_a_candidate_the_trainer_did_not_sign_is_never_published(compose: Compose) -> None:
+    """`docker compose up` signs by default (issue 43): the sampler container holds the public keys only; a
+    forged candidate it sends on the policy topic (a rollback to an old kept version's blob, unsigned, and the same
+    signed with a trainer key of its own making) is refused by paramsync with an audit entry, never published, and
+    training goes on with the published versions signed by paramsync's key."""
+    keys = compose.exec("sampler", "sh", "-c", "ls -A /keys; ls -A /keys/public; env | grep ^FLYWHEEL_SIGNING_ | sort")
+    assert keys.stdout.split() == ["public", "public.keys", "FLYWHEEL_SIGNING_ENABLED=true",
+                                   "FLYWHEEL_SIGNING_KEYS_FILE=/keys/public/public.keys"], keys.stdout
+    s = compose.status()
+    assert s["policy"]["signed"] is True and str(s["policy"]["signed_by"]).startswith("paramsync-"), s["policy"]
+    out = compose.exec("sampler", "python", "-c", FORGE, timeout=120)
+    sent = json.loads(out.stdout.strip().splitlines()[-1])
+    at = progress(compose.status())
+
+    def refused() -> list[dict[str, Any]] | None:
+        r = httpx.get(f"{compose.admin}/audit", headers={"Authorization": f"Bearer {compose.token}"}, timeout=10)
+        r.raise_for_status()
+        body = r.json()
+        entries = body.get("entries", body) if isinstance(body, dict) else body
+        found = [e for e in entries if e.get("action") == "candidate_refused"
+                 and (e.get("params") or {}).get("version") in sent["forged"]]
+        return found if len(found) == 2 else None
+    entries = wait_until(refused, 120, "paramsync's two candidate_refused audit entries")
+    now = advancing(compose, at, 600, "training to go on after the forged candidates")
+    s = compose.status()
+    versions = httpx.get(f"{compose.admin}/policy/versions", headers={"Authorization": f"Bearer {compose.token}"},
+                         timeout=10).json()
+    print(f"\nforged candidates {sent['forged']} (published was {sent['current']}): "
+          f"{[(e['params']['version'], e['params']['reason']) for e in entries]}; training {at} -> {now}, "
+          f"published {s['policy']['version']} signed by {s['policy']['signed_by']}")
+    assert sorted(e["params"]["reason"] for e in entries) == ["unknown_key", "unsigned"], entries
+    listed = versions.get("versions", versions) if isinstance(versions, dict) else versions
+    forged_published = [v for v in listed if v.get("version") in sent["forged"] and v.get("rollback_of") is not None]
+    assert not forged_published, forged_published
+    assert s["policy"]["signed_by"].startswith("paramsync-")
 
 
 PRODUCE = """

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import functools
 import json
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ CONFIG = REPO / "configs" / "cartpole.yaml"
 MINIO_DIR = REPO / "deploy" / "minio"
 
 FLYWHEEL_SERVICES = ("trainer", "paramsync", "admin", "sampler")
-INFRA_SERVICES = ("kafka", "minio", "minio-init", "prometheus", "grafana")
+INFRA_SERVICES = ("kafka", "minio", "minio-init", "keys", "prometheus", "grafana")
 ROOT_CREDENTIAL_SERVICES = ("minio", "minio-init")
 PUBLISHED = {
     "admin": ["127.0.0.1:8080:8080"],
@@ -365,15 +367,25 @@ def test_compose_command_is_a_runnable_module(name: str) -> None:
 
 
 def test_flywheel_services_settings_are_valid(services: dict[str, Any]) -> None:
-    """Each service's environment resolves, with the shared config file, to valid Flywheel settings."""
+    """Each service's environment resolves, with the shared config file, to valid Flywheel settings: signed by
+    default (issue 43), the trainer and paramsync each with its own private key, every other service with the
+    public keys only (``startup_problem`` passes for each, with keys as the `keys` service makes them)."""
     from shared.settings import load_settings
+    from shared.signing import startup_problem
 
     assert CONFIG.is_file()
     for name in FLYWHEEL_SERVICES:
         raw = _env(services[name])
         assert raw["FLYWHEEL_CONFIG"] == f"/app/configs/{CONFIG.name}", f"{name}: another config file"
-        env = {k: _interpolate(v, {"FLYWHEEL_ADMIN_TOKEN": "test-token"}) for k, v in raw.items()}
+        env = _at_local_keys({k: _interpolate(v, {"FLYWHEEL_ADMIN_TOKEN": "test-token"}) for k, v in raw.items()})
         settings = load_settings(CONFIG, environ=env)  # unknown FLYWHEEL_* variables raise
+        assert settings.signing.enabled, f"{name}: signing must be on by default"
+        assert (settings.signing.private_key_file is not None) == (name in ("trainer", "paramsync")), name
+        assert startup_problem(name, settings) is None, name
+        mounts = {v.split(":")[1] for v in services[name].get("volumes") or []}
+        assert "/keys/public" in mounts, f"{name}: the public keys are not mounted"
+        own = {"trainer": {"/keys/trainer"}, "paramsync": {"/keys/paramsync"}}.get(name, set())
+        assert mounts & {"/keys/trainer", "/keys/paramsync"} == own, f"{name} mounts another role's private key"
         assert settings.kafka.bootstrap == "kafka:9092"
         assert settings.store.backend == "s3"
         assert settings.s3.endpoint == "http://minio:9000"
@@ -404,6 +416,7 @@ def test_flywheel_service_healthcheck_and_ordering(services: dict[str, Any], nam
         "kafka-2": {"condition": "service_healthy", "required": False},
         "kafka-3": {"condition": "service_healthy", "required": False},
         "minio-init": {"condition": "service_completed_successfully"},
+        "keys": {"condition": "service_completed_successfully"},  # the signing keys exist before any service
     }
     assert svc["restart"] == "unless-stopped"
 
@@ -710,10 +723,25 @@ def test_docker_compose_config_is_valid() -> None:
 # ---- trainer ranks (the `ranks` profile) -------------------------------------------------------
 
 
+@functools.cache
+def _keys_dir() -> str:
+    """Signing keys laid out as the `keys` service makes them under /keys (``flywheel keys init``)."""
+    from shared.signing import generate_keys
+
+    directory = tempfile.mkdtemp(prefix="flywheel-compose-keys-")
+    generate_keys(Path(directory))
+    return directory
+
+
+def _at_local_keys(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the containers' /keys/ paths pointed at :func:`_keys_dir`."""
+    return {k: v.replace("/keys/", f"{_keys_dir()}/") for k, v in env.items()}
+
+
 def _trainer_settings(services: dict[str, Any], name: str, given: dict[str, str]) -> Any:
     from shared.settings import load_settings
 
-    env = {k: _interpolate(v, given) for k, v in _env(services[name]).items()}
+    env = _at_local_keys({k: _interpolate(v, given) for k, v in _env(services[name]).items()})
     return load_settings(CONFIG, environ=env)
 
 
@@ -788,7 +816,7 @@ def test_acl_every_service_has_its_own_identity(services: dict[str, Any], acl: d
     given = {"FLYWHEEL_ADMIN_TOKEN": "t" * 40, "TRAINERS": "2"}
     for name in (*FLYWHEEL_SERVICES, "trainer-1"):
         role = "trainer" if name == "trainer-1" else name
-        env = _merged_env(services, acl, name, given)
+        env = _at_local_keys(_merged_env(services, acl, name, given))
         settings = load_settings(CONFIG, environ=env)  # unknown FLYWHEEL_* variables raise
         kafka = settings.kafka
         assert (kafka.bootstrap, kafka.security_protocol, kafka.sasl_mechanism) == (

@@ -125,9 +125,10 @@ def services(project: dict[str, Any]) -> dict[str, Any]:
 
 def test_loads_under_the_compose_specification(project: dict[str, Any]) -> None:
     assert project["name"] == "flywheel"
-    assert set(project["services"]) == {"kafka", "minio", "minio-init", "prometheus", "grafana", *FLYWHEEL_SERVICES}
+    assert set(project["services"]) == {"kafka", "minio", "minio-init", "keys", "prometheus", "grafana",
+                                        *FLYWHEEL_SERVICES}
     assert set(project["volumes"]) == {"kafka-data", "kafka-2-data", "kafka-3-data", "minio-data", "prometheus-data",
-                                       "grafana-data"}
+                                       "grafana-data", "trainer-key", "paramsync-key", "signing-public"}
     assert "kafka-2" not in project["services"] and "kafka-3" not in project["services"], "the `cluster` profile"
 
 
@@ -224,7 +225,9 @@ def test_healthchecks_and_ordering(services: dict[str, Any]) -> None:
             "kafka-2": {"condition": "service_healthy", "required": False},  # the `cluster` profile's
             "kafka-3": {"condition": "service_healthy", "required": False},
             "minio-init": {"condition": "service_completed_successfully", "required": True},
+            "keys": {"condition": "service_completed_successfully", "required": True},
         }, name
+    assert "healthcheck" not in services["keys"], "a one-shot job has no health"
     assert services["minio-init"]["depends_on"] == {"minio": {"condition": "service_healthy", "required": True}}
 
 

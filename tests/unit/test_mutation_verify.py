@@ -5,6 +5,7 @@ never held a record, and the lines ``flywheel verify`` prints."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,8 @@ def test_the_lines_verify_prints(tmp_path: Path) -> None:
     assert code == 0
     assert lines == [
         "checkpoint 1 (policy version 101, 2 partition(s) in its ledger)",
+        f"  checkpoint record and blob: ok (run r, signing is off: not signed, sha256 "
+        f"{hashlib.sha256(b'weights 1').hexdigest()[:12]}..)",
         "  (--no-log: the ledger alone; the topic's partitions and records are not read)",
         "  r.samples:0 [0, 10): ok (trained 9, dead 1)",
         "  r.samples:1 [0, 0): ok (empty)",
@@ -191,6 +194,48 @@ def test_the_lines_verify_prints(tmp_path: Path) -> None:
     code, lines = verify(Settings(run="r", store=StoreSettings(backend="local", local_root=tmp_path)), read_log=False)
     assert code == 1 and lines[-1] == "verify: FAILED"
     assert "    - missing (no outcome): 9" in lines
+
+
+def test_verify_checks_the_checkpoint_itself_its_run_signature_and_blob(tmp_path: Path) -> None:
+    """Issue 43: a checkpoint of another run, one whose signed ledger was edited after signing, and one whose
+    blob is gone each fail verify, whatever their ledgers say; a signed one of this run passes."""
+    from shared.keyfile import read_private_key, read_public_keys
+    from shared.settings import SigningSettings
+    from shared.signing import KeyRing, Signer, generate_keys
+
+    paths = generate_keys(tmp_path / "keys")
+    signing = SigningSettings(enabled=True, keys_file=paths["public"])
+    settings = Settings(run="r", store=StoreSettings(backend="local", local_root=tmp_path), signing=signing)
+    signer = Signer("r", KeyRing(read_public_keys(paths["public"]), read_private_key(paths["trainer"])))
+    store = VersionedStore(LocalDirStore(tmp_path), "r", "checkpoints")
+    parts = {"r.samples:0": ledger(n=10)}
+
+    def write(step: int, sign: bool = True, **extra: Any) -> VersionRecord:
+        data = f"weights {step}".encode()
+        key, _ = store.put_blob(data, f"{store.prefix}/{step}/x.pt")
+        rec = VersionRecord(version=step, blob=key, sha256=hashlib.sha256(data).hexdigest(), size=len(data),
+                            trainer_step=step, extra={"ledger": parts, "policy_version": step, **extra})
+        rec = signer.sign_checkpoint(rec) if sign else rec
+        current = store.read_marker()
+        store.publish(rec, None if current is None else current[1])
+        return rec
+
+    rec = write(1)
+    code, lines = verify(settings, read_log=False)
+    assert code == 0 and f"signed by trainer key {rec.extra['signature']['key_id']}" in lines[1], lines
+    write(2, sign=False, run="other")
+    code, lines = verify(settings, read_log=False)
+    assert code == 1 and "belongs to run 'other', not to this run 'r'" in lines[1], lines
+    assert lines[-1] == "verify: FAILED (the checkpoint itself is not trusted)"
+    tampered = write(3)
+    forged = {**tampered.extra, "ledger": {"r.samples:0": ledger(n=11)}}
+    store.publish(dataclasses.replace(tampered, version=4, extra=forged), store.read_marker()[1])  # type: ignore[index]
+    code, lines = verify(settings, read_log=False)
+    assert code == 1 and "REFUSED (bad_signature" in lines[1], lines
+    gone = write(5)
+    LocalDirStore(tmp_path).delete(gone.blob)
+    code, lines = verify(settings, read_log=False)
+    assert code == 1 and "checkpoint blob: FAILED" in lines[1], lines
 
 
 def test_explain_says_nothing_when_the_counts_agree() -> None:
