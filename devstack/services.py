@@ -101,6 +101,9 @@ def service_env(
     if service == "admin":
         env[TOKEN_ENV] = admin_token
         env["FLYWHEEL_ADMIN_LOG_DIR"] = str(home / "logs")  # GET /trace/{sample_id} reads them
+        # The status page reads /status without a token on this machine's stack (compose and Kubernetes keep
+        # reads closed: admin.public_reads false); an exported FLYWHEEL_ADMIN_PUBLIC_READS=false closes them here too.
+        env.setdefault("FLYWHEEL_ADMIN_PUBLIC_READS", "true")
     env["PYTHONUNBUFFERED"] = "1"
     # The service writes its JSON lines to logs/<name>.log itself and rotates it between lines, so no
     # line (the per-fragment trace) is lost to rotation; stdout/stderr go to logs/<name>.out.

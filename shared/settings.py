@@ -509,7 +509,19 @@ class SigningSettings(_Section):
 
 class AdminSettings(_Section):
     token: SecretStr | None = None
-    """Bearer token for mutating endpoints (from the environment only: FLYWHEEL_ADMIN_TOKEN)."""
+    """A bearer token of the one operator named ``admin`` (from the environment only: FLYWHEEL_ADMIN_TOKEN).
+    May be given with ``tokens_file``; at least one of the two is required unless ``insecure_dev``."""
+    tokens_file: Path | None = None
+    """Named operators: one ``<name> <sha256 hex of the token>`` a line (``#`` starts a comment, blank lines are
+    skipped); ``flywheel tokens add NAME --file F`` makes a token and appends its line. A request's bearer token is
+    hashed and compared with every line's hash; the audit names the operator it belongs to. Read at admin's start,
+    which refuses a malformed line, a duplicate name or token, a hash that is not 64 hex digits or an empty file,
+    naming this field (``services.admin.deps.Operators``)."""
+    public_reads: bool = False
+    """Whether the read endpoints (``/status``, ``/status/history``, ``/policy/versions``, ``/audit``, ``/config``,
+    ``/config/history``, ``/trace/...``) answer without a token. False (the default, compose and Kubernetes): they
+    need an operator's token like the writes (401 without one, 403 with a wrong one); the local stack sets it true
+    for its status page. ``/healthz`` and ``/metrics`` are always open."""
     insecure_dev: bool = False
     """Allow starting without a token (mutations then unauthenticated). Development only."""
     refresh_interval_s: float = Field(2.0, gt=0)

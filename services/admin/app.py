@@ -1,4 +1,5 @@
-"""The admin REST API. ``GET /status`` is a stable contract (docs/api.md); mutations need a bearer token."""
+"""The admin REST API. ``GET /status`` is a stable contract (docs/api.md); mutations need an operator's bearer token,
+and so do reads unless ``admin.public_reads`` (``services/admin/deps.py``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from pydantic import BaseModel, Field
 
-from services.admin.deps import State, require_token
+from services.admin.deps import AUTH_RESPONSES, Operators, State, require_reader, require_token
 from services.admin.errors import allow_all_methods, declare_errors
+from services.admin.ops import reads as ops_reads
 from services.admin.ops import router as ops_router
 from services.admin.pages import mount_pages
 from services.admin.state import SAMPLER_FORGET_S, AdminState
@@ -173,10 +175,17 @@ def _signer_of(rec: Any) -> str | None:
     return key_id if isinstance(key_id, str) else None
 
 
-def create_app(state: AdminState) -> FastAPI:
+def create_app(state: AdminState, operators: Operators | None = None) -> FastAPI:
+    """The API of ``state``; ``operators`` default to those of ``state.settings.admin`` (read here: a bad tokens
+    file is a ConfigError naming ``admin.tokens_file``). With ``admin.public_reads`` false every read endpoint
+    needs an operator's token too, and the schema says so (``/healthz``, ``/metrics`` and the pages stay open)."""
     app = FastAPI(title="Flywheel admin", version="1", docs_url=None,
                   description="Status of a Flywheel run and manual policy sync. See docs/api.md.")
     app.state.admin = state
+    app.state.operators = operators if operators is not None else Operators.from_settings(state.settings.admin)
+    closed_reads = not state.settings.admin.public_reads
+    read_auth = [Depends(require_reader)] if closed_reads else []
+    read_responses = dict(AUTH_RESPONSES) if closed_reads else {}
 
     @app.get("/healthz", response_model=HealthBody,
              responses={503: {"model": HealthBody, "description": "Not started yet (Kafka unreachable at start)"}})
@@ -191,7 +200,7 @@ def create_app(state: AdminState) -> FastAPI:
     def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
-    @app.get("/status", response_model=Status)
+    @app.get("/status", response_model=Status, dependencies=read_auth, responses=read_responses)
     async def status(s: State) -> Status:
         now = time.time()
         rec = await s.published()
@@ -269,7 +278,7 @@ def create_app(state: AdminState) -> FastAPI:
 
     @app.post("/policy/sync", response_model=SyncAccepted, status_code=202,
               dependencies=[Depends(require_token)],
-              responses={401: {"description": "Missing or wrong bearer token"},
+              responses={**AUTH_RESPONSES,
                          409: {"description": "No policy has been published yet"},
                          503: {"description": "Kafka is unreachable: the command could not be sent"}})
     async def policy_sync(
@@ -303,6 +312,7 @@ def create_app(state: AdminState) -> FastAPI:
                             waited_s=round(time.monotonic() - t0, 3), samplers=s.live_sampler_versions(time.time()))
 
     app.include_router(ops_router)
+    app.include_router(ops_reads, dependencies=read_auth, responses=read_responses)
     mount_pages(app)
     declare_errors(app)
     allow_all_methods(app)

@@ -9,6 +9,7 @@
     flywheel trace SAMPLE_ID [FILE|-] [--logs DIR]   one sample's way, from the JSON logs
     flywheel eval [V] --episodes N [--deterministic] [--video DIR]   run a policy version, mean ± std return
     flywheel export [V] --format onnx|safetensors [--out PATH]      write a policy version as a file
+    flywheel tokens add NAME --file F          a token for operator NAME (printed once), its hash appended to F
 
 The API address comes from ``--url`` or ``$FLYWHEEL_ADMIN_URL`` (default http://127.0.0.1:8080);
 the token from ``--token``, ``$FLYWHEEL_ADMIN_TOKEN`` or the local stack's ``admin-token``
@@ -153,7 +154,8 @@ class Api:
 
     def call(self, method: str, path: str, *, params: dict[str, Any] | None = None, body: Any = None,
              auth: bool = False) -> Any:
-        headers = {"Authorization": f"Bearer {self.token}"} if auth and self.token else {}
+        # Every call sends the token when there is one: reads need it too unless the admin has admin.public_reads.
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         try:
             r = self.client.request(method, path, params=params, json=body, headers=headers)
         except httpx.TimeoutException as exc:
@@ -162,7 +164,7 @@ class Api:
             raise Unreachable(f"cannot reach the admin API at {self.url}: {exc or type(exc).__name__}") from None
         if r.status_code >= 400:
             reason = error_reason(r)
-            if r.status_code == 401:
+            if r.status_code in (401, 403):
                 reason += " (pass --token, set FLYWHEEL_ADMIN_TOKEN, or see <FLYWHEEL_HOME>/admin-token)"
             raise ApiError(r.status_code, f"{method} {path}: {r.status_code} {reason}")
         try:
@@ -392,6 +394,13 @@ def build_parser() -> argparse.ArgumentParser:
         kp.add_argument("--dir", type=Path, required=True, metavar="DIR",
                         help="DIR/trainer/trainer.key, DIR/paramsync/paramsync.key, DIR/public/public.keys")
 
+    tk = sub.add_parser("tokens", help="named operators of the admin API (admin.tokens_file; local files only)")
+    tksub = tk.add_subparsers(dest="action", required=True, metavar="ACTION")
+    tadd = tksub.add_parser("add", help="make a token for operator NAME, print it once, append 'NAME <sha256 of "
+                            "it>' to FILE (a name already there is refused)")
+    tadd.add_argument("name", metavar="NAME", help="the operator's name, as the audit will show it")
+    tadd.add_argument("--file", type=Path, required=True, metavar="FILE", help="the tokens file (created if absent)")
+
     xp = sub.add_parser("export", help="write a policy version as ONNX or safetensors "
                         "(reads the store directly; docs/using-a-policy.md)")
     xp.add_argument("version", nargs="?", type=int, metavar="VERSION",
@@ -443,6 +452,49 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def new_operator_token() -> str:
+    """``secrets.token_urlsafe(32)`` that does not begin with "-" (``flywheel --token -x...`` reads as an option)."""
+    import secrets
+
+    while (token := secrets.token_urlsafe(32)).startswith("-"):
+        pass
+    return token
+
+
+def cmd_tokens(args: argparse.Namespace) -> int:
+    """``flywheel tokens add NAME --file F``: the token on stdout (once; only its hash is kept), the line appended to
+    F; exit 1 when NAME is not a valid name, is already in F, or F is malformed or cannot be written."""
+    from services.admin.deps import OPERATOR_NAME, parse_tokens, token_sha256  # fastapi: only for this command
+    from shared.settings import ConfigError
+
+    path: Path = args.file
+    if not OPERATOR_NAME.fullmatch(args.name):
+        print(f"flywheel: {args.name!r} is not an operator name: 1-64 letters, digits, '.', '_', '@' or '-', "
+              "beginning with a letter or digit", file=sys.stderr)
+        return 1
+    try:
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        listed: dict[str, str] = {}
+        if any(line.split("#", 1)[0].strip() for line in text.splitlines()):
+            listed = parse_tokens(text, str(path))
+        if args.name in listed:
+            print(f"flywheel: operator {args.name!r} is already in {path}; remove its line to give it a new token",
+                  file=sys.stderr)
+            return 1
+        token = new_operator_token()
+        line = f"{args.name} {token_sha256(token)}\n"
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a", encoding="utf-8") as fh:
+            fh.write(line if not text or text.endswith("\n") else "\n" + line)
+    except (ConfigError, OSError, UnicodeDecodeError) as exc:
+        print(f"flywheel: {exc}", file=sys.stderr)
+        return 1
+    out(token)
+    print(f"operator {args.name!r} added to {path}. The token above is shown this once (only its sha256 is kept): "
+          "give it to the operator, and restart admin to load the file (admin.tokens_file)", file=sys.stderr)
+    return 0
+
+
 def cmd_policy(args: argparse.Namespace) -> int:
     """``eval`` and ``export``: read the run's policy versions from the store directly, no API call.
     Exit 1 when the version is not there or does not fit the config, 2 for a config error or an unreachable store."""
@@ -483,6 +535,8 @@ def run(args: argparse.Namespace, transport: httpx.BaseTransport | None, sleep: 
         return cmd_verify(args)
     if args.command == "keys":
         return cmd_keys(args)
+    if args.command == "tokens":
+        return cmd_tokens(args)
     if args.command in ("eval", "export"):
         return cmd_policy(args)
     timeout = 10.0 + (args.wait if args.command == "sync" else 0.0)

@@ -1,7 +1,8 @@
 """Operator actions: pause and resume samplers, policy versions and rollback, runtime settings with
-revisions, the audit trail, status history. Every mutation needs the bearer token, is validated
+revisions, the audit trail, status history. Every mutation needs an operator's bearer token, is validated
 (4xx with the reason, never a 5xx for bad input), and is recorded in the append-only audit trail
-(``<run>/audit/`` in the object store) with its actor, parameters and outcome."""
+(``<run>/audit/`` in the object store) with its actor (the operator's name), parameters and outcome. ``router``
+holds the mutations, ``reads`` the read endpoints: the app includes it behind a token unless ``admin.public_reads``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query, Reques
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from services.admin.config_body import body_schema, check_types
-from services.admin.deps import State, actor, require_token
+from services.admin.deps import AUTH_RESPONSES, State, actor, require_token
 from services.admin.outbox import ACK_WAIT_S, CommandOutbox
 from services.admin.rollbacks import new_request_id
 from services.admin.state import AdminState
@@ -27,7 +28,10 @@ from shared.runtime import PauseStateConflict, apply_runtime, runtime_values, up
 from shared.settings import ConfigError
 
 router = APIRouter()
-AUTH: dict[int | str, dict[str, Any]] = {401: {"description": "Missing or wrong bearer token"}}
+"""The mutations: each needs an operator's token (``require_token``)."""
+reads = APIRouter()
+"""The read endpoints: behind ``require_reader`` unless ``admin.public_reads`` (``create_app``)."""
+AUTH: dict[int | str, dict[str, Any]] = AUTH_RESPONSES
 ROLLBACK_WAIT_S = 5.0
 """How long ``POST /policy/rollback`` waits for paramsync to apply the request before answering pending."""
 
@@ -174,7 +178,7 @@ async def _append_audit(s: AdminState, who: str, action: str, params: dict[str, 
     try:
         await asyncio.to_thread(s.audit.append, who, action, params, outcome)
     except Exception as exc:  # the action happened; a lost audit line is logged, not hidden
-        s.log.error("audit_write_failed", action=action, error=f"{type(exc).__name__}: {exc}"[:300])
+        s.log.error("audit_write_failed", action=action, actor=who, error=f"{type(exc).__name__}: {exc}"[:300])
 
 
 async def _audit(s: State, request: Request, action: str, params: dict[str, Any], outcome: str) -> None:
@@ -268,7 +272,7 @@ async def resume(s: State, request: Request,
 
 
 # ---- versions and rollback ------------------------------------------------------------------
-@router.get("/policy/versions", response_model=Versions, responses={503: {"description": "Object store down"}})
+@reads.get("/policy/versions", response_model=Versions, responses={503: {"description": "Object store down"}})
 async def versions(s: State) -> Versions:
     records: list[VersionRecord] = await _store(s, "history", s.policies.records)
     pending: list[dict[str, Any]] = await _store(s, "rollback requests", s.rollbacks.pending)
@@ -346,7 +350,7 @@ async def rollback(s: State, request: Request, body: RollbackRequest) -> Rollbac
 
 
 # ---- runtime settings ---------------------------------------------------------------------
-@router.get("/config", response_model=ConfigView, responses={503: {"description": "Object store down"}})
+@reads.get("/config", response_model=ConfigView, responses={503: {"description": "Object store down"}})
 async def get_config(s: State) -> ConfigView:
     """The runtime settings (changeable without a restart) and their revision."""
     latest = await _store(s, "config", s.runtime_config.latest)
@@ -411,7 +415,7 @@ async def patch_config(s: State, request: Request, response: Response,
     return await _write_config(s, request, response, typed, None)
 
 
-@router.get("/config/history", response_model=ConfigHistory, responses={503: {"description": "Object store down"}})
+@reads.get("/config/history", response_model=ConfigHistory, responses={503: {"description": "Object store down"}})
 async def config_history(s: State) -> ConfigHistory:
     revisions = await _store(s, "config history", s.runtime_config.history)
     return ConfigHistory(revisions=[RevisionInfo(**asdict(r)) for r in revisions])
@@ -434,14 +438,14 @@ async def config_revert(s: State, request: Request, response: Response, body: Re
 
 
 # ---- audit, history ---------------------------------------------------------------------------
-@router.get("/audit", response_model=Audit, responses={503: {"description": "Object store down"}})
+@reads.get("/audit", response_model=Audit, responses={503: {"description": "Object store down"}})
 async def audit(s: State, limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> Audit:
     """Operator and automatic actions, newest last: time, actor, parameters, outcome. Append-only."""
     entries = await _store(s, "audit", s.audit.entries, limit)
     return Audit(entries=[AuditEntryView(**asdict(e)) for e in entries])
 
 
-@router.get("/status/history")
+@reads.get("/status/history")
 async def status_history(s: State) -> dict[str, Any]:
     """Compact status samples (one per ``admin.refresh_interval_s``, the last hour) for the curves."""
     return {"points": list(s.history)}
@@ -452,7 +456,7 @@ SAMPLE_ID_PATTERN = "^[0-9A-Za-z._-]{1,128}$"
 ``host-41-ab12`` is not found: 404, not 422; schemathesis's stateful phase sent one from ``GET /status``)."""
 
 
-@router.get("/trace/{sample_id}", responses={404: {"description": "Not found, or the logs are not reachable"}})
+@reads.get("/trace/{sample_id}", responses={404: {"description": "Not found, or the logs are not reachable"}})
 async def trace(s: State, sample_id: Annotated[str, Path(pattern=SAMPLE_ID_PATTERN,
                                                           description="The hex id from the logs")]
                 ) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from shared.messages import ControlCommand
 from shared.retry import describe, is_transient
 
@@ -118,7 +120,10 @@ class CommandOutbox:
         return self.settle(item)
 
     async def _drain(self) -> None:
-        """Send the queued commands in order until none is left; never raises but on cancellation."""
+        """Send the queued commands in order until none is left; never raises but on cancellation. The task was
+        started inside one operator's request and copied its log context: its lines name each command's requester
+        (``requested_by``) instead of that request's ``operator``."""
+        structlog.contextvars.unbind_contextvars("operator")
         try:
             while self.queue:
                 item = self.queue[0]
@@ -135,8 +140,8 @@ class CommandOutbox:
                         continue
                     if item.attempts == 1 or item.attempts % 10 == 0:
                         self.log.warning("operator_command_not_sent", command=item.cmd.command,
-                                         request_id=item.cmd.request_id, attempt=item.attempts, error=item.error,
-                                         queued=len(self.queue))
+                                         request_id=item.cmd.request_id, requested_by=item.params.get("requested_by"),
+                                         attempt=item.attempts, error=item.error, queued=len(self.queue))
                     await asyncio.sleep(self._backoff(item.attempts))
                     continue
                 item.sent = True
@@ -154,7 +159,7 @@ class CommandOutbox:
         waited = round(self._clock() - item.queued_at, 1)
         if failure is None and (item.attempts or item.answered_pending):
             self.log.info("operator_command_sent_late", command=item.cmd.command, request_id=item.cmd.request_id,
-                          after_s=waited, attempts=item.attempts + 1)
+                          requested_by=item.params.get("requested_by"), after_s=waited, attempts=item.attempts + 1)
         if not item.answered_pending:
             return  # the request itself says what happened
         params = {**item.params, "pending_s": waited}

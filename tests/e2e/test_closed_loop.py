@@ -54,10 +54,10 @@ def test_closed_loop_learns_and_can_be_operated(make_stack: Any, run_name: str, 
     assert st["dropped_fraction"] is not None and st["dropped_fraction"] <= 0.05, st
     assert all(x["credits_window"] is not None and x["credits_window"] >= 1 for x in alive), alive
 
-    # ---- manual sync: 401 without the token; with it, every sampler on the latest within 1 s --
+    # ---- manual sync: 401 without the token, 403 with a wrong one; with it, every sampler on the latest within 1 s
     url = f"{stack.admin_url}/policy/sync"
     assert httpx.post(url, timeout=10).status_code == 401
-    assert httpx.post(url, headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401
+    assert httpx.post(url, headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 403
     assert httpx.post(url, params={"wait_s": -1}, headers={"Authorization": f"Bearer {stack.admin_token}"},
                       timeout=10).status_code == 422
     r = httpx.post(url, params={"wait_s": 1.0}, headers={"Authorization": f"Bearer {stack.admin_token}"}, timeout=10)

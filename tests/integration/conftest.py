@@ -26,9 +26,11 @@ async def api(admin_bootstrap: str, s3_endpoint: Any, run_name: str, monkeypatch
     for k, v in s3_endpoint.env().items():
         if k.startswith("AWS_"):
             monkeypatch.setenv(k, v)
+    # Reads open, as the local stack has them: these tests read without a token. Closed reads (the default) are
+    # tested in tests/unit/test_admin_operators.py and by test_api_schema.py's real admin (schemathesis).
     env = {"FLYWHEEL_RUN": run_name, "FLYWHEEL_KAFKA_BOOTSTRAP": admin_bootstrap, "FLYWHEEL_ADMIN_TOKEN": TOKEN,
-           "FLYWHEEL_ADMIN_REFRESH_INTERVAL_S": "0.2", **{k: v for k, v in s3_endpoint.env().items()
-                                                         if k.startswith("FLYWHEEL_")}}
+           "FLYWHEEL_ADMIN_PUBLIC_READS": "true", "FLYWHEEL_ADMIN_REFRESH_INTERVAL_S": "0.2",
+           **{k: v for k, v in s3_endpoint.env().items() if k.startswith("FLYWHEEL_")}}
     settings = load_settings(None, environ=env)
     state = AdminState(settings)
     await state.start()

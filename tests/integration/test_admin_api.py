@@ -33,7 +33,7 @@ async def test_status_before_anything_runs(api: Any, run_name: str) -> None:
 async def test_sync_needs_a_token_and_a_published_policy(api: Any, s3_endpoint: Any, run_name: str) -> None:
     client, _ = api
     assert (await client.post("/policy/sync")).status_code == 401
-    assert (await client.post("/policy/sync", headers={"Authorization": "Bearer nope"})).status_code == 401
+    assert (await client.post("/policy/sync", headers={"Authorization": "Bearer nope"})).status_code == 403
     auth = {"Authorization": f"Bearer {TOKEN}"}
     r = await client.post("/policy/sync", headers=auth)
     assert r.status_code == 409 and "no policy" in r.json()["detail"]

@@ -79,7 +79,7 @@ async def test_pause_and_resume_are_durable_commands(api: Any, kafka_bootstrap: 
     assert [(c.command, c.sampler) for c in cmds] == [("pause", "s-a"), ("pause", None), ("resume", None)]
     audit = (await client.get("/audit")).json()["entries"]
     assert [e["action"] for e in audit] == ["pause", "pause", "resume"]
-    assert audit[0]["params"] == {"sampler": "s-a", "request_id": first} and audit[0]["actor"].startswith("operator@")
+    assert audit[0]["params"] == {"sampler": "s-a", "request_id": first} and audit[0]["actor"] == "admin"
     assert [c.request_id for c in cmds][0] == first and audit[0]["outcome"] == "sent"
 
 

@@ -97,7 +97,7 @@ def test_bad_requests_get_error_bodies_as_declared(admin_url: str) -> None:
     assert r.status_code == 422 and isinstance(r.json()["detail"], list) and r.json()["detail"][0]["msg"]
     r = httpx.patch(f"{admin_url}/config", json={"no.such": 1}, headers=auth, timeout=10)
     assert r.status_code == 422 and "not a runtime setting" in json.dumps(r.json()["detail"])
-    r = httpx.get(f"{admin_url}/trace/not-hex!", timeout=10)
+    r = httpx.get(f"{admin_url}/trace/not-hex!", headers=auth, timeout=10)  # reads need the token here
     assert r.status_code == 422 and isinstance(r.json()["detail"], list)
 
 
@@ -119,7 +119,7 @@ def test_what_the_schema_allows_is_not_refused_as_invalid(admin_url: str) -> Non
     assert r.status_code == 404 and "revision 71452 does not exist" in r.json()["detail"]
     r = httpx.post(f"{admin_url}/policy/rollback", json={"version": 997.0}, headers=auth, timeout=10)
     assert r.status_code == 404, r.text
-    r = httpx.get(f"{admin_url}/trace/sampler-1", timeout=10)
+    r = httpx.get(f"{admin_url}/trace/sampler-1", headers=auth, timeout=10)
     assert r.status_code == 404, r.text
 
 

@@ -89,7 +89,7 @@ def test_up_status_restart_sampler_down(stack: LocalStack, run_name: str) -> Non
 
     # The token the stack gave the admin is the one mutations need.
     r = httpx.post(f"{stack.admin_url}/policy/sync", headers={"Authorization": "Bearer wrong"}, timeout=5)
-    assert r.status_code == 401
+    assert r.status_code == 403
 
     # Idempotent: a second up() reuses every process.
     stack.up(samplers=1, timeout_s=30, prometheus=False)
