@@ -21,7 +21,7 @@ CONFIG ?= configs/cartpole.yaml
 PYTEST_ARGS ?=
 ONLY ?=
 
-.PHONY: help install up down status infra-up infra-down test test-faults test-partitions test-soak test-compose test-unit test-mutation bench lint k8s-check s3-live-check clean
+.PHONY: help install up down status infra-up infra-down test test-faults test-partitions test-security test-soak test-compose test-unit test-mutation bench lint k8s-check s3-live-check clean
 
 help:
 	@echo "make up        run the whole stack (docker compose if a Docker engine answers, else local processes)"
@@ -31,6 +31,7 @@ help:
 	@echo "make test-unit fast tests only"
 	@echo "make test-faults  the whole fault-injection suite (~10 min) -> docs/reliability.md"
 	@echo "make test-partitions  the partition nemesis on the multi-host stack (network namespaces, root, ~16 min) -> docs/reliability-network.md"
+	@echo "make test-security  the red-team suite: attacks on the running local stack, one row each (~6 min) -> docs/security.md"
 	@echo "make test-soak     partitions and kill -9 at random on the multi-host stack for SOAK_MINUTES (10), outside CI (root, ~13 min) -> docs/reliability-soak.md"
 	@echo "make test-compose  docker-compose.yml built and run for real on a test Docker engine of its own (root; docs/local-stack.md)"
 	@echo "make test-mutation  mutation testing of the trust core (hours; ONLY=name for one file) -> docs/reliability-mutation.md"
@@ -87,6 +88,13 @@ test-faults: install
 # and iptables (docs/local-stack.md, "Many hosts on one machine"); tests/hosts, run by CI.
 test-partitions: install
 	$(PY) -m pytest tests/hosts -m hosts $(PYTEST_ARGS)
+
+# The red-team suite (issue 43): one attack per row on one local stack signed as devstack starts it (forged and
+# replayed policies, an unsigned record rolled back to, another run's checkpoint, what a sampler holds, admin writes
+# without the token), each refused, audited, training going on, flywheel verify ok; tests/security, run by CI. It
+# rewrites only the generated red-team section of docs/security.md.
+test-security: install
+	SECURITY_REPORT=1 $(PY) -m pytest tests/security -m security $(PYTEST_ARGS)
 
 # The soak, outside CI (not in .ci/run): on the multi-host stack, SOAK_MINUTES (default 10) of cuts and kill -9 at
 # random from a printed seed (FLYWHEEL_SOAK_SEED replays it), then the partition rows' checks on the whole run

@@ -36,6 +36,7 @@ from shared.store import ObjectStore, S3Store
 from tests.faults.accounting import Accounting, account_now
 from tests.faults.liveness import Back, SamplersBack, assert_back, not_applicable
 from tests.faults.proxy import TcpProxy
+from tests.faults.report import pytest_runtest_makereport, unrecorded_outcome  # noqa: F401 (a hook)
 
 KAFKA_PORT, CONTROLLER_PORT, S3_PORT, S3_PROXY_PORT = 19392, 19393, 19300, 19301
 REPO = Path(__file__).resolve().parents[2]
@@ -317,24 +318,11 @@ def _row_for_every_fault_test(request: pytest.FixtureRequest) -> Iterator[None]:
     if env is not None:
         env.back = None
     yield
-    call = getattr(request.node, "rep_call", None)
-    if env is None or call is None or len(env.rows) != before or call.passed:
+    if env is None or len(env.rows) != before or (unrecorded := unrecorded_outcome(request)) is None:
         return
-    xfailed = hasattr(call, "wasxfail")
-    crash = getattr(getattr(call.longrepr, "reprcrash", None), "message", None) or str(call.longrepr)
-    reason = str(getattr(call, "wasxfail", "")) if xfailed else crash.strip().splitlines()[0]
-    name = request.node.name.removeprefix("test_").replace("_", " ")
+    name, outcome, reason = unrecorded
     samplers = env.back.cell() if env.back is not None else "not measured: the test failed before its heal's check"
-    env.rows.append(Row(name, "xfail (known gap)" if xfailed else "FAILED", None, None, None, env.restarts(),
-                        reason.replace("|", "/")[:300], "-", samplers))
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome = yield
-    report = outcome.get_result()  # type: ignore[attr-defined]
-    if report.when == "call":
-        item.rep_call = report  # type: ignore[attr-defined]
+    env.rows.append(Row(name, outcome, None, None, None, env.restarts(), reason, "-", samplers))
 
 
 def s3_store(ep: devstack.InfraEndpoints) -> S3Store:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import platform
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import pytest
 
 from services.trainer.intake import DEDUP_WINDOW  # the text states the code's window, not a copy of it
 from tests.faults.liveness import PAGE_TEXT as SAMPLERS_BACK
@@ -141,23 +144,54 @@ def commit_label() -> str:
     """``git rev-parse --short HEAD``, plus `` + uncommitted changes`` when the tree differs from it (the reports
     the suites write aside: a previous run's rewrite is not a change to the code under test)."""
     head = _git("rev-parse", "--short", "HEAD")
-    dirty = _git("status", "--porcelain", "--", ".", ":(exclude)docs/reliability.md",
-                 ":(exclude)docs/reliability-network.md", ":(exclude)docs/reliability-soak.md")
+    dirty = _git("status", "--porcelain", "--", ".", *(f":(exclude){page}" for page in GENERATED_PAGES))
     return head + (" + uncommitted changes" if dirty else "")
 
 
-def _header(title: str, seed: int, minutes: float | None, replay: str) -> list[str]:
+GENERATED_PAGES = ("docs/reliability.md", "docs/reliability-network.md", "docs/reliability-soak.md")
+"""The pages the suites rewrite: their changes are not changes to the code under test (``commit_label``)."""
+
+
+def last_run(seed: int, minutes: float | None, replay: str) -> str:
+    """The *Last run* line of a suite's page: when, on which commit, the seed and how to replay it, where."""
     took = f", the suite took {minutes:.1f} min" if minutes is not None else ""
+    return (f"Last run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+            f"commit `{commit_label()}`, seed {seed} "
+            f"(replay: `FAULT_SEED={seed} {replay}`), {platform.node()} "
+            f"({platform.machine()}, Python {platform.python_version()}){took}.")
+
+
+def _header(title: str, seed: int, minutes: float | None, replay: str) -> list[str]:
     return [
         f"# {title}",
         "",
         f"Written by the fault-injection suite (`{replay}`, `tests/faults/`); do not edit by hand.",
-        f"Last run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-        f"commit `{commit_label()}`, seed {seed} "
-        f"(replay: `FAULT_SEED={seed} {replay}`), {platform.node()} "
-        f"({platform.machine()}, Python {platform.python_version()}){took}.",
+        last_run(seed, minutes, replay),
         "",
     ]
+
+
+def unrecorded_outcome(request: pytest.FixtureRequest) -> tuple[str, str, str] | None:
+    """For a test that failed (or xfailed) before it added its row: its name as a row names it, the outcome
+    (``FAILED``, ``xfail (known gap)``) and the reason's first line (``|`` made ``/``, at most 300 characters), so
+    the page never drops a row because its test failed; None when it passed. Needs the call's report on the item
+    (``pytest_runtest_makereport`` below, imported by each suite's conftest)."""
+    call = getattr(request.node, "rep_call", None)
+    if call is None or call.passed:
+        return None
+    xfailed = hasattr(call, "wasxfail")
+    crash = getattr(getattr(call.longrepr, "reprcrash", None), "message", None) or str(call.longrepr)
+    reason = str(getattr(call, "wasxfail", "")) if xfailed else crash.strip().splitlines()[0]
+    name = request.node.name.removeprefix("test_").replace("_", " ")
+    return name, "xfail (known gap)" if xfailed else "FAILED", reason.replace("|", "/")[:300]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when == "call":
+        item.rep_call = report  # type: ignore[attr-defined]
 
 
 def _table(rows: list[Row]) -> list[str]:

@@ -39,6 +39,7 @@ from shared.acl import role_acls
 from shared.k8s_acl import strimzi_acls
 from shared.kafka import topic_specs
 from shared.settings import load_settings
+from shared.signing import generate_keys, startup_problem
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -341,6 +342,8 @@ def test_every_container_gets_settings_the_services_accept(checker: Path, tmp_pa
     docs = _dump(checker, overlay)
     ca = tmp_path / "ca.crt"
     ca.write_text("not read by load_settings beyond existing\n")
+    keys = tmp_path / "keys"
+    generate_keys(keys)
     for role in ROLES:
         container = _container(docs, role)
         env = _resolved_env(docs, container, secret_value="s" * 40)
@@ -349,7 +352,14 @@ def test_every_container_gets_settings_the_services_accept(checker: Path, tmp_pa
             mounts = [m["mountPath"] for m in container["volumeMounts"]]
             assert any(env["FLYWHEEL_KAFKA_SSL_CAFILE"].startswith(m + "/") for m in mounts), (role, mounts)
             env["FLYWHEEL_KAFKA_SSL_CAFILE"] = str(ca)
+        mounts = [m["mountPath"] for m in container["volumeMounts"]]
+        for var in ("FLYWHEEL_SIGNING_KEYS_FILE", "FLYWHEEL_SIGNING_PRIVATE_KEY_FILE"):
+            if var in env:  # a mounted file, pointed at keys laid out as `flywheel keys init` makes them
+                assert any(env[var].startswith(m + "/") for m in mounts), (role, var, mounts)
+                env[var] = env[var].replace("/keys/", f"{keys}/", 1)
         settings = load_settings(config, environ=env)  # refuses unknown FLYWHEEL_* variables
+        assert settings.signing.enabled, f"{role}: signed by default (issue 43)"
+        assert startup_problem(role, settings) is None, role
         port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
         assert settings.http.port == port and settings.http.host == "0.0.0.0", role
         for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
@@ -374,6 +384,16 @@ def test_each_role_reads_only_its_own_secrets(checker: Path) -> None:
         if role == "admin":
             expected.add("flywheel-admin-token")
         assert secrets == expected, role
+        # Secret volumes: the public signing keys for every role, a private key for the trainer and paramsync only,
+        # each its own (issue 43).
+        pod = next(d for d in docs if d["kind"] in ("Deployment", "StatefulSet")
+                   and d["metadata"]["name"] == f"flywheel-{role}")["spec"]["template"]["spec"]
+        volumes = {v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+        own = {f"flywheel-{role}-signing-key"} if role in ("trainer", "paramsync") else set()
+        assert volumes - {"flywheel-cluster-ca-cert"} == {"flywheel-signing-public", *own}, role
+        env = {v["name"]: v.get("value") for v in container["env"]}
+        assert env.get("FLYWHEEL_SIGNING_PRIVATE_KEY_FILE") == (
+            f"/keys/{role}/{role}.key" if own else None), role
         assert f"flywheel-{role}" in users  # Strimzi writes that Secret for this KafkaUser
 
 

@@ -267,7 +267,9 @@ func podRules(w workload) []finding {
 		resourceRules(where, c, bad)
 		securityRules(where, c, podNonRoot, bad)
 		for _, e := range c.Env {
-			if !secretName.MatchString(e.Name) {
+			// A variable ending in _FILE names a path: the secret itself is a mounted Secret volume (the
+			// references rule checks that it exists or is created out of band), so the path may be inline.
+			if !secretName.MatchString(e.Name) || strings.HasSuffix(strings.ToUpper(e.Name), "_FILE") {
 				continue
 			}
 			if e.Value != "" {

@@ -10,6 +10,8 @@
 
   const points = []; // {t, ret, sampled, trained, backlog, lagMean, lagP95, lagMax, syncP50, syncP95, version, trainerVersion}
   let token = "";
+  // Reads need the token too where the admin closes them (admin.public_reads false: compose, Kubernetes).
+  const readHeaders = () => (token ? {Authorization: `Bearer ${token}`} : {});
   let versionsShownFor; // the policy.version the versions table was loaded for
   let busy = false;
 
@@ -254,7 +256,7 @@
     const note = $("#versions-note");
     let r;
     try {
-      r = await fetch("policy/versions", {cache: "no-store"});
+      r = await fetch("policy/versions", {cache: "no-store", headers: readHeaders()});
     } catch (e) {
       return; // the status poll reports the connection
     }
@@ -297,7 +299,7 @@
   }
 
   async function errorText(r) {
-    if (r.status === 401) return "wrong or missing token";
+    if (r.status === 401 || r.status === 403) return "wrong or missing token";
     let detail;
     try {
       detail = (await r.json()).detail;
@@ -356,7 +358,7 @@
 
   async function poll(schedule = true) {
     try {
-      const r = await fetch("status", {cache: "no-store"});
+      const r = await fetch("status", {cache: "no-store", headers: readHeaders()});
       if (!r.ok) throw new Error(await errorText(r));
       const s = await r.json();
       const p = toPoint(s, Date.now() / 1000);
@@ -377,7 +379,7 @@
 
   async function loadHistory() {
     try {
-      const r = await fetch("status/history", {cache: "no-store"});
+      const r = await fetch("status/history", {cache: "no-store", headers: readHeaders()});
       if (!r.ok) return; // 404: this admin keeps no history; the page builds its own
       const snaps = (await r.json()).points || [];
       snaps.slice(-MAX_POINTS).forEach((h, i, all) => addPoint(fromHistory(h, i, all.length)));
