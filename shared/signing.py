@@ -57,6 +57,7 @@ DOMAINS: dict[Kind, bytes] = {"candidate": b"flywheel-candidate-ed25519-v1\n",
                               "checkpoint": b"flywheel-checkpoint-ed25519-v1\n"}
 """Prefix of every signed message, by what it signs: a signature means nothing anywhere else."""
 SIGNER_OF: dict[Kind, Role] = {"candidate": "trainer", "policy": "paramsync", "checkpoint": "trainer"}
+PLURAL: dict[Kind, str] = {"candidate": "candidates", "policy": "policies", "checkpoint": "checkpoints"}
 
 Reason = Literal["unsigned", "unknown_key", "wrong_role", "bad_signature", "other_run"]
 
@@ -137,7 +138,7 @@ class KeyRing:
         if self.private is None:
             raise ValueError("signing.private_key_file is not set: this process verifies only")
         if self.private.role != SIGNER_OF[kind]:
-            raise ValueError(f"a {self.private.role} key does not sign {kind}s (the {SIGNER_OF[kind]} does)")
+            raise ValueError(f"a {self.private.role} key does not sign {PLURAL[kind]} (the {SIGNER_OF[kind]} does)")
         key = Ed25519PrivateKey.from_private_bytes(self.private.seed)
         return self.private.key_id, key.sign(DOMAINS[kind] + data).hex()
 
@@ -152,7 +153,7 @@ class KeyRing:
                                                   f"never issued; listed: {', '.join(sorted(self.public))})")
         if entry.role != SIGNER_OF[kind]:
             raise SignatureRefused("wrong_role", f"key {key_id!r} is a {entry.role} key; only a "
-                                                 f"{SIGNER_OF[kind]} key signs {kind}s")
+                                                 f"{SIGNER_OF[kind]} key signs {PLURAL[kind]}")
         try:
             Ed25519PublicKey.from_public_bytes(entry.public).verify(bytes.fromhex(signature), DOMAINS[kind] + data)
         except (InvalidSignature, ValueError):

@@ -67,8 +67,9 @@ def _sampler_versions(st: dict[str, Any]) -> dict[str, int | None]:
 def test_a_copied_announcement_with_its_version_raised_is_refused_everywhere(make_stack: Any, run_name: str,
                                                                               kafka_bootstrap: str) -> None:
     stack: LocalStack = make_stack(18700)
-    assert stack.service_env("paramsync")["FLYWHEEL_SIGNING_KEY_ID"], "the local stack signs its policies"
+    assert stack.service_env("paramsync")["FLYWHEEL_SIGNING_PRIVATE_KEY_FILE"], "the local stack signs its policies"
     assert stack.service_env("sampler")["FLYWHEEL_SIGNING_ENABLED"] == "true"
+    assert "FLYWHEEL_SIGNING_PRIVATE_KEY_FILE" not in stack.service_env("sampler"), "a sampler holds no private key"
     stack.up(samplers=2, prometheus=False)
     wait_until(lambda: (st := status(stack))["trainer"]["updates"] >= 5 and len(_sampler_versions(st)) == 2
                and all(v is not None for v in _sampler_versions(st).values()), 180,
