@@ -5,6 +5,8 @@ A ``RolloutWorker`` makes one update's fragments with the config's env and the l
 ``Learner.update`` runs on them ``updates`` times (after one untimed warm-up update) with ``--threads`` torch
 threads. Run as ``python -m bench.peers.learner_rate --config configs/pong.yaml --threads 1 --updates 3``: one
 JSON line ``{"env_steps_per_update", "seconds", "env_steps_per_s"}`` (the rate over the median update).
+``--precision fp32`` or ``bf16`` overrides the config's ``trainer.precision`` (which ``auto`` leaves float32 on a
+CPU here: the trainer's start-up probe, ``services.trainer.compute``, is not run).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 
-def measure(config: Path, threads: int, updates: int) -> dict[str, Any]:
+def measure(config: Path, threads: int, updates: int, precision: str | None = None) -> dict[str, Any]:
     import torch
 
     from services.sampler.rollout import RolloutWorker
@@ -31,7 +33,8 @@ def measure(config: Path, threads: int, updates: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
     settings = load_settings(config, environ={})
     spec = fragment_spec(settings.env.id, settings.kafka.max_message_bytes, settings.env.frame_stack)
-    learner = Learner(spec, settings.trainer.model_copy(update={"device": "cpu"}))
+    trainer = settings.trainer.model_copy(update={"device": "cpu", **({"precision": precision} if precision else {})})
+    learner = Learner(spec, trainer)
     worker = RolloutWorker.from_settings(settings, "learner-rate", seed=0)
     try:
         worker.set_policy(0, learner.weights())
@@ -45,7 +48,8 @@ def measure(config: Path, threads: int, updates: int) -> dict[str, Any]:
         learner.update(frags)
         seconds.append(time.perf_counter() - t0)
     steps = sum(f.steps for f in frags)
-    return {"config": str(config), "threads": threads, "env_steps_per_update": steps,
+    return {"config": str(config), "threads": threads, "precision": trainer.precision,
+            "bf16": learner.update_cfg.bf16, "env_steps_per_update": steps,
             "epochs": settings.trainer.epochs, "minibatches": settings.trainer.minibatches, "seconds": seconds,
             "env_steps_per_s": steps / statistics.median(seconds)}
 
@@ -55,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--updates", type=int, default=3)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                    help="override trainer.precision (default: the config's)")
     a = ap.parse_args(argv)
-    print(json.dumps(measure(a.config, a.threads, a.updates)), flush=True)
+    print(json.dumps(measure(a.config, a.threads, a.updates, a.precision)), flush=True)
     return 0
 
 
