@@ -23,7 +23,7 @@ async def test_status_before_anything_runs(api: Any, run_name: str) -> None:
     assert r.status_code == 200
     s = r.json()
     assert s["run"] == run_name
-    assert s["policy"] == {"version": None, "sha256": None, "published_at": None}
+    assert s["policy"] == {"version": None, "sha256": None, "published_at": None, "signed": False, "signed_by": None}
     assert s["trainer"]["alive"] is False and s["samplers"] == []
     assert set(s) >= {"run", "policy", "trainer", "samplers", "backlog", "sync", "staleness", "episode_return"}
     assert s["services"]["trainer"]["state"] == "down"  # no heartbeat yet
