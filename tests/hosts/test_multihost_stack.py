@@ -77,7 +77,13 @@ def test_rank_0_cut_from_every_broker_for_60_s(net: Net) -> None:
 
     at_heal, _ = net.partition(row, "trainer", net.kafka, CUT_S, happened=happened)
     assert row.heal_s is not None and row.heal_s <= RECOVER_S, f"training advanced {row.heal_s} s after the heal"
-    assert run_py(net.home, "-m", "devstack", "hosts").returncode == 0  # every part alive, each in its namespace
+    # Every part alive again, each in its namespace. Rank 1's collective waits for rank 0 until trainer.rank_timeout_s
+    # (60 s, as long as the cut): it may exit as the cut heals and the supervisor restarts it within seconds (the CI
+    # rehearsal at 0052e53 asked in that gap and saw rank 1 dead). Recovery is what is asserted, within RECOVER_S.
+    deadline = time.monotonic() + RECOVER_S
+    while (hosts := run_py(net.home, "-m", "devstack", "hosts", check=False)).returncode != 0:
+        assert time.monotonic() < deadline, f"a part not alive {RECOVER_S:.0f} s after the heal:\n{hosts.stdout}"
+        time.sleep(2.0)
     net.check(row, at_heal or 0, CHECKPOINT_EVERY)
 
 
