@@ -24,6 +24,7 @@ The audit trail (``<run>/audit/``) is append-only: one object per entry, created
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import random
@@ -37,6 +38,7 @@ from pydantic import ValidationError
 
 from shared.logging import get_logger
 from shared.marker import MarkerConflict, RepairHook, VersionedStore, VersionRecord
+from shared.retry import describe
 from shared.settings import ConfigError, Settings
 from shared.store import ObjectStore, PreconditionFailed
 
@@ -225,6 +227,26 @@ class AuditLog:
             except (ValueError, TypeError):  # not ours, or damaged: the rest stays readable
                 continue
         return out
+
+
+class Auditor:
+    """A service's automatic actions into the run's audit trail, best effort: an audit write never stops the
+    service (a failure is logged ``audit_write_failed``; the action stands)."""
+
+    def __init__(self, audit: AuditLog, log: Any, actor: str) -> None:
+        self.audit = audit
+        self.log = log
+        self.actor = actor
+
+    async def __call__(self, action: str, params: dict[str, Any], outcome: str) -> None:
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.audit.append, self.actor, action, params, outcome), 10)
+        except Exception as exc:
+            self.log.warning("audit_write_failed", action=action, error=describe(exc))
+
+    def repair_hook(self, kind: str) -> Callable[[Any, str], None]:
+        """For ``VersionedStore(on_repair=...)``: the repair is audited (``AuditLog.repair_hook``)."""
+        return self.audit.repair_hook(self.actor, kind, self.log)
 
 
 class RuntimeWatcher:

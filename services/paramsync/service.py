@@ -45,7 +45,7 @@ from shared.retry import Health, Retrier, describe, every, is_transient, poll_or
 from shared.rl.arch import PolicyArch
 from shared.rl.envs import fragment_spec
 from shared.rl.model import ActorCritic, WeightsError, load_weights
-from shared.runtime import AuditLog
+from shared.runtime import AuditLog, Auditor
 from shared.settings import Settings
 from shared.signing import (
     PolicyVerifier,
@@ -97,14 +97,14 @@ class Paramsync:
         self.topics = Topics.for_run(settings.run)
         self.log = get_logger()
         store = open_store(settings)
-        repaired = AuditLog(store, settings.run).repair_hook("paramsync", "policy", self.log)
+        self.audit = Auditor(AuditLog(store, settings.run), self.log, "paramsync")
+        repaired = self.audit.repair_hook("policy")
         self.policies = VersionedStore(store, settings.run, "policy", on_repair=repaired)
         # Publishes only candidates the trainer signed, and signs every record it publishes and every announcement
         # with its own key (docs/security.md); None: signing is off.
         self.signer = Signer.from_settings(settings, "paramsync")
         self.verifier = PolicyVerifier.from_settings(settings)
         self.refusals = Refusals("paramsync", self.log)
-        self.audit_log = AuditLog(store, settings.run)
         self.rollbacks = RollbackQueue(store, settings.run)
         self._rollback_wanted = asyncio.Event()
         spec = fragment_spec(settings.env.id, settings.kafka.max_message_bytes, settings.env.frame_stack)
@@ -225,15 +225,9 @@ class Paramsync:
             return True
         except SignatureRefused as exc:
             if self.refusals.note_record(exc, record, "marker"):
-                await self._audit("policy_signature_refused", record_audit_params(exc, record, "marker"),
+                await self.audit("policy_signature_refused", record_audit_params(exc, record, "marker"),
                                   "not announced")
             return False
-
-    async def _audit(self, action: str, params: dict[str, Any], outcome: str) -> None:
-        try:
-            await asyncio.wait_for(asyncio.to_thread(self.audit_log.append, "paramsync", action, params, outcome), 10)
-        except Exception as exc:  # the refusal stands; its log line is its record
-            self.log.warning("audit_write_failed", action=action, error=describe(exc))
 
     async def _trainer_signed(self, msg: PolicyMessage, offset: int) -> bool:
         """False when ``msg`` lacks the trainer's valid signature: never published, never supersedes one that has
@@ -244,7 +238,7 @@ class Paramsync:
         except SignatureRefused as exc:
             CANDIDATES.labels(outcome="signature_refused").inc()
             if self.refusals.note_message(exc, msg, offset=offset):
-                await self._audit("candidate_refused", message_audit_params(exc, msg, offset=offset), "not published")
+                await self.audit("candidate_refused", message_audit_params(exc, msg, offset=offset), "not published")
             return False
 
     def _parse_policy_message(self, value: bytes | None, offset: int) -> PolicyMessage | None:

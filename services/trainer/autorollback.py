@@ -37,7 +37,7 @@ from shared.marker import VersionedStore, VersionRecord
 from shared.messages import ControlCommand
 from shared.retry import describe, is_transient
 from shared.rollback import create_request, new_request_id
-from shared.runtime import RuntimeConfig
+from shared.runtime import Auditor, RuntimeConfig
 from shared.settings import Settings
 from shared.store import ObjectStore
 
@@ -55,7 +55,7 @@ class NotRestorable(LookupError):
 
 class GuardShell:
     def __init__(self, guard: RollbackGuard, *, store: ObjectStore, run: str, policies: VersionedStore,
-                 config: RuntimeConfig, producer: Publisher, control_topic: str, audit: m.Auditor, log: Any,
+                 config: RuntimeConfig, producer: Publisher, control_topic: str, audit: Auditor, log: Any,
                  holder: str, lineage: Callable[[], int] = lambda: 0) -> None:
         self.guard = guard
         self.lineage = lineage

@@ -25,9 +25,10 @@ from typing import Any
 from services.trainer.group import ConsumerGroup
 from services.trainer.intake import Intake
 from services.trainer.learner import Learner
-from services.trainer.telemetry import CHECKPOINTS, DEFERRED, Auditor
+from services.trainer.telemetry import CHECKPOINTS, DEFERRED
 from shared.marker import BadPayload, MarkerConflict, VersionedStore, VersionRecord
 from shared.retry import Health, Retrier, describe, is_transient
+from shared.runtime import Auditor
 from shared.signing import SignatureRefused
 
 

@@ -19,10 +19,11 @@ from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError, RebalanceInProgressError
 
 from services.trainer.ledger import ORIGIN, OffsetLedger, Outcome, tp_key
-from services.trainer.telemetry import COMMIT_FAILURES, RECORDS_LOST, Auditor
+from services.trainer.telemetry import COMMIT_FAILURES, RECORDS_LOST
 from shared.bus import Publisher, Record, RecordSource
 from shared.fragment import header_dict
 from shared.retry import Health, Retrier, describe
+from shared.runtime import Auditor
 
 POSITION_WAIT_S = 1.0
 """Longest :meth:`ConsumerGroup.find_lost` waits for a partition's position (it has none while resetting)."""

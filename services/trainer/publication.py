@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from services.trainer.telemetry import DEFERRED, RECOVERIES, VERSION, Auditor
+from services.trainer.telemetry import DEFERRED, RECOVERIES, VERSION
 from shared.bus import Publisher, Record
 from shared.marker import VersionedStore, VersionRecord
 from shared.messages import KEY_CANDIDATE, PolicyMessage
 from shared.retry import Health, Retrier, describe, is_transient
+from shared.runtime import Auditor
 
 PUBLISH_RETRY_MIN_S, PUBLISH_RETRY_MAX_S = 1.0, 10.0  # back-off of a deferred candidate's retries
 

@@ -69,7 +69,7 @@ from shared.marker import BadPayload, VersionedStore, VersionRecord
 from shared.messages import PolicyMessage
 from shared.retry import Health, Retrier, describe, every, is_transient, poll_or_pause, read_forever, stop_clients
 from shared.rl.envs import fragment_spec
-from shared.runtime import AuditLog, RuntimeApplier, RuntimeConfig, RuntimeWatcher, runtime_values
+from shared.runtime import AuditLog, Auditor, RuntimeApplier, RuntimeConfig, RuntimeWatcher, runtime_values
 from shared.settings import Settings
 from shared.signing import (
     PolicyVerifier,
@@ -131,7 +131,7 @@ class Trainer:
         self.digest: tuple[int, str] | None = None  # (update, weights digest) for the heartbeat
         store = open_store(settings)
         self.store = store
-        self.audit = m.Auditor(AuditLog(store, settings.run), self.log)
+        self.audit = Auditor(AuditLog(store, settings.run), self.log, "trainer")
         repaired = self.audit.repair_hook
         self.runtime = RuntimeApplier(RuntimeWatcher(RuntimeConfig(store, settings.run, on_repair=repaired("config"))),
                                       settings, self._apply_settings, self.log, "trainer")

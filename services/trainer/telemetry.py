@@ -6,18 +6,14 @@ built from a :class:`TrainerStats` and the parts' own state, and sent by the ser
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.retry import describe
-from shared.runtime import AuditLog
 from shared.service import RateMeter, percentile
 
 CONSUMED = Counter("flywheel_trainer_fragments_consumed_total", "Records pulled from the samples topic")
@@ -190,22 +186,3 @@ class TrainerStats:
     def dropped_fraction(self) -> float | None:
         total = self.dropped + self.trained_run
         return round(self.dropped / total, 4) if total else None
-
-
-class Auditor:
-    """Automatic actions into the run's audit trail, best effort: an audit write never stops training."""
-
-    def __init__(self, audit: AuditLog, log: Any, actor: str = "trainer") -> None:
-        self.audit = audit
-        self.log = log
-        self.actor = actor
-
-    async def __call__(self, action: str, params: dict[str, Any], outcome: str) -> None:
-        try:
-            await asyncio.wait_for(asyncio.to_thread(self.audit.append, self.actor, action, params, outcome), 10)
-        except Exception as exc:
-            self.log.warning("audit_write_failed", action=action, error=describe(exc))
-
-    def repair_hook(self, kind: str) -> Callable[[Any, str], None]:
-        """For ``VersionedStore(on_repair=...)``: the repair is audited (``AuditLog.repair_hook``)."""
-        return self.audit.repair_hook(self.actor, kind, self.log)

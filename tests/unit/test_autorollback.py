@@ -10,13 +10,12 @@ from pathlib import Path
 
 from services.trainer.autorollback import GUARD_ACTOR, GuardShell
 from services.trainer.guard import RollbackGuard
-from services.trainer.telemetry import Auditor
 from shared.bus import MemoryBus
 from shared.kafka import Topics
 from shared.logging import get_logger
 from shared.marker import VersionedStore
 from shared.messages import ControlCommand
-from shared.runtime import AuditLog, RuntimeConfig, apply_runtime
+from shared.runtime import AuditLog, Auditor, RuntimeConfig, apply_runtime
 from shared.settings import GuardSettings, Settings, StoreSettings, TrainerSettings
 from shared.store import open_store
 from tests.marker_cases import publish_version
@@ -43,8 +42,8 @@ def shell(tmp_path: Path) -> tuple[GuardShell, MemoryBus, Settings]:
     log = get_logger()
     sh = GuardShell(RollbackGuard(CFG), store=store, run=RUN, policies=VersionedStore(store, RUN, "policy"),
                     config=RuntimeConfig(store, RUN), producer=mem.bus().publisher,
-                    control_topic=Topics.for_run(RUN).control, audit=Auditor(AuditLog(store, RUN), log), log=log,
-                    holder="t")
+                    control_topic=Topics.for_run(RUN).control, audit=Auditor(AuditLog(store, RUN), log, "trainer"),
+                    log=log, holder="t")
     return sh, mem, settings
 
 

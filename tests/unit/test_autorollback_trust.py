@@ -27,14 +27,13 @@ from aiokafka.errors import KafkaConnectionError, UnsupportedVersionError
 from services.trainer.autorollback import GUARD_ACTOR, GuardShell
 from services.trainer.guard import RollbackGuard
 from services.trainer.service import Trainer
-from services.trainer.telemetry import Auditor
 from shared.bus import MemoryBus
 from shared.kafka import Topics
 from shared.marker import VersionedStore
 from shared.messages import ControlCommand
 from shared.retry import every
 from shared.rollback import ROLLBACK_PREFIX
-from shared.runtime import AuditLog, RuntimeConfig
+from shared.runtime import AuditLog, Auditor, RuntimeConfig
 from shared.settings import GuardSettings, Settings, StoreSettings, TrainerSettings
 from shared.store import PreconditionFailed, StoreError, open_store
 from tests.marker_cases import publish_version
@@ -156,8 +155,8 @@ def rig(tmp_path: Path) -> Rig:
     pins = FailingPins(policies)
     sh = GuardShell(RollbackGuard(CFG), store=store, run=RUN, policies=pins,  # type: ignore[arg-type]
                     config=RuntimeConfig(store, RUN), producer=mem.bus().publisher,
-                    control_topic=Topics.for_run(RUN).control, audit=Auditor(AuditLog(store, RUN), log), log=log,
-                    holder="t")
+                    control_topic=Topics.for_run(RUN).control, audit=Auditor(AuditLog(store, RUN), log, "trainer"),
+                    log=log, holder="t")
     return Rig(sh, settings, policies, pins, log, mem)
 
 

@@ -15,12 +15,11 @@ import pytest
 from services.trainer import telemetry as m
 from services.trainer.autorollback import GUARD_ACTOR, PIN_TTL_S, GuardShell
 from services.trainer.guard import Decision, RollbackGuard
-from services.trainer.telemetry import Auditor
 from shared.bus import MemoryBus
 from shared.kafka import Topics
 from shared.logging import get_logger
 from shared.marker import VersionedStore
-from shared.runtime import AuditLog, RuntimeConfig, apply_runtime
+from shared.runtime import AuditLog, Auditor, RuntimeConfig, apply_runtime
 from shared.settings import GuardSettings, Settings, StoreSettings, TrainerSettings
 from shared.store import open_store
 from tests.marker_cases import publish_version
@@ -47,8 +46,8 @@ def shell(tmp_path: Path, lr_end: float | None = 1e-5) -> tuple[GuardShell, Sett
     log = get_logger()
     sh = GuardShell(RollbackGuard(CFG), store=store, run=RUN, policies=VersionedStore(store, RUN, "policy"),
                     config=RuntimeConfig(store, RUN), producer=mem.bus().publisher,
-                    control_topic=Topics.for_run(RUN).control, audit=Auditor(AuditLog(store, RUN), log), log=log,
-                    holder="t")
+                    control_topic=Topics.for_run(RUN).control, audit=Auditor(AuditLog(store, RUN), log, "trainer"),
+                    log=log, holder="t")
     return sh, settings
 
 

@@ -9,11 +9,10 @@ from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaConnectionError, RequestTimedOutError, TopicAuthorizationFailedError
 
 from services.trainer.group import ConsumerGroup
-from services.trainer.telemetry import Auditor
 from shared.bus import MemoryBus
 from shared.logging import get_logger
 from shared.retry import Health, Retrier
-from shared.runtime import AuditLog
+from shared.runtime import AuditLog, Auditor
 from shared.store import LocalDirStore
 
 TP = TopicPartition("r.samples", 0)
@@ -39,7 +38,7 @@ def _trainer(tmp_path: Path, twin: Any) -> ConsumerGroup:
     g = ConsumerGroup(twin, MemoryBus().bus().publisher, samples_topic="r.samples", dlq_topic="r.samples.dlq",
                       max_message_bytes=1 << 20, kafka_timeout_s=5.0, health=health,
                       retry=Retrier(health, get_logger()),
-                      audit=Auditor(AuditLog(LocalDirStore(tmp_path), "r"), get_logger()), log=get_logger())
+                      audit=Auditor(AuditLog(LocalDirStore(tmp_path), "r"), get_logger(), "trainer"), log=get_logger())
     for offset in range(3):
         assert g.ledger.consumed(TP, offset)
         g.finished(TP, offset, "trained")
