@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from devstack.config import InfraEndpoints, StackError
+from shared.keyfile import ROLES, private_key_path, public_keys_path
 from shared.rl.envs import EnvPackageMissing, missing_extra
 from shared.rl.extras import install_command
 from shared.settings import ConfigError, load_settings
@@ -114,9 +115,9 @@ def service_env(
         env["FLYWHEEL_LOG_BACKUPS"] = str(log_backups)
     if signing is not None and not any(k in env or k in overrides for k in SIGNING_ENV):
         env["FLYWHEEL_SIGNING_ENABLED"] = "true"
-        env["FLYWHEEL_SIGNING_KEYS_FILE"] = str(signing / "public" / "public.keys")
-        if service in ("trainer", "paramsync"):
-            env["FLYWHEEL_SIGNING_PRIVATE_KEY_FILE"] = str(signing / service / f"{service}.key")
+        env["FLYWHEEL_SIGNING_KEYS_FILE"] = str(public_keys_path(signing))
+        if service in ROLES:
+            env["FLYWHEEL_SIGNING_PRIVATE_KEY_FILE"] = str(private_key_path(signing, service))
     env.update(overrides)
     env["FLYWHEEL_HOME"] = str(home)
     return env

@@ -52,6 +52,7 @@ from devstack.services import (
     validate_config,
 )
 from devstack.state import StackState, SupervisorState
+from shared.keyfile import public_keys_path
 
 INFRA = (kafka.NAME, s3.NAME)
 _KAFKA_NODE = re.compile(rf"{kafka.NAME}-[2-{MAX_BROKERS}]")
@@ -376,7 +377,7 @@ class LocalStack:
             if self.hosts:  # the hosts of samplers and ranks scaled down go too
                 multihost.prune(self.home, plan, self._progress)
             self.state.save(samplers=list(range(samplers)), trainers=self.trainers, prometheus=prometheus,
-                            config=str(self.config), signing_keys_file=str(self.signing / "public" / "public.keys"),
+                            config=str(self.config), signing_keys_file=str(public_keys_path(self.signing)),
                             run=self.run, store_backend=self.store_backend, log_max_bytes=self.log_max_bytes,
                             ports={**self._ports, "sampler_base": self._sampler_base_port,
                                    "trainer_rank_base": self._trainer_rank_base_port,

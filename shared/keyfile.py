@@ -28,6 +28,16 @@ KEY_BYTES = 32
 GENERATE_HINT = "generate keys with: flywheel keys init --dir DIR"
 
 
+def private_key_path(directory: Path, role: Role) -> Path:
+    """Where ``flywheel keys init`` keeps ``role``'s private key in a keys directory: ``<dir>/<role>/<role>.key``."""
+    return directory / role / f"{role}.key"
+
+
+def public_keys_path(directory: Path) -> Path:
+    """Where ``flywheel keys init`` keeps the public list in a keys directory: ``<dir>/public/public.keys``."""
+    return directory / "public" / "public.keys"
+
+
 @dataclass(frozen=True)
 class PublicKeyEntry:
     key_id: str

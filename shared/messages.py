@@ -24,6 +24,15 @@ SIGNATURE_FIELD = "ed25519"
 """The field of a record's ``extra["signature"]`` holding the hex signature (``shared.signing``)."""
 
 
+def record_signature(rec: VersionRecord) -> tuple[str | None, str | None]:
+    """``(key id, hex signature)`` of ``rec.extra["signature"]``; ``(None, None)`` where it is missing or malformed."""
+    sig = rec.extra.get("signature")
+    if not isinstance(sig, dict):
+        return None, None
+    key_id, value = sig.get("key_id"), sig.get(SIGNATURE_FIELD)
+    return (key_id if isinstance(key_id, str) else None), (value if isinstance(value, str) else None)
+
+
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -98,13 +107,11 @@ class PolicyMessage(_Msg):
     @classmethod
     def of(cls, type_: Literal["candidate", "announce"], rec: VersionRecord) -> PolicyMessage:
         """The message of ``rec``; an announcement carries the record's signature (``extra["signature"]``)."""
-        sig = rec.extra.get("signature") if type_ == "announce" else None
-        key_id, signature = (sig.get("key_id"), sig.get(SIGNATURE_FIELD)) if isinstance(sig, dict) else (None, None)
+        key_id, signature = record_signature(rec) if type_ == "announce" else (None, None)
         return cls(type=type_, version=rec.version, blob=rec.blob, sha256=rec.sha256, size=rec.size,
                    trainer_step=rec.trainer_step, created_at=rec.created_at,
                    lineage=rec.lineage, rollback_of=rec.extra.get("rollback_of"),
-                   key_id=key_id if isinstance(key_id, str) else None,
-                   signature=signature if isinstance(signature, str) else None)
+                   key_id=key_id, signature=signature)
 
     def record(self) -> VersionRecord:
         """The version record this message names, with its signature when it carries one: an announcement's

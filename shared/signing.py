@@ -41,10 +41,12 @@ from shared.keyfile import (
     PublicKeyEntry,
     Role,
     check_pair,
+    private_key_path,
+    public_keys_path,
     read_private_key,
     read_public_keys,
 )
-from shared.messages import SIGNATURE_FIELD
+from shared.messages import SIGNATURE_FIELD, record_signature
 
 if TYPE_CHECKING:
     from shared.marker import VersionRecord
@@ -180,18 +182,6 @@ class KeyRing:
         return cls(read_public_keys(signing.keys_file), private)
 
 
-def _signature_in(rec: VersionRecord, field: str = "signature") -> tuple[str | None, str | None]:
-    sig = rec.extra.get(field)
-    if not isinstance(sig, dict):
-        return None, None
-    key_id, value = sig.get("key_id"), sig.get(SIGNATURE_FIELD)
-    return (key_id if isinstance(key_id, str) else None), (value if isinstance(value, str) else None)
-
-
-def _signature_of(rec: VersionRecord) -> tuple[str | None, str | None]:
-    return _signature_in(rec)
-
-
 class Signer:
     """The trainer's (candidates, checkpoints) or paramsync's (version records, announcements) signing."""
 
@@ -249,7 +239,7 @@ class PolicyVerifier:
     def check_record(self, rec: VersionRecord) -> None:
         """A published version record carries paramsync's signature."""
         if self.ring is not None:
-            self.ring.verify("policy", record_claims(self.run, rec), *_signature_of(rec))
+            self.ring.verify("policy", record_claims(self.run, rec), *record_signature(rec))
 
     def check_message(self, msg: PolicyMessage) -> None:
         """An announcement carries paramsync's signature."""
@@ -272,18 +262,19 @@ class PolicyVerifier:
             if owner is None:
                 raise SignatureRefused("unsigned", f"checkpoint {rec.version} names no run and carries no signature "
                                                    f"(this run {self.run!r} signs its checkpoints)")
-            self.ring.verify("checkpoint", checkpoint_claims(self.run, rec), *_signature_of(rec))
+            self.ring.verify("checkpoint", checkpoint_claims(self.run, rec), *record_signature(rec))
 
 
 def generate_keys(directory: Path) -> dict[str, Path]:
     """``flywheel keys init``: ``<dir>/trainer/trainer.key``, ``<dir>/paramsync/paramsync.key`` (mode 0600) and
     ``<dir>/public/public.keys`` listing both, each written only when absent (a second call keeps the keys, so a
     restart never invalidates what was signed). Returns the three paths."""
-    paths = {role: directory / role / f"{role}.key" for role in ROLES}
-    public_path = directory / "public" / "public.keys"
+    public_path = public_keys_path(directory)
+    paths: dict[str, Path] = {role: private_key_path(directory, role) for role in ROLES}
     listed = read_public_keys(public_path) if public_path.exists() else {}
     lines: list[str] = []
-    for role, path in paths.items():
+    for role in ROLES:
+        path = paths[role]
         if path.exists():
             check_pair(read_private_key(path), listed)
             continue
@@ -292,7 +283,7 @@ def generate_keys(directory: Path) -> dict[str, Path]:
         lines.append(public.line())
     if lines or not public_path.exists():
         append_public(public_path, lines)
-    return {**{r: p for r, p in paths.items()}, "public": public_path}
+    return {**paths, "public": public_path}
 
 
 def write_private(path: Path, private: PrivateKeyEntry) -> None:
@@ -317,10 +308,10 @@ def rotate_key(directory: Path, role: Role) -> tuple[str, str]:
     """``flywheel keys rotate``: a new ``role`` key replaces ``<dir>/<role>/<role>.key`` and is appended to the
     public list, where the old one stays listed (both verify) until ``flywheel keys retire`` removes it.
     Returns (old id, new id)."""
-    path = directory / role / f"{role}.key"
+    path = private_key_path(directory, role)
     old = read_private_key(path)
     private, public = new_key(role)
-    append_public(directory / "public" / "public.keys", [public.line()])
+    append_public(public_keys_path(directory), [public.line()])
     write_private(path, private)
     return old.key_id, private.key_id
 
@@ -328,12 +319,12 @@ def rotate_key(directory: Path, role: Role) -> tuple[str, str]:
 def retire_key(directory: Path, key_id: str) -> None:
     """``flywheel keys retire``: remove ``key_id`` from the public list (what it signed no longer verifies).
     ValueError when it is unknown or still some role's current private key."""
-    public_path = directory / "public" / "public.keys"
+    public_path = public_keys_path(directory)
     listed = read_public_keys(public_path)
     if key_id not in listed:
         raise ValueError(f"key {key_id!r} is not listed in {public_path} (listed: {', '.join(sorted(listed))})")
     for role in ROLES:
-        path = directory / role / f"{role}.key"
+        path = private_key_path(directory, role)
         if path.exists() and read_private_key(path).key_id == key_id:
             raise ValueError(f"key {key_id!r} is the {role}'s current key: rotate it first")
     kept = [line for line in public_path.read_text().splitlines() if line.split()[:1] != [key_id]]
@@ -372,7 +363,7 @@ class Refusals:
         return True
 
     def note_record(self, exc: SignatureRefused, rec: VersionRecord, source: str, **context: Any) -> bool:
-        return self.note(exc, source=source, version=rec.version, sha256=rec.sha256, key_id=_signature_of(rec)[0],
+        return self.note(exc, source=source, version=rec.version, sha256=rec.sha256, key_id=record_signature(rec)[0],
                          **context)
 
     def note_message(self, exc: SignatureRefused, msg: PolicyMessage, **context: Any) -> bool:
@@ -388,7 +379,7 @@ def audit_params(exc: SignatureRefused, *, source: str, version: int, sha256: st
 
 
 def record_audit_params(exc: SignatureRefused, rec: VersionRecord, source: str, **context: Any) -> dict[str, Any]:
-    return audit_params(exc, source=source, version=rec.version, sha256=rec.sha256, key_id=_signature_of(rec)[0],
+    return audit_params(exc, source=source, version=rec.version, sha256=rec.sha256, key_id=record_signature(rec)[0],
                         **context)
 
 
