@@ -14,50 +14,16 @@ from typing import Any
 
 import httpx
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from devstack import LocalStack
 from shared.kafka import Topics
+from shared.messages import KEY_ANNOUNCE
 from tests.e2e.conftest import log_events, status, wait_until
+from tests.policy_topic import announcements, produce
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kafka, pytest.mark.s3, pytest.mark.timeout(600)]
 WATCH_S = 30.0
 RAISE = 1000
-
-
-async def _newest_announcement(bootstrap: str, topic: str) -> tuple[bytes, list[tuple[str, bytes]], dict[str, Any]]:
-    """The newest ``announce`` record on ``topic``: its value, headers and decoded JSON."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest",
-                                fetch_max_bytes=64 << 20, max_partition_fetch_bytes=64 << 20)
-    await consumer.start()
-    try:
-        parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or {0})]
-        consumer.assign(parts)
-        ends = await consumer.end_offsets(parts)
-        await consumer.seek_to_beginning(*parts)
-        newest: Any = None
-        async def behind() -> bool:
-            return any([await consumer.position(tp) < ends[tp] for tp in parts])
-
-        while await behind():
-            batch = await consumer.getmany(timeout_ms=1000)
-            for records in batch.values():
-                for rec in records:
-                    if rec.key == b"announce" and rec.value is not None:
-                        newest = rec
-        assert newest is not None, f"no announcement on {topic}"
-        return newest.value, list(newest.headers or []), json.loads(newest.value)
-    finally:
-        await consumer.stop()
-
-
-async def _write_back(bootstrap: str, topic: str, value: bytes, headers: list[tuple[str, bytes]]) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, max_request_size=64 << 20)
-    await producer.start()
-    try:
-        await producer.send_and_wait(topic, value, key=b"announce", headers=headers or None)
-    finally:
-        await producer.stop()
 
 
 def _sampler_versions(st: dict[str, Any]) -> dict[str, int | None]:
@@ -76,12 +42,14 @@ def test_a_copied_announcement_with_its_version_raised_is_refused_everywhere(mak
                "5 updates and both samplers acting on a policy")
 
     topic = Topics.for_run(run_name).policy
-    value, headers, ann = asyncio.run(_newest_announcement(kafka_bootstrap, topic))
+    newest = asyncio.run(announcements(kafka_bootstrap, topic))[-1]
+    value, headers = newest.value, list(newest.headers or [])
+    ann: dict[str, Any] = json.loads(value)
     assert ann.get("signature") and ann.get("key_id"), "paramsync's announcements are signed"
     forged_version = int(ann["version"]) + RAISE
     forged = json.dumps({**ann, "version": forged_version}).encode()
     before = status(stack)
-    asyncio.run(_write_back(kafka_bootstrap, topic, forged, headers))
+    asyncio.run(produce(kafka_bootstrap, topic, [(KEY_ANNOUNCE, forged, headers)]))
     forged_at = time.monotonic()
 
     seen: list[tuple[float, int | None, dict[str, int | None], int | None]] = []

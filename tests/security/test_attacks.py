@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from devstack import kafka as devkafka
 from devstack.procs import read_cmdline
@@ -33,6 +32,7 @@ from shared.messages import KEY_ANNOUNCE, KEY_CANDIDATE, PolicyMessage
 from shared.signing import KeyRing, PolicyVerifier, Signer, generate_keys, new_key
 from tests.faults.accounting import read_events
 from tests.faults.conftest import REPO
+from tests.policy_topic import announcements, produce
 from tests.security.conftest import AttackRow, SecurityEnv
 
 pytestmark = [pytest.mark.security, pytest.mark.kafka, pytest.mark.s3, pytest.mark.timeout(600)]
@@ -47,36 +47,6 @@ def attack(name: str) -> Callable[[F], F]:
         fn.attack = name  # type: ignore[attr-defined]
         return fn
     return mark
-
-
-async def _produce(bootstrap: str, topic: str, records: list[tuple[bytes, bytes, list[tuple[str, bytes]]]]) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, max_request_size=8 << 20)
-    await producer.start()
-    try:
-        for key, value, headers in records:
-            await producer.send_and_wait(topic, value, key=key, headers=headers or None)
-    finally:
-        await producer.stop()
-
-
-async def _first_announcement(bootstrap: str, topic: str) -> tuple[int, bytes, list[tuple[str, bytes]]]:
-    """The oldest announcement on ``topic``: its offset, value and headers, as they were written."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest",
-                                fetch_max_bytes=64 << 20, max_partition_fetch_bytes=64 << 20)
-    await consumer.start()
-    try:
-        parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or {0})]
-        consumer.assign(parts)
-        await consumer.seek_to_beginning(*parts)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            for records in (await consumer.getmany(timeout_ms=1000)).values():
-                for rec in records:
-                    if rec.key == KEY_ANNOUNCE and rec.value is not None:
-                        return rec.offset, rec.value, list(rec.headers or [])
-        raise AssertionError(f"no announcement on {topic} within 30 s")
-    finally:
-        await consumer.stop()
 
 
 def _policies(env: SecurityEnv) -> VersionedStore:
@@ -117,7 +87,7 @@ def test_forged_candidate_is_never_published(security_env: SecurityEnv) -> None:
         unsigned.model_copy(update={"version": current.version + 6, "lineage": current.version + 6}))
     forged = {unsigned.version, signed.version}
     before = env.progress()
-    asyncio.run(_produce(env.fault.endpoints.kafka_bootstrap, Topics.for_run(env.run).policy,
+    asyncio.run(produce(env.fault.endpoints.kafka_bootstrap, Topics.for_run(env.run).policy,
                          [(KEY_CANDIDATE, m.to_bytes(), []) for m in (unsigned, signed)]))
     sent = time.time()
     env.say(f"forged candidates {sorted(forged)} (rollback to v{old.version}, published was v{current.version})")
@@ -154,7 +124,7 @@ def test_forged_announcement_is_adopted_by_no_sampler(security_env: SecurityEnv)
     claimed = claimed.model_copy(update={"key_id": real.key_id})  # paramsync's listed id, another key
     forged = {unknown.version: "unknown_key", claimed.version: "bad_signature"}
     before = env.progress()
-    asyncio.run(_produce(env.fault.endpoints.kafka_bootstrap, Topics.for_run(env.run).policy,
+    asyncio.run(produce(env.fault.endpoints.kafka_bootstrap, Topics.for_run(env.run).policy,
                          [(KEY_ANNOUNCE, m.to_bytes(), []) for m in (unknown, claimed)]))
     seen = env.watch_samplers(WATCH_S, lambda _n, _b, v: None if v is None or v < min(forged)
                               else f"adopted forged version {v}")
@@ -180,7 +150,8 @@ def test_forged_announcement_is_adopted_by_no_sampler(security_env: SecurityEnv)
 def test_replayed_old_announcement_takes_nobody_back(security_env: SecurityEnv) -> None:
     env = security_env
     topic = Topics.for_run(env.run).policy
-    offset, value, headers = asyncio.run(_first_announcement(env.fault.endpoints.kafka_bootstrap, topic))
+    first = asyncio.run(announcements(env.fault.endpoints.kafka_bootstrap, topic))[0]
+    offset, value, headers = first.offset, first.value, list(first.headers or [])
     old = PolicyMessage.model_validate_json(value)
     ring = KeyRing(read_public_keys(Path(env.fault.stack.service_env("sampler")["FLYWHEEL_SIGNING_KEYS_FILE"])))
     PolicyVerifier(env.run, ring).check_message(old)  # validly signed: the replay is genuine
@@ -188,7 +159,7 @@ def test_replayed_old_announcement_takes_nobody_back(security_env: SecurityEnv) 
     versions = env.sampler_versions()
     assert all(v is not None and v > old.version for v in versions.values()), versions
     trainer_published = env.fault.status()["trainer"]["published_version"]
-    asyncio.run(_produce(env.fault.endpoints.kafka_bootstrap, topic, [(KEY_ANNOUNCE, value, headers)]))
+    asyncio.run(produce(env.fault.endpoints.kafka_bootstrap, topic, [(KEY_ANNOUNCE, value, headers)]))
     replayed = time.time()
     seen = env.watch_samplers(WATCH_S, lambda _n, b, v: f"went back from v{b} to v{v}"
                               if b is not None and (v is None or v < b) else None)
