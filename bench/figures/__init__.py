@@ -20,6 +20,7 @@ from bench.figures import (
     pendulum,
     pipeline,
     policy_load,
+    precision_parity,
     recovery,
     sampler_backends,
     sampler_inference,
@@ -38,5 +39,5 @@ FIGURES: dict[str, ModuleType] = {
                         async_sync_return, forced_staleness, pendulum, recovery, service_efficiency,
                         learner_scaling, actor_learner, peers, sync_inline, sampler_inference, payloads,
                         policy_load, footprint, peers_minatar, peers_mujoco, peers_pong, swarm, learner_roofline,
-                        sampler_backends)
+                        sampler_backends, precision_parity)
 }

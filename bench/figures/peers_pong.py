@@ -23,7 +23,7 @@ import functools
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from bench.context import Context, say
@@ -41,7 +41,7 @@ from bench.peers.proc import adopt_orphans, run_lines
 from bench.peers.stats import MedianCI, RankTest
 from bench.peers.throughput import FRAME_SKIP, ThroughputRun
 from bench.report import FigureResult, Row
-from bench.seeds import bench_seeds, env_seconds
+from bench.seeds import bench_seeds, env_seconds, ran_by
 from bench.stack import BenchStack, Window
 from devstack import REPO_ROOT
 
@@ -54,7 +54,23 @@ SF_SIDES = tuple(sf_atari.peer_name(m) for m in sf_atari.MODES)
 CONFIG = REPO_ROOT / "configs" / "pong.yaml"
 SAMPLERS = flywheel_peer.SAMPLERS
 FLYWHEEL = "Flywheel"
+FLYWHEEL_BF16 = "Flywheel bf16"
+# Flywheel's sides: configs/pong.yaml as shipped (float32), and the same with the learner in bf16 (autocast, on a CPU
+# with native bf16 its matrix units). Environment-variable overrides, as the stack takes them.
+FLYWHEEL_SIDES: dict[str, dict[str, str]] = {
+    FLYWHEEL: {"FLYWHEEL_TRAINER_PRECISION": "fp32"},
+    FLYWHEEL_BF16: {"FLYWHEEL_TRAINER_PRECISION": "bf16"},
+}
 CEILING = envpool_raw.PEER
+# The issue-42 target for the bf16 side: trained frames/s against SB3's at equal cores (2.0x on a CPU with native
+# bf16, 1.3x without) and against EnvPool's raw rate of the same envs.
+BF16_VS_SB3 = {True: 2.0, False: 1.3}
+BF16_VS_ENVPOOL = 0.35
+# FLYWHEEL_BENCH_PEERS_PONG_SIDES picks the sides a run repeats (a comma list of these keys; default all). Sides
+# left out are not re-measured: their figures from the entry before are kept, labelled with where they ran, and no
+# ratio is taken against them.
+SIDE_KEYS = {"envpool": CEILING, "sf_sync": SF_SIDES[0], "sf_async": SF_SIDES[1], "sb3": sb3_atari.PEER,
+             "flywheel": FLYWHEEL, "flywheel_bf16": FLYWHEEL_BF16}
 ENVPOOL_MAX_S = 60.0  # the raw rate is steady within seconds: a minute is plenty
 POLL_S = 2.0
 
@@ -71,13 +87,45 @@ def timing(ctx: Context) -> tuple[float, float]:
     return run_s, warmup_s
 
 
+def chosen_sides() -> tuple[str, ...]:
+    """The sides this run measures, in the figure's order: ``FLYWHEEL_BENCH_PEERS_PONG_SIDES`` (keys of
+    ``SIDE_KEYS``) or all. Flywheel as shipped is always among them: every test is against it."""
+    name = "FLYWHEEL_BENCH_PEERS_PONG_SIDES"
+    raw = os.environ.get(name)
+    if raw is None:
+        return tuple(SIDE_KEYS.values())
+    keys = {k.strip() for k in raw.split(",") if k.strip()}
+    unknown = sorted(keys - set(SIDE_KEYS))
+    if unknown or "flywheel" not in keys:
+        raise ValueError(f"{name}={raw!r}: want a comma list of {', '.join(SIDE_KEYS)}, with flywheel among them"
+                         + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+    return tuple(peer for key, peer in SIDE_KEYS.items() if key in keys)
+
+
+def carried(earlier: Mapping[str, Any] | None, peers: Sequence[str]) -> dict[str, Any]:
+    """The figures of ``peers`` (sides this run does not repeat) from the entry before it, each with where it
+    was measured (a side carried once already keeps its own origin)."""
+    if not earlier:
+        return {}
+    numbers = earlier.get("numbers", {})
+    out: dict[str, Any] = {}
+    for peer in peers:
+        if peer in numbers.get("not_rerun", {}):
+            out[peer] = numbers["not_rerun"][peer]
+        elif peer in numbers.get("peers", {}):
+            body = numbers["peers"][peer]
+            out[peer] = {**{k: body[k] for k in ("frames_per_s", "startup_s", "cores") if k in body},
+                         "seeds": numbers.get("seeds"), "run_s": numbers.get("run_s"), "ran_by": ran_by(earlier)}
+    return out
+
+
 def run_flywheel(ctx: Context, seed: int, run_s: float, warmup_s: float,
-                 overrides: dict[str, Any] | None = None) -> ThroughputRun:
+                 overrides: dict[str, Any] | None = None, peer: str = FLYWHEEL) -> ThroughputRun:
     """The local stack with ``configs/pong.yaml`` (and ``overrides``, environment-variable style): the
     trainer's trained-env-steps counter every ``POLL_S`` from the first fragment for ``run_s``; the cores each
     process group used over the steady window."""
     run = ctx.run_name(NAME, f"fw-seed{seed}")
-    say(f"{NAME}: Flywheel seed {seed}, {run_s:.0f} s from the first fragment")
+    say(f"{NAME}: {peer} seed {seed}, {run_s:.0f} s from the first fragment")
     snaps: list[tuple[float, dict[str, float]]] = []
 
     def scrape(st: BenchStack, t: float) -> bool:
@@ -92,25 +140,25 @@ def run_flywheel(ctx: Context, seed: int, run_s: float, warmup_s: float,
                                   poll_s=POLL_S)
     startup, error = ran.startup_s, ran.error
     if startup is None or not snaps:
-        return ThroughputRun(FLYWHEEL, seed, startup, (), error or "no counters were read")
+        return ThroughputRun(peer, seed, startup, (), error or "no counters were read")
     steady = [(t, c) for t, c in snaps if t >= warmup_s]
     cores: dict[str, float] = {}
     if len(steady) >= 2:
         w = Window.between(steady[0][1], steady[-1][1], SAMPLERS)
         cores = {k: round(v, 3) for k, v in w.cpu.items()}
     last = snaps[-1][1]
-    return ThroughputRun(FLYWHEEL, seed, startup, tuple((t, int(c["trained"])) for t, c in snaps), error,
+    return ThroughputRun(peer, seed, startup, tuple((t, int(c["trained"])) for t, c in snaps), error,
                          {"cores": round(sum(v for k, v in cores.items() if k not in ("machine", "bench")), 3),
                           "cores_by_process": cores, "sampled": int(last["sampled"]), "updates": int(last["updates"])})
 
 
-def learner_ceiling(threads: int = 1, updates: int = 3) -> dict[str, Any]:
+def learner_ceiling(threads: int = 1, updates: int = 3, precision: str = "fp32") -> dict[str, Any]:
     """Flywheel's learner alone on Pong batches (a child process, so its torch threads are its own)."""
     import json
     import sys
 
     cmd = [sys.executable, "-m", "bench.peers.learner_rate", "--config", str(CONFIG), "--threads", str(threads),
-           "--updates", str(updates)]
+           "--updates", str(updates), "--precision", precision]
     res = run_lines(cmd, timeout_s=900, cwd=REPO_ROOT)
     for _, line in reversed(res.lines):
         if line.startswith("{"):
@@ -134,36 +182,60 @@ def verdict(fw: float, sf: float, ceiling: float) -> bool | None:
     return fw >= sf and fw >= 0.7 * ceiling
 
 
+def bf16_verdict(bf16: float, sb3: float, ceiling: float, native: bool) -> bool | None:
+    """The issue-42 target: Flywheel in bf16 >= ``BF16_VS_SB3[native]`` x SB3 and >= ``BF16_VS_ENVPOOL`` x
+    EnvPool's raw rate. False when the bf16 side has no rate; None when SB3 or EnvPool has none."""
+    if not bf16 == bf16 or bf16 <= 0:
+        return False
+    if not (sb3 == sb3 and ceiling == ceiling):
+        return None
+    return bf16 >= BF16_VS_SB3[native] * sb3 and bf16 >= BF16_VS_ENVPOOL * ceiling
+
+
 def compare(runs: dict[str, list[ThroughputRun]], windows: dict[str, tuple[float, float]]) -> dict[str, RankTest]:
-    """Flywheel's trained frames/s against each other side's that ran (EnvPool's raw rate is a ceiling, not a
-    rival): exact rank-sum tests, a run with no rate ranking worst."""
+    """Each Flywheel side's trained frames/s against each other side's that ran (EnvPool's raw rate is a ceiling,
+    not a rival), and bf16 against float32: exact rank-sum tests, a run with no rate ranking worst."""
     def fps(peer: str) -> list[float | None]:
         return [r.frames_per_s(*windows[peer]) for r in runs[peer]]
 
-    return {f"{FLYWHEEL} vs {peer}": RankTest.of(fps(FLYWHEEL), fps(peer), failed=-math.inf)
-            for peer in runs if peer not in (FLYWHEEL, CEILING) and runs[peer] and runs[FLYWHEEL]}
+    ran = [p for p in runs if runs[p]]
+    ours = [p for p in FLYWHEEL_SIDES if p in ran]
+    pairs = [(a, b) for a in ours for b in ran if b not in FLYWHEEL_SIDES and b != CEILING]
+    pairs += [(FLYWHEEL_BF16, FLYWHEEL)] if FLYWHEEL_BF16 in ours and FLYWHEEL in ours else []
+    return {f"{a} vs {b}": RankTest.of(fps(a), fps(b), failed=-math.inf) for a, b in pairs}
 
 
 def run(ctx: Context) -> FigureResult:
+    from services.trainer.compute import cpu_info
+
     run_s, warmup_s = timing(ctx)
     seeds = bench_seeds(NAME, 5, 1, ctx)
+    chosen = chosen_sides()
     adopted = adopt_orphans()  # SF's workers orphaned by its stop are reaped here, their CPU counted
     ep_s, ep_warm = min(run_s, ENVPOOL_MAX_S), min(warmup_s, 5.0)
     threads = os.cpu_count() or 1
-    sf_atari.ensure_atari()
-    envpool_raw.ensure_venv()
-    windows = {CEILING: (ep_warm, ep_s), FLYWHEEL: (warmup_s, run_s), sb3_atari.PEER: (warmup_s, run_s),
-               **{peer: (warmup_s, run_s) for peer in SF_SIDES}}
+    native_bf16 = bool({"avx512_bf16", "amx_bf16"} & set(cpu_info()[1]))
+    if any(p in chosen for p in SF_SIDES):
+        sf_atari.ensure_atari()
+    if CEILING in chosen:
+        envpool_raw.ensure_venv()
+    windows = {CEILING: (ep_warm, ep_s), sb3_atari.PEER: (warmup_s, run_s),
+               **{peer: (warmup_s, run_s) for peer in (*SF_SIDES, *FLYWHEEL_SIDES)}}
 
     def sf_side(mode: str) -> Runner:
         return lambda seed: sf_atari.run_seed(seed, run_s=run_s, stamp=ctx.stamp, mode=mode)
 
-    sides: list[tuple[str, Runner]] = [
+    def fw_side(peer: str) -> Runner:
+        return lambda seed: run_flywheel(ctx, seed, run_s, warmup_s, FLYWHEEL_SIDES[peer], peer)
+
+    every: list[tuple[str, Runner]] = [
         (CEILING, lambda seed: envpool_raw.run(seed, ep_s, threads)),
         *((sf_atari.peer_name(mode), sf_side(mode)) for mode in sf_atari.MODES),
         (sb3_atari.PEER, lambda seed: sb3_atari.run_child(seed, run_s, SB3_THREADS)),
-        (FLYWHEEL, lambda seed: run_flywheel(ctx, seed, run_s, warmup_s)),
+        *((peer, fw_side(peer)) for peer in FLYWHEEL_SIDES),
     ]
+    sides = [(p, fn) for p, fn in every if p in chosen]
+    kept = carried(ctx.earlier, [p for p, _ in every if p not in chosen])
     runs: dict[str, list[ThroughputRun]] = {p: [] for p, _ in sides}
     for seed in seeds:  # per seed every side, one after another: drift of the machine hits all alike
         for peer, fn in sides:
@@ -176,14 +248,19 @@ def run(ctx: Context) -> FigureResult:
             fps = r.frames_per_s(*windows[peer])
             say(f"{NAME}:   -> {peer}: " + (f"{fps:,.0f} frames/s, start-up {r.startup_s or 0:.1f} s"
                                            if fps else f"no rate ({(r.error or 'too few points').splitlines()[0]})"))
-    say(f"{NAME}: Flywheel's learner alone (1 torch thread, Pong batches)")
+    say(f"{NAME}: Flywheel's learner alone (1 torch thread, Pong batches, float32 and bf16)")
     ceiling_learner = learner_ceiling()
+    ceiling_bf16 = learner_ceiling(precision="bf16") if FLYWHEEL_BF16 in runs else {"error": "bf16 side not run"}
     stats = {p: frames_ci(v, *windows[p]) for p, v in runs.items()}
     startup = {p: MedianCI.of(r.startup_s for r in v if r.startup_s is not None) for p, v in runs.items()}
     cores = {p: MedianCI.of(r.extra.get("cores") for r in v if r.extra.get("cores") is not None)
              for p, v in runs.items()}
-    fw, ep = stats[FLYWHEEL].median, stats[CEILING].median
-    sf_medians = [stats[p].median for p in SF_SIDES]
+
+    def median(peer: str) -> float:
+        return stats[peer].median if peer in stats else math.nan
+
+    fw, ep, sb3 = median(FLYWHEEL), median(CEILING), median(sb3_atari.PEER)
+    sf_medians = [median(p) for p in SF_SIDES]
     sf = math.nan if any(m != m for m in sf_medians) else max(sf_medians)
     meets = verdict(fw, sf, ep)
     tests = compare(runs, windows)
@@ -193,25 +270,42 @@ def run(ctx: Context) -> FigureResult:
     def ratio(a: float, b: float) -> str:
         return f"{a / b:.2f}x" if a == a and b == b and b > 0 else "n/a"
 
+    def cell(peer: str) -> str:
+        return stats[peer].fmt(0) if peer in stats else "not run"
+
     headline = [
-        Row(f"Flywheel: trained frames/s (Sample Factory sync / async {stats[SF_SIDES[0]].fmt(0)} / "
-            f"{stats[SF_SIDES[1]].fmt(0)}, EnvPool raw {stats[CEILING].fmt(0)})",
+        Row(f"Flywheel: trained frames/s (Sample Factory sync / async {cell(SF_SIDES[0])} / "
+            f"{cell(SF_SIDES[1])}, EnvPool raw {cell(CEILING)})",
             f"{stats[FLYWHEEL].fmt(0)} ({ratio(fw, sf)} the faster SF, {ratio(fw, ep)} EnvPool)", TARGET, meets)]
+    if FLYWHEEL_BF16 in runs:
+        bf = median(FLYWHEEL_BF16)
+        want = BF16_VS_SB3[native_bf16]
+        headline.append(Row(
+            f"Flywheel bf16: trained frames/s (SB3 PPO {cell(sb3_atari.PEER)}, EnvPool raw {cell(CEILING)}; this CPU "
+            f"{'has' if native_bf16 else 'lacks'} native bf16)",
+            f"{stats[FLYWHEEL_BF16].fmt(0)} ({ratio(bf, sb3)} SB3, {ratio(bf, ep)} EnvPool, {ratio(bf, fw)} float32)",
+            f">= {want:.1f}x SB3's and >= {BF16_VS_ENVPOOL:.2f}x EnvPool's raw rate", bf16_verdict(bf, sb3, ep,
+                                                                                                 native_bf16)))
     for peer in runs:
         ok = sum(1 for r in runs[peer] if r.frames_per_s(*windows[peer]))
         headline.append(Row(f"{peer}: {'raw' if peer == CEILING else 'trained'} frames/s; start-up; cores "
                             f"({ok} of {n} ran)",
                             f"{stats[peer].fmt(0)}; {startup[peer].fmt(1, ' s')}; {cores[peer].fmt(2)}"))
     for pair, t in tests.items():
-        headline.append(Row(f"{pair}: exact rank-sum test",
-                            t.words(FLYWHEEL, pair.split(" vs ")[1], "trained frames/s")))
+        a, b = pair.split(" vs ")
+        headline.append(Row(f"{pair}: exact rank-sum test", t.words(a, b, "trained frames/s")))
     headline.append(Row("Flywheel's learner alone (1 torch thread, no Kafka): frames/s it can train",
                         f"{learner_fps:,.0f}" if learner_fps == learner_fps else "n/a"))
+    if "env_steps_per_s" in ceiling_bf16:
+        headline.append(Row("Flywheel's learner alone in bf16 (1 torch thread, no Kafka): frames/s it can train",
+                            f"{ceiling_bf16['env_steps_per_s'] * FRAME_SKIP:,.0f}"))
     table = ["| side | ran | frames/s | env steps/s | start-up s | cores (steady window) | cores (whole run) | "
              "other work, cores | update shape |", "|---|---|---|---|---|---|---|---|---|"]
     shapes = {CEILING: "none (random actions, nothing trained)",
-              FLYWHEEL: "1,024 samples x 4 epochs (configs/pong.yaml), trainer 1 torch thread",
-              sb3_atari.PEER: sb3_atari.describe(CONFIG, SB3_THREADS), **{p: _sf_shape(runs[p]) for p in SF_SIDES}}
+              **{p: "1,024 samples x 4 epochs (configs/pong.yaml), trainer 1 torch thread, "
+                    + ", ".join(f"{k}={v}" for k, v in o.items()) for p, o in FLYWHEEL_SIDES.items()},
+              sb3_atari.PEER: sb3_atari.describe(CONFIG, SB3_THREADS),
+              **{p: _sf_shape(runs.get(p, ())) for p in SF_SIDES}}
     for peer, st in stats.items():
         ok = sum(1 for r in runs[peer] if r.frames_per_s(*windows[peer]))
         steps = MedianCI.of(r.rate(*windows[peer]) for r in runs[peer] if r.rate(*windows[peer]))
@@ -228,16 +322,22 @@ def run(ctx: Context) -> FigureResult:
     failures = [f"- {r.peer} seed {r.seed}: {r.error.splitlines()[0]}" for v in runs.values() for r in v if r.error]
     fw_cores = [r.extra.get("cores_by_process", {}) for r in runs[FLYWHEEL] if r.extra.get("cores_by_process")]
     redone = redone_lines((r for v in runs.values() for r in v), lambda r: f"{r.peer} seed {r.seed}")
+    not_run = [f"- {peer}: not re-run here (`FLYWHEEL_BENCH_PEERS_PONG_SIDES`); its figure from "
+               f"`{k['ran_by'].get('commit')}` ({k['ran_by'].get('date')}): {_fmt_stored(k['frames_per_s'])} "
+               "frames/s. No ratio or test here is taken against it." for peer, k in kept.items()
+               if "frames_per_s" in k]
     details = "\n".join([
         f"Medians over {n} seeds, [range] (order statistics; with up to 5 seeds, the range). Each side runs "
         f"{run_s:.0f} s from its first env step (EnvPool "
         f"{ep_s:.0f} s); rates over [{warmup_s:.0f} s, end] ([{ep_warm:.0f} s, end] for EnvPool). frames/s = "
         f"{FRAME_SKIP} x env steps/s (ALE frame skip). `FLYWHEEL_BENCH_PEERS_PONG_RUN_S`, "
         "`FLYWHEEL_BENCH_PEERS_PONG_WARMUP_S`, `FLYWHEEL_BENCH_PEERS_PONG_SEEDS` set them (defaults 180 s, 45 s, "
-        "5; --quick 60 s, 20 s, 1).",
+        "5; --quick 60 s, 20 s, 1); `FLYWHEEL_BENCH_PEERS_PONG_SIDES` the sides (default all: "
+        + ", ".join(SIDE_KEYS) + ").",
         "",
         *table,
         "",
+        *(["Sides not measured in this run:", *not_run, ""] if not_run else []),
         "Per seed (frames/s / start-up):",
         "",
         *per_seed,
@@ -252,7 +352,7 @@ def run(ctx: Context) -> FigureResult:
         "Exact rank-sum tests of trained frames/s (independent samples: the sides' runs of one seed number share no "
         "random stream, so they are not pairs; a run with no rate ranks worst):",
         "",
-        *[f"- {t.words(FLYWHEEL, pair.split(' vs ')[1], 'trained frames/s')}" for pair, t in tests.items()],
+        *[f"- {t.words(a, b, 'trained frames/s')}" for (a, b), t in ((p.split(" vs "), t) for p, t in tests.items())],
         "",
         _why(stats, ceiling_learner, fw_cores),
         "",
@@ -270,12 +370,16 @@ def run(ctx: Context) -> FigureResult:
     return FigureResult(
         headline=headline,
         numbers={"seeds": list(seeds), "run_s": run_s, "warmup_s": warmup_s, "learner_alone": ceiling_learner,
+                 "learner_alone_bf16": ceiling_bf16, "native_bf16": native_bf16, "sides": list(runs),
                  "sb3_threads": SB3_THREADS, "other_work_limit_cores": OTHER_WORK_LIMIT,
                  "rank_tests": {pair: t.as_dict() for pair, t in tests.items()},
                  "peers": {p: {"frames_per_s": stats[p], "startup_s": startup[p], "cores": cores[p],
-                               "runs": [r.as_dict(*windows[p]) for r in v]} for p, v in runs.items()}},
+                               "runs": [r.as_dict(*windows[p]) for r in v]} for p, v in runs.items()},
+                 "not_rerun": kept},
         settings={"config": "configs/pong.yaml", "seeds": list(seeds), "run_s": run_s, "warmup_s": warmup_s, "envs": 8,
-                  "flywheel": f"configs/pong.yaml, {SAMPLERS} samplers, the bench's local stack",
+                  "sides": list(runs),
+                  **{p.lower().replace(" ", "_"): f"configs/pong.yaml, {SAMPLERS} samplers, the bench's local stack, "
+                     + ", ".join(f"{k}={v}" for k, v in o.items()) for p, o in FLYWHEEL_SIDES.items()},
                   **{f"sample_factory {mode}": " ".join(sf_atari.command(0, REPO_ROOT / "<train_dir>", "<experiment>",
                                                                           mode=mode)[1:]) for mode in sf_atari.MODES},
                   "sb3": sb3_atari.describe(CONFIG, SB3_THREADS), "envpool": dict(envpool_raw.SETTINGS)},
@@ -286,12 +390,18 @@ def run(ctx: Context) -> FigureResult:
             "reports, which count samples after the learner's gradient passes, divided by the frame skip; EnvPool: "
             "env steps stepped). The rate is the count's growth over the steady window divided by its length. "
             "Start-up is from starting the side to its first env step. Flywheel's learner alone is "
-            "`python -m bench.peers.learner_rate --config configs/pong.yaml --threads 1`."),
+            "`python -m bench.peers.learner_rate --config configs/pong.yaml --threads 1 --precision fp32` (and "
+            "`bf16`)."),
         details_md=details,
     )
 
 
-def _sf_shape(runs: Sequence[ThroughputRun]) -> str:
+def _fmt_stored(ci: Mapping[str, Any]) -> str:
+    """A median and range as ``MedianCI.fmt(0)`` writes them, from its JSON form in an earlier entry."""
+    return f"{ci['median']:,.0f} [{ci['ci_lo']:,.0f}, {ci['ci_hi']:,.0f}]"
+
+
+def _sf_shape(runs: Sequence[ThroughputRun] = ()) -> str:
     for r in runs:
         shape = r.extra.get("update")
         if shape:

@@ -91,14 +91,93 @@ def test_the_figure_runs_every_side_per_seed_with_cores_and_tests_flywheel_again
                                                                                        rates[mode])(seed))
     monkeypatch.setattr(sb3_atari, "run_child", fake(sb3_atari.PEER, 200))
     monkeypatch.setattr(sb3_atari, "describe", lambda config, threads=None: "SB3 settings")
-    monkeypatch.setattr(peers_pong, "run_flywheel", lambda ctx, seed, run_s, warmup_s: fake("Flywheel", 400)(seed))
-    monkeypatch.setattr(peers_pong, "learner_ceiling", lambda: {"error": "not measured in a unit test"})
+    fw_rates = {peers_pong.FLYWHEEL: 400, peers_pong.FLYWHEEL_BF16: 900}
+    overrides: list[dict[str, str]] = []
+
+    def run_flywheel(ctx: Context, seed: int, run_s: float, warmup_s: float, over: dict[str, str],
+                     peer: str) -> ThroughputRun:
+        overrides.append(over)
+        return fake(peer, fw_rates[peer])(seed)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(peers_pong, "run_flywheel", run_flywheel)
+    monkeypatch.setattr(peers_pong, "learner_ceiling", lambda **kw: {"error": "not measured in a unit test"})
     monkeypatch.setattr(peers_pong, "timing", lambda ctx: (60.0, 20.0))
     res = peers_pong.run(Context(infra=None, stamp="t"))  # type: ignore[arg-type]
-    assert order == [peers_pong.CEILING, sf_atari.PEER, sf_atari.PEER_ASYNC, sb3_atari.PEER, "Flywheel"] * 2
-    assert set(res.numbers["rank_tests"]) == {f"Flywheel vs {p}" for p in (sf_atari.PEER, sf_atari.PEER_ASYNC,
-                                                                            sb3_atari.PEER)}
-    assert res.numbers["rank_tests"][f"Flywheel vs {sb3_atari.PEER}"]["prob_a_smaller"] == 0.0  # 400 > 200
+    fw, bf = peers_pong.FLYWHEEL, peers_pong.FLYWHEEL_BF16
+    assert order == [peers_pong.CEILING, sf_atari.PEER, sf_atari.PEER_ASYNC, sb3_atari.PEER, fw, bf] * 2
+    assert [o["FLYWHEEL_TRAINER_PRECISION"] for o in overrides] == ["fp32", "bf16"] * 2
+    rivals = (sf_atari.PEER, sf_atari.PEER_ASYNC, sb3_atari.PEER)
+    assert set(res.numbers["rank_tests"]) == {f"{a} vs {p}" for a in (fw, bf) for p in rivals} | {f"{bf} vs {fw}"}
+    assert res.numbers["rank_tests"][f"{fw} vs {sb3_atari.PEER}"]["prob_a_smaller"] == 0.0  # 400 > 200
     for body in res.numbers["peers"].values():
         assert all({"run_cores", "other_work_cores", "cores"} <= set(r) for r in body["runs"])
     assert res.headline[0].meets is False  # 1,600 frames/s is behind SF async's 2,000
+    # bf16: 3,600 frames/s is 4.5x SB3's 800 but 0.225x EnvPool's 16,000: short of the 0.35 the target asks
+    assert res.headline[1].value.startswith("3,600") and "4.50x SB3" in res.headline[1].value
+    assert res.headline[1].meets is False
+
+
+def test_sides_left_out_are_not_run_and_keep_their_earlier_figures_with_where_they_ran(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.peers import envpool_raw, measure, sb3_atari, sf_atari
+
+    for name in ("machine_busy_seconds", "suite_cpu_seconds"):
+        monkeypatch.setattr(measure, name, lambda: 0.0)
+    monkeypatch.setattr(measure, "reap_children", lambda: 0)
+    ran: list[str] = []
+
+    def side(peer: str, per_s: int):  # type: ignore[no-untyped-def]
+        def run(seed: int, *args: object, **kw: object) -> ThroughputRun:
+            ran.append(peer)
+            return ThroughputRun(peer, seed, 5.0, tuple((float(t), per_s * t) for t in range(0, 61, 5)), None,
+                                 {"cores": 1.0})
+        return run
+
+    def refuse(*args: object, **kw: object) -> None:
+        raise AssertionError("a side left out was set up or run")
+
+    monkeypatch.setenv("FLYWHEEL_BENCH_PEERS_PONG_SEEDS", "1")
+    monkeypatch.setenv("FLYWHEEL_BENCH_PEERS_PONG_SIDES", "sb3,flywheel,flywheel_bf16")
+    monkeypatch.setattr(sf_atari, "ensure_atari", refuse)
+    monkeypatch.setattr(envpool_raw, "ensure_venv", refuse)
+    monkeypatch.setattr(envpool_raw, "run", refuse)
+    monkeypatch.setattr(sf_atari, "run_seed", refuse)
+    monkeypatch.setattr(sb3_atari, "run_child", side(sb3_atari.PEER, 200))
+    monkeypatch.setattr(sb3_atari, "describe", lambda config, threads=None: "SB3 settings")
+    monkeypatch.setattr(peers_pong, "run_flywheel",
+                        lambda ctx, seed, run_s, warmup_s, over, peer: side(peer, 400)(seed))
+    monkeypatch.setattr(peers_pong, "learner_ceiling", lambda **kw: {"error": "not measured in a unit test"})
+    monkeypatch.setattr(peers_pong, "timing", lambda ctx: (60.0, 20.0))
+    sf = {"median": 662.0, "ci_lo": 567.0, "ci_hi": 756.0}
+    earlier = {"machine": {"commit": "abc1234"}, "date": "2026-12-04T14:26:01Z", "command": "make bench",
+               "numbers": {"seeds": [1, 2], "run_s": 180.0, "peers": {sf_atari.PEER_ASYNC: {"frames_per_s": sf}},
+                           "not_rerun": {sf_atari.PEER: {"frames_per_s": sf, "ran_by": {"commit": "older"}}}}}
+    res = peers_pong.run(Context(infra=None, stamp="t", earlier=earlier))  # type: ignore[arg-type]
+    assert ran == [sb3_atari.PEER, peers_pong.FLYWHEEL, peers_pong.FLYWHEEL_BF16]
+    kept = res.numbers["not_rerun"]
+    assert kept[sf_atari.PEER_ASYNC]["ran_by"]["commit"] == "abc1234"
+    assert kept[sf_atari.PEER_ASYNC]["frames_per_s"] == sf
+    assert kept[sf_atari.PEER]["ran_by"]["commit"] == "older"  # carried before: keeps where it really ran
+    assert not any(sf_atari.PEER_ASYNC in pair for pair in res.numbers["rank_tests"])  # no ratio across runs
+    assert res.headline[0].meets is None and "not run" in res.headline[0].metric
+    assert "662 [567, 756]" in res.details_md and "abc1234" in res.details_md
+
+
+def test_sides_must_be_known_and_include_flywheel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLYWHEEL_BENCH_PEERS_PONG_SIDES", "sb3,flywheel_bf16")
+    with pytest.raises(ValueError, match="flywheel among them"):
+        peers_pong.chosen_sides()
+    monkeypatch.setenv("FLYWHEEL_BENCH_PEERS_PONG_SIDES", "flywheel,rllib")
+    with pytest.raises(ValueError, match="unknown: rllib"):
+        peers_pong.chosen_sides()
+    monkeypatch.setenv("FLYWHEEL_BENCH_PEERS_PONG_SIDES", "flywheel_bf16, flywheel")
+    assert peers_pong.chosen_sides() == (peers_pong.FLYWHEEL, peers_pong.FLYWHEEL_BF16)  # the figure's order
+
+
+def test_the_bf16_target_asks_more_where_the_cpu_has_native_bf16() -> None:
+    assert peers_pong.bf16_verdict(1700.0, 800.0, 4000.0, native=True) is True
+    assert peers_pong.bf16_verdict(1500.0, 800.0, 4000.0, native=True) is False  # 1.9x SB3
+    assert peers_pong.bf16_verdict(1500.0, 800.0, 4000.0, native=False) is True  # 1.3x is enough without
+    assert peers_pong.bf16_verdict(1700.0, 800.0, 5000.0, native=True) is False  # 0.34x EnvPool
+    assert peers_pong.bf16_verdict(math.nan, 800.0, 4000.0, native=True) is False
+    assert peers_pong.bf16_verdict(1700.0, math.nan, 4000.0, native=True) is None
