@@ -143,13 +143,16 @@ def run_flywheel(ctx: Context, seed: int, run_s: float, warmup_s: float,
         return ThroughputRun(peer, seed, startup, (), error or "no counters were read")
     steady = [(t, c) for t, c in snaps if t >= warmup_s]
     cores: dict[str, float] = {}
+    busy: float | None = None
     if len(steady) >= 2:
         w = Window.between(steady[0][1], steady[-1][1], SAMPLERS)
         cores = {k: round(v, 3) for k, v in w.cpu.items()}
+        busy = round(w.busy_fraction, 3)
     last = snaps[-1][1]
     return ThroughputRun(peer, seed, startup, tuple((t, int(c["trained"])) for t, c in snaps), error,
                          {"cores": round(sum(v for k, v in cores.items() if k not in ("machine", "bench")), 3),
-                          "cores_by_process": cores, "sampled": int(last["sampled"]), "updates": int(last["updates"])})
+                          "cores_by_process": cores, "learner_busy": busy, "sampled": int(last["sampled"]),
+                          "updates": int(last["updates"])})
 
 
 def learner_ceiling(threads: int = 1, updates: int = 3, precision: str = "fp32") -> dict[str, Any]:
@@ -291,6 +294,10 @@ def run(ctx: Context) -> FigureResult:
         headline.append(Row(f"{peer}: {'raw' if peer == CEILING else 'trained'} frames/s; start-up; cores "
                             f"({ok} of {n} ran)",
                             f"{stats[peer].fmt(0)}; {startup[peer].fmt(1, ' s')}; {cores[peer].fmt(2)}"))
+    for peer in (p for p in FLYWHEEL_SIDES if p in runs):
+        busy = MedianCI.of(r.extra.get("learner_busy") for r in runs[peer] if r.extra.get("learner_busy") is not None)
+        headline.append(Row(f"{peer}: the learner's busy fraction over the steady window (seconds in updates per "
+                            "second, `flywheel_trainer_busy_seconds_total`)", busy.fmt(2)))
     for pair, t in tests.items():
         a, b = pair.split(" vs ")
         headline.append(Row(f"{pair}: exact rank-sum test", t.words(a, b, "trained frames/s")))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 
@@ -181,3 +182,38 @@ def test_the_bf16_target_asks_more_where_the_cpu_has_native_bf16() -> None:
     assert peers_pong.bf16_verdict(1700.0, 800.0, 5000.0, native=True) is False  # 0.34x EnvPool
     assert peers_pong.bf16_verdict(math.nan, 800.0, 4000.0, native=True) is False
     assert peers_pong.bf16_verdict(1700.0, math.nan, 4000.0, native=True) is None
+
+
+def test_a_flywheel_run_reports_the_learners_busy_fraction_over_the_steady_window(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run_flywheel`` on a faked stack whose trainer counts 0.25 s in updates per second before the warm-up and
+    0.75 s after it: the busy fraction is the steady window's, not the run's."""
+    from bench.peers import flywheel_peer
+
+    class Stack:
+        def counters(self) -> dict[str, float]:
+            return dict(snapshots.pop(0))
+
+    def snap(t: float) -> dict[str, float]:
+        busy = 0.25 * min(t, 20.0) + 0.75 * max(0.0, t - 20.0)
+        return {"t": t, "trained": 100.0 * t, "busy": busy, "updates": t, "dropped": 0.0, "consumed": t,
+                "sampled": 100.0 * t, "backpressure": 0.0, "cpu:trainer": 0.8 * t, "cpu:machine": 1.5 * t}
+
+    snapshots = [snap(float(t)) for t in range(0, 61, 2)]
+
+    clock = [0.0]
+
+    def run_stack(ctx, run, seed, config, keep_going, **kw):  # type: ignore[no-untyped-def]
+        # counters()'s "t" is the monotonic clock; the figure subtracts (now - t), so its clock is this one
+        while keep_going(Stack(), clock[0]):
+            clock[0] += 2.0
+        return flywheel_peer.StackRun(run, 3.0, None)
+
+    monkeypatch.setattr(flywheel_peer, "run_stack", run_stack)
+    monkeypatch.setattr(peers_pong, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    ctx = Context(infra=None, stamp="t")  # type: ignore[arg-type]
+    r = peers_pong.run_flywheel(ctx, 1, 60.0, 20.0, {"FLYWHEEL_TRAINER_PRECISION": "bf16"}, peers_pong.FLYWHEEL_BF16)
+    assert r.peer == peers_pong.FLYWHEEL_BF16 and r.error is None
+    assert r.extra["learner_busy"] == pytest.approx(0.75)
+    assert r.extra["cores_by_process"]["trainer"] == pytest.approx(0.8)
+    assert r.frames_per_s(20.0, 60.0) == pytest.approx(400.0)
