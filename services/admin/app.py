@@ -18,6 +18,7 @@ from services.admin.errors import allow_all_methods, declare_errors
 from services.admin.ops import reads as ops_reads
 from services.admin.ops import router as ops_router
 from services.admin.pages import mount_pages
+from services.admin.refusals import RequestRefusals
 from services.admin.state import SAMPLER_FORGET_S, AdminState
 
 SYNC_ACK_WAIT_S = 5.0
@@ -183,6 +184,7 @@ def create_app(state: AdminState, operators: Operators | None = None) -> FastAPI
                   description="Status of a Flywheel run and manual policy sync. See docs/api.md.")
     app.state.admin = state
     app.state.operators = operators if operators is not None else Operators.from_settings(state.settings.admin)
+    app.state.request_refusals = RequestRefusals()
     closed_reads = not state.settings.admin.public_reads
     read_auth = [Depends(require_reader)] if closed_reads else []
     read_responses = dict(AUTH_RESPONSES) if closed_reads else {}

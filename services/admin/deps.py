@@ -22,6 +22,7 @@ import structlog
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from services.admin.refusals import RequestRefusals
 from services.admin.state import AdminState
 from shared.logging import get_logger
 from shared.settings import AdminSettings, ConfigError
@@ -164,12 +165,26 @@ def identify(request: Request, creds: HTTPAuthorizationCredentials | None) -> st
     return name
 
 
+async def _identified(request: Request, creds: HTTPAuthorizationCredentials | None, access: str) -> str:
+    """:func:`identify`; a refusal is counted, logged and (the first of its client and reason a window) audited as
+    ``request_refused`` before the 401/403 goes out (:mod:`services.admin.refusals`)."""
+    try:
+        return identify(request, creds)
+    except HTTPException as exc:
+        refusals: RequestRefusals = request.app.state.request_refusals
+        client = _anonymous(request)
+        params = refusals.note(client.partition("@")[2], exc.status_code, access, request.method, request.url.path)
+        if params is not None:
+            await get_state(request).append_audit(client, "request_refused", params, f"refused {exc.status_code}")
+        raise
+
+
 async def require_token(
     request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 ) -> AsyncIterator[str]:
     """Writes: the operator (see :func:`identify`). The request's log lines carry ``operator=<name>``, and one
     ``operator_request`` line says who asked for what."""
-    name = identify(request, creds)
+    name = await _identified(request, creds, "write")
     with structlog.contextvars.bound_contextvars(operator=name):
         get_logger().info("operator_request", method=request.method, path=request.url.path)
         yield name
@@ -179,7 +194,7 @@ async def require_reader(
     request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 ) -> str:
     """Reads while ``admin.public_reads`` is false: an operator's token, as for writes (no log line per read)."""
-    return identify(request, creds)
+    return await _identified(request, creds, "read")
 
 
 def actor(request: Request) -> str:

@@ -174,15 +174,8 @@ async def _store(s: State, what: str, fn: Any, *args: Any) -> Any:
         raise
 
 
-async def _append_audit(s: AdminState, who: str, action: str, params: dict[str, Any], outcome: str) -> None:
-    try:
-        await asyncio.to_thread(s.audit.append, who, action, params, outcome)
-    except Exception as exc:  # the action happened; a lost audit line is logged, not hidden
-        s.log.error("audit_write_failed", action=action, actor=who, error=f"{type(exc).__name__}: {exc}"[:300])
-
-
 async def _audit(s: State, request: Request, action: str, params: dict[str, Any], outcome: str) -> None:
-    await _append_audit(s, actor(request), action, params, outcome)
+    await s.append_audit(actor(request), action, params, outcome)
 
 
 _outboxes: weakref.WeakKeyDictionary[AdminState, CommandOutbox] = weakref.WeakKeyDictionary()
@@ -194,7 +187,7 @@ def outbox(s: AdminState) -> CommandOutbox:
     box = _outboxes.get(s)
     if box is None:
         async def audit(action: str, params: dict[str, Any], outcome: str) -> None:
-            await _append_audit(s, "admin", action, params, outcome)
+            await s.append_audit("admin", action, params, outcome)
 
         box = _outboxes[s] = CommandOutbox(s.command, audit, lambda name, job: s.background.start(name, job, once=True),
                                            s.log, kafka_health=lambda: s.health_state.reasons.get("kafka"))

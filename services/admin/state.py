@@ -36,6 +36,7 @@ from shared.store import StoreError, open_store
 BACKLOG = Gauge("flywheel_backlog_records", "Records on <run>.samples not yet committed by the trainer group")
 BACKLOG_PARTITION = Gauge("flywheel_backlog_partition_records", "Backlog per partition", ["partition"])
 HEARTBEAT_HISTORY = 5000
+AUDIT_TIMEOUT_S = 10.0
 HISTORY_POINTS = 1800
 """Status samples kept for the curves (one per admin.refresh_interval_s: an hour at 2 s)."""
 
@@ -214,11 +215,16 @@ class AdminState:
         return self._last_published
 
     async def _audit_refusal(self, params: dict[str, Any]) -> None:
+        await self.append_audit("admin", "policy_signature_refused", params, "refused: not shown as published")
+
+    async def append_audit(self, who: str, action: str, params: dict[str, Any], outcome: str,
+                           timeout_s: float = AUDIT_TIMEOUT_S) -> None:
+        """One audit entry, best effort: what it records happened (or was refused) either way, so a write that
+        fails or takes over ``timeout_s`` is logged (``audit_write_failed``), not raised."""
         try:
-            await asyncio.wait_for(asyncio.to_thread(self.audit.append, "admin", "policy_signature_refused", params,
-                                                     "refused: not shown as published"), 10)
-        except Exception as exc:  # best effort: the refusal stands, logged and counted
-            self.log.warning("audit_write_failed", action="policy_signature_refused", error=describe(exc))
+            await asyncio.wait_for(asyncio.to_thread(self.audit.append, who, action, params, outcome), timeout_s)
+        except Exception as exc:
+            self.log.error("audit_write_failed", action=action, actor=who, error=describe(exc))
 
     async def request_sync(self) -> ControlCommand:
         cmd = ControlCommand(command="sync", request_id=uuid.uuid4().hex)

@@ -4,8 +4,8 @@ Every row attacks from outside the services, as a process on the machine with th
 producer, the object store's credentials, the admin API), then asserts that the attack was refused and by whom,
 the audit entry where one is expected, and ends with :meth:`SecurityEnv.finish`: training goes on and
 ``flywheel verify`` exits 0. An attack that gets through fails its row (``FAILED`` on the page, with the reason).
-Rows still to come (reads without a token where reads are closed; a sampler claiming another's id) are listed on
-the page by ``tests/security/report.py`` (``LATER``) and get their tests here, after the sampler rows.
+A row still to come (a sampler claiming another's id) is listed on the page by ``tests/security/report.py``
+(``LATER``) and gets its test here, after the sampler rows.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +25,8 @@ import httpx
 import pytest
 
 from devstack import kafka as devkafka
-from devstack.procs import read_cmdline
+from devstack.procs import read_cmdline, terminate
+from devstack.services import service_command
 from shared.kafka import Topics
 from shared.keyfile import ROLES, read_private_key, read_public_keys
 from shared.marker import VersionedStore, VersionRecord
@@ -406,13 +408,80 @@ def test_admin_writes_without_the_token_are_refused(security_env: SecurityEnv) -
     assert len(store.list(f"{env.run}/ops/rollback/")) == rollback_requests, "a rollback request was stored"
     assert env.get("/config")["revision"] == config["revision"], "the runtime config changed"
     assert sorted(s["id"] for s in env.fault.status()["samplers"] if s.get("paused")) == paused
-    new = [e for e in env.audit()[len(audit):] if e["action"] in OPERATOR_ACTIONS]
+    after = env.audit()[len(audit):]
+    new = [e for e in after if e["action"] in OPERATOR_ACTIONS]
     assert not new, f"operator actions were audited: {new}"
     codes = "; ".join(f"{who} token {'/'.join(sorted({str(v) for k, v in answers.items() if k.endswith(f'({who})')}))}"
                       for who in ("none", "wrong", "malformed"))
     env.finish(refused=f"admin: all {len(answers)} requests refused ({codes}); no rollback "
                        f"request stored, config revision {config['revision']} unchanged, paused samplers {paused}",
-               audit="none: no operator action was audited (a refused request is none; none expected)", before=before)
+               audit=_refusals_audited(after, "write"), before=before)
+
+
+def _refusals_audited(entries: list[dict[str, Any]], access: str) -> str:
+    """The row's audit cell: a ``request_refused`` entry for the missing and for the wrong token, by the client, of
+    this ``access`` (the first of each a minute is audited; the rest are counted, logged and held back)."""
+    refused = [e for e in entries if e["action"] == "request_refused" and e["params"].get("access") == access]
+    reasons = sorted({e["params"]["reason"] for e in refused})
+    assert reasons == ["no_token", "wrong_token"], f"refused {access}s not audited as request_refused: {entries}"
+    return (f"request_refused x{len(refused)} ({', '.join(reasons)}; actor "
+            f"{', '.join(sorted({e['actor'] for e in refused}))}; the first of each client and reason a minute, "
+            "the rest counted in flywheel_admin_requests_refused_total)")
+
+
+CLOSED_READS = ["/status", "/status/history", "/policy/versions", "/audit", "/config", "/config/history",
+                "/trace/0123456789abcdef0123456789abcdef"]
+"""Every read endpoint (docs/api.md): closed to a client without an operator's token where public reads are off."""
+
+
+@attack("reads without a token where reads are closed (`admin.public_reads` off, as compose and Kubernetes run "
+        "the admin)")
+def test_reads_without_a_token_are_refused_where_reads_are_closed(security_env: SecurityEnv, tmp_path: Path) -> None:
+    """The local stack opens reads for its status page; compose and Kubernetes do not. This row starts a second
+    admin on the same run with the stack's own settings but ``admin.public_reads`` false (how compose and
+    Kubernetes start it), asks every read without a token, with a wrong one and with a malformed header, then
+    with the operator's token, and stops it."""
+    env = security_env
+    stack = env.fault.stack
+    before = env.progress()
+    audit = env.audit()
+    with socket.socket() as sock:  # a free port for the second admin
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    environ = {**stack.service_env("admin"), "FLYWHEEL_ADMIN_PUBLIC_READS": "false", "FLYWHEEL_HTTP_PORT": str(port),
+               "FLYWHEEL_HOME": str(tmp_path), "FLYWHEEL_LOG_FILE": str(tmp_path / "admin-closed.log")}
+    url = f"http://{environ['FLYWHEEL_HTTP_HOST']}:{port}"
+    with (tmp_path / "admin-closed.out").open("wb") as out:
+        proc = subprocess.Popen(service_command("admin"), env=environ, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not _answers(f"{url}/healthz"):
+            assert proc.poll() is None, f"the closed-reads admin exited {proc.returncode}: {tmp_path}/admin-closed.out"
+            assert time.monotonic() < deadline, f"the closed-reads admin did not answer within 60 s: {tmp_path}"
+            time.sleep(0.5)
+        answers: dict[str, int] = {}
+        for path in CLOSED_READS:
+            for who, headers in (("none", {}), ("wrong", env.auth("0" * 64)), ("malformed", {"Authorization": "x"})):
+                answers[f"{path} ({who})"] = httpx.get(f"{url}{path}", headers=headers, timeout=30).status_code
+        answered = {k: v for k, v in answers.items() if v not in (401, 403)}
+        assert not answered, f"reads answered without an operator's token: {answered}"
+        allowed = {p: httpx.get(f"{url}{p}", headers=env.auth(), timeout=30).status_code for p in CLOSED_READS}
+        assert all(c == (404 if p.startswith("/trace/") else 200) for p, c in allowed.items()), \
+            f"the operator's token was not let in: {allowed}"
+    finally:
+        terminate(proc.pid)  # SIGTERM, then SIGKILL after 20 s; reaps our child
+    codes = "; ".join(f"{who} token {'/'.join(sorted({str(v) for k, v in answers.items() if k.endswith(f'({who})')}))}"
+                      for who in ("none", "wrong", "malformed"))
+    env.finish(refused=f"admin (public_reads off): all {len(answers)} reads of {len(CLOSED_READS)} endpoints refused "
+                       f"({codes}); with the operator's token every one answered",
+               audit=_refusals_audited(env.audit()[len(audit):], "read"), before=before)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @attack("a sampler identity writes `<run>.policy`, `<run>.credits` and `<run>.control`")
@@ -432,6 +501,5 @@ def test_sampler_identity_cannot_write_the_policy_credits_control_topics(securit
     pytest.skip(why)
 
 
-# Rows to come (issue 43): reads without a token where reads are closed (named operators, admin.public_reads) and
-# a sampler claiming another sampler's id (sampler identity bound to its principal). Their places on the page are
-# tests/security/report.py's LATER; each becomes a test here, and its LATER entry goes.
+# A row to come (issue 43): a sampler claiming another sampler's id (sampler identity bound to its principal). Its
+# place on the page is tests/security/report.py's LATER; it becomes a test here, and its LATER entry goes.

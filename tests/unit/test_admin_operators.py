@@ -145,11 +145,77 @@ async def test_every_write_needs_an_operators_token(api: Any, method: str, path:
     assert r.status_code not in (401, 403), (path, r.text)
 
 
-async def test_refused_writes_are_not_audited_and_change_nothing(api: Any) -> None:
+async def test_refused_writes_change_nothing_and_are_audited_as_refused(api: Any) -> None:
     client, state = api
     await client.post("/samplers/pause", json={}, headers=bearer("wrong"))
     await client.patch("/config", json={"trainer.learning_rate": 0.0007})
-    assert state.audit.entries(100) == [] and state.runtime_config.latest() is None
+    assert state.runtime_config.latest() is None
+    entries = state.audit.entries(100)
+    assert [(e.actor, e.action, e.outcome) for e in entries] == [
+        ("anonymous@10.1.2.3", "request_refused", "refused 403"), ("anonymous@10.1.2.3", "request_refused",
+                                                                   "refused 401")]
+    assert [(e.params["method"], e.params["path"], e.params["reason"], e.params["access"]) for e in entries] == [
+        ("POST", "/samplers/pause", "wrong_token", "write"), ("PATCH", "/config", "no_token", "write")]
+
+
+def _refused_count(reason: str, access: str) -> float:
+    from services.admin.refusals import REFUSED
+
+    return REFUSED.labels(reason, access)._value.get()  # type: ignore[no-any-return]
+
+
+async def test_refusals_are_audited_once_a_window_per_client_and_reason_and_every_one_counted_and_logged(
+        api: Any, logs: io.StringIO) -> None:
+    """A client without a token cannot make the admin write an audit object per request: the first refusal of each
+    (client, reason) a window is audited, the next entry says how many were held back; the metric and the log
+    count every one, and no line carries the token."""
+    client, state = api
+    refusals = client._transport.app.state.request_refusals
+    now = [1000.0]
+    refusals.clock = lambda: now[0]
+    counted = _refused_count("no_token", "read"), _refused_count("wrong_token", "read")
+    for _ in range(5):
+        assert (await client.get("/status")).status_code == 401
+    for _ in range(3):
+        assert (await client.get("/audit", headers=bearer("guess-" + "9" * 40))).status_code == 403
+    assert [e.params["reason"] for e in state.audit.entries(100)] == ["no_token", "wrong_token"]
+    now[0] += refusals.window_s + 1
+    assert (await client.get("/config")).status_code == 401
+    entries = state.audit.entries(100)
+    assert [(e.params["reason"], e.params["held_back_since_last"]) for e in entries] == [
+        ("no_token", 0), ("wrong_token", 0), ("no_token", 4)]
+    assert (_refused_count("no_token", "read") - counted[0], _refused_count("wrong_token", "read") - counted[1]) == \
+        (6, 3)
+    lines = [json.loads(x) for x in logs.getvalue().splitlines() if '"request_refused"' in x]
+    assert len(lines) == 9 and {x["client"] for x in lines} == {"10.1.2.3"}
+    assert "9" * 40 not in logs.getvalue()
+    ok = (await client.get("/status", headers=bearer(ALICE))).status_code
+    assert ok == 200 and len(state.audit.entries(100)) == 3  # a read with a token is no refusal
+
+
+async def test_a_refusal_is_answered_even_when_its_audit_entry_cannot_be_written(
+        api: Any, logs: io.StringIO, monkeypatch: pytest.MonkeyPatch) -> None:
+    client, state = api
+
+    def store_down(*_a: Any) -> None:
+        raise OSError("store down")
+
+    monkeypatch.setattr(state.audit, "append", store_down)
+    assert (await client.post("/samplers/pause", json={})).status_code == 401
+    failed = [json.loads(x) for x in logs.getvalue().splitlines() if "audit_write_failed" in x]
+    assert [(x["action"], x["actor"]) for x in failed] == [("request_refused", "anonymous@10.1.2.3")]
+
+
+def test_the_refusals_remembered_are_bounded_and_the_oldest_go_first() -> None:
+    from services.admin.refusals import RequestRefusals
+
+    r = RequestRefusals(window_s=60.0, max_clients=2, clock=lambda: 5.0)
+    assert r.note("a", 401, "read", "GET", "/status") is not None
+    assert r.note("a", 401, "read", "GET", "/status") is None  # within the window: held back
+    assert r.note("b", 401, "read", "GET", "/status") is not None
+    assert r.note("c", 403, "read", "GET", "/status") is not None  # a third pair: "a" is forgotten
+    again = r.note("a", 401, "read", "GET", "/status")
+    assert again is not None and again["held_back_since_last"] == 0
 
 
 # ---- reads: closed by default, open with admin.public_reads -----------------------------------------
