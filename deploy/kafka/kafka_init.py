@@ -1,6 +1,7 @@
-"""Compose's Kafka init step (deploy/kafka/compose.acl.yml): the run's topics and every role's ACLs.
+"""Compose's Kafka init step (docker-compose.yml's ``kafka-init``): the run's topics and every role's ACLs.
 
-Runs once per ``docker compose up`` in the Flywheel image, as a Kafka super user, and exits 0 when the
+Runs once per ``docker compose up`` in the Flywheel image, as a Kafka super user (the anonymous one of the
+broker's loopback PLAINTEXT listener, in the broker's network namespace), and exits 0 when the
 topics and the ACLs exist (idempotent: existing ones are kept). What each role may do is not written here:
 it is :func:`shared.acl.role_acls`, created by :func:`shared.acl.provision_run` for the run and the topics
 that the settings name (``FLYWHEEL_CONFIG`` plus ``FLYWHEEL_*`` variables, as for the services).

@@ -25,11 +25,8 @@ PUBLISHED = {  # service: (the port docker-compose.yml publishes, the variable a
     "admin": (8080, "FLYWHEEL_COMPOSE_ADMIN_PORT", 18080, ADMIN_PORT_OVERRIDE),
     "prometheus": (9090, "FLYWHEEL_COMPOSE_PROMETHEUS_PORT", 19090, "tools/compose/prometheus-port.yml"),
 }
-ACL_OVERRIDE = "deploy/kafka/compose.acl.yml"
-# Every service but Grafana, whose image has no stand-in (docs/local-stack.md, "Stand-in images"); the
-# dependencies (kafka, minio, minio-init) come with them.
-# The one-shot init services (minio-init; the override's kafka-users, kafka-init, minio-roles-init) come as
-# dependencies.
+# Every service but Grafana, whose image has no stand-in (docs/local-stack.md, "Stand-in images"); the one-shot
+# init services (keys, minio-init, kafka-users, kafka-init) come as dependencies.
 SERVICES = ["kafka", "minio", "prometheus", "trainer", "paramsync", "admin", "sampler"]
 
 # Collected only under `make test-compose` (which starts the test engine and builds the images first), never
@@ -53,12 +50,11 @@ def wait_until(check: Callable[[], Any], timeout_s: float, what: str, interval: 
 
 
 class Compose:
-    """`docker compose` on the test engine, for one project; ``acl`` adds the per-role identity override."""
+    """`docker compose` on the test engine, for one project."""
 
     def __init__(self, token: str, moved: dict[str, int] | None = None) -> None:
         """``moved``: service -> the host port it is published on instead of the shipped one (:func:`moved_ports`)."""
         self.token = token
-        self.acl = False
         self.moved = dict(moved or {})
         self.admin_port = self.moved.get("admin", PUBLISHED["admin"][0])
         self.admin = f"http://127.0.0.1:{self.admin_port}"
@@ -69,7 +65,7 @@ class Compose:
             self.env.pop(k, None)
 
     def files(self) -> list[str]:
-        return ["-f", "docker-compose.yml", *(["-f", ACL_OVERRIDE] if self.acl else []),
+        return ["-f", "docker-compose.yml",
                 *(f for service in sorted(self.moved) for f in ("-f", PUBLISHED[service][3]))]
 
     def run(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -111,9 +107,11 @@ class Compose:
         info: dict[str, Any] = json.loads(self.docker("inspect", container).stdout)[0]
         return info
 
-    def exec(self, service: str, *cmd: str, timeout: float = 300,
-             check: bool = True) -> subprocess.CompletedProcess[str]:
-        return self.run("exec", "-T", service, *cmd, timeout=timeout, check=check)
+    def exec(self, service: str, *cmd: str, timeout: float = 300, check: bool = True,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """``cmd`` in ``service``'s first container; ``env`` set (or replaced) in its environment for this command."""
+        flags = [f for k, v in (env or {}).items() for f in ("-e", f"{k}={v}")]
+        return self.run("exec", "-T", *flags, service, *cmd, timeout=timeout, check=check)
 
     def status(self) -> dict[str, Any]:
         r = httpx.get(f"{self.admin}/status", headers={"Authorization": f"Bearer {self.token}"}, timeout=10)
@@ -163,5 +161,4 @@ def compose() -> Any:
         print(f"\ncompose: stack up and healthy in {time.monotonic() - t0:.0f} s")
         yield c
     finally:
-        c.acl = True  # down with the override too, so its one-shot containers go as well
         c.run("down", "-v", "--remove-orphans", "--timeout", "30", check=False, timeout=300)

@@ -1,8 +1,9 @@
 """docker-compose.yml run for real (issue 31): CartPole learns through the containers, crashes heal by the
 restart policy with `flywheel verify` ok, `down`/`up` resumes the run, `--scale sampler=4` gives four samplers,
-candidates the trainer did not sign are never published (signing is on by default, issue 43), and under
-deploy/kafka/compose.acl.yml the sampler's identity is refused writing the policy topic. The tests share one
-stack and run in file order."""
+candidates the trainer did not sign are never published (signing is on by default, issue 43), and every service
+runs under its own Kafka identity by default (issue 43): the sampler's is refused writing the policy topic, and no
+container but the broker's reaches a listener without authentication. The tests share one stack and run in file
+order."""
 from __future__ import annotations
 
 import json
@@ -171,7 +172,7 @@ def test_scale_to_four_samplers(compose: Compose) -> None:
 
 FORGE = """
 import asyncio, json, os, time
-from aiokafka import AIOKafkaProducer
+from shared.kafka import make_producer
 from shared.messages import KEY_CANDIDATE, PolicyMessage
 from shared.marker import VersionedStore
 from shared.settings import load_settings
@@ -190,7 +191,7 @@ async def main():
     forged = PolicyMessage(type="candidate", version=current.version + 5, blob=old.blob, sha256=old.sha256,
                            size=old.size, trainer_step=old.trainer_step, created_at=time.time(),
                            lineage=current.version + 5, rollback_of=old.version)
-    p = AIOKafkaProducer(bootstrap_servers=os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"])
+    p = make_producer(settings)  # the Kafka identity of the environment: the trainer's, given by the test
     await p.start()
     try:
         for msg in (forged, forger.sign_message(forged.model_copy(update={"version": current.version + 6}))):
@@ -204,16 +205,20 @@ asyncio.run(main())
 
 
 def test_signed_by_default_a_candidate_the_trainer_did_not_sign_is_never_published(compose: Compose) -> None:
-    """`docker compose up` signs by default (issue 43): the sampler container holds the public keys only; a
-    forged candidate it sends on the policy topic (a rollback to an old kept version's blob, unsigned, and the same
-    signed with a trainer key of its own making) is refused by paramsync with an audit entry, never published, and
-    training goes on with the published versions signed by paramsync's key."""
+    """`docker compose up` signs by default (issue 43): the sampler container holds the public keys only. Its own
+    Kafka identity may not write the policy topic (the last test), so the forger here also holds the trainer's Kafka
+    password (a stolen credential, not the trainer's key): a forged candidate it sends on the policy topic (a
+    rollback to an old kept version's blob, unsigned, and the same signed with a trainer key of its own making) is
+    refused by paramsync with an audit entry, never published, and training goes on with the published versions
+    signed by paramsync's key."""
     keys = compose.exec("sampler", "sh", "-c", "ls -A /keys; ls -A /keys/public; env | grep ^FLYWHEEL_SIGNING_ | sort")
     assert keys.stdout.split() == ["public", "public.keys", "FLYWHEEL_SIGNING_ENABLED=true",
                                    "FLYWHEEL_SIGNING_KEYS_FILE=/keys/public/public.keys"], keys.stdout
     s = compose.status()
     assert s["policy"]["signed"] is True and str(s["policy"]["signed_by"]).startswith("paramsync-"), s["policy"]
-    out = compose.exec("sampler", "python", "-c", FORGE, timeout=120)
+    password = compose.exec("trainer", "printenv", "FLYWHEEL_KAFKA_SASL_PASSWORD").stdout.strip()
+    out = compose.exec("sampler", "python", "-c", FORGE, timeout=120,
+                       env={"FLYWHEEL_KAFKA_SASL_USERNAME": "trainer", "FLYWHEEL_KAFKA_SASL_PASSWORD": password})
     sent = json.loads(out.stdout.strip().splitlines()[-1])
     at = progress(compose.status())
 
@@ -241,11 +246,12 @@ def test_signed_by_default_a_candidate_the_trainer_did_not_sign_is_never_publish
 
 
 PRODUCE = """
-import asyncio, os
+import asyncio, json, os, socket
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import TopicAuthorizationFailedError
 
 async def main():
+    out = {}
     p = AIOKafkaProducer(bootstrap_servers=os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"],
                          security_protocol=os.environ["FLYWHEEL_KAFKA_SECURITY_PROTOCOL"],
                          sasl_mechanism=os.environ["FLYWHEEL_KAFKA_SASL_MECHANISM"],
@@ -254,27 +260,49 @@ async def main():
     await p.start()
     try:
         await p.send_and_wait("cartpole.policy", b"not a policy")
-        print("WRITTEN as", os.environ["FLYWHEEL_KAFKA_SASL_USERNAME"])
+        out["policy"] = "WRITTEN as " + os.environ["FLYWHEEL_KAFKA_SASL_USERNAME"]
     except TopicAuthorizationFailedError as exc:
-        print("REFUSED", os.environ["FLYWHEEL_KAFKA_SASL_USERNAME"], type(exc).__name__, exc)
+        out["policy"] = f"REFUSED {os.environ['FLYWHEEL_KAFKA_SASL_USERNAME']} {type(exc).__name__}"
     finally:
         await p.stop()
+    # Without credentials on the services' listener: the broker closes a connection that does not authenticate.
+    anon = AIOKafkaProducer(bootstrap_servers=os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"], request_timeout_ms=5000)
+    try:
+        await asyncio.wait_for(anon.start(), 60)
+        out["anonymous"] = "CONNECTED"
+    except Exception as exc:  # KafkaConnectionError (Unable to bootstrap) expected; any failure is a refusal
+        out["anonymous"] = f"REFUSED {type(exc).__name__}: {exc}"
+    try:
+        await anon.stop()
+    except Exception:
+        pass
+    # The broker's listeners without authentication (PLAINTEXT 9092, CONTROLLER 9093) are on its loopback only.
+    for port in (9092, 9093):
+        try:
+            socket.create_connection(("kafka", port), timeout=5).close()
+            out[str(port)] = "OPEN"
+        except OSError as exc:
+            out[str(port)] = f"CLOSED {type(exc).__name__}"
+    print(json.dumps(out))
 
 asyncio.run(main())
 """
 
 
-def test_per_role_identities_refuse_the_sampler_on_the_policy_topic(compose: Compose) -> None:
-    compose.acl = True
-    try:
-        at = progress(compose.status())
-        compose.up()
-        env = compose.exec("sampler", "sh", "-c", "echo $FLYWHEEL_KAFKA_SASL_USERNAME $FLYWHEEL_KAFKA_BOOTSTRAP").stdout
-        assert env.split() == ["sampler", "kafka:9094"], env
-        now = advancing(compose, at, 600, "training under the per-role identities")
-        out = compose.exec("sampler", "python", "-c", PRODUCE, timeout=120, check=False)
-        print(f"\nper-role identities: training goes on {at} -> {now}; sampler writing cartpole.policy: "
-              f"{(out.stdout + out.stderr).strip()[-600:]}")
-        assert "REFUSED sampler TopicAuthorizationFailedError" in out.stdout, out.stdout + out.stderr
-    finally:
-        compose.acl = False
+def test_per_role_identities_by_default_refuse_the_sampler_and_anonymous_clients(compose: Compose) -> None:
+    """`docker compose up` runs each service as its own Kafka user (issue 43, item 2): the sampler's container has
+    the sampler's identity on the SASL listener, which may not write the policy topic; a client without credentials
+    cannot use that listener; and the broker's unauthenticated listeners, where User:ANONYMOUS is a super user, do
+    not answer on the compose network. Training went on under these identities (the tests above)."""
+    env = compose.exec("sampler", "sh", "-c", "echo $FLYWHEEL_KAFKA_SASL_USERNAME $FLYWHEEL_KAFKA_BOOTSTRAP "
+                       "$FLYWHEEL_KAFKA_SECURITY_PROTOCOL $AWS_ACCESS_KEY_ID").stdout
+    assert env.split() == ["sampler", "kafka:9094", "SASL_PLAINTEXT", "flywheel-sampler"], env
+    out = compose.exec("sampler", "python", "-c", PRODUCE, timeout=120, check=False)
+    print(f"\nper-role identities from the sampler container: {(out.stdout + out.stderr).strip()[-800:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["policy"] == "REFUSED sampler TopicAuthorizationFailedError", got
+    assert got["anonymous"].startswith("REFUSED"), got
+    assert got["9092"].startswith("CLOSED") and got["9093"].startswith("CLOSED"), got
+    inits = {step: compose.run("logs", "--no-color", step, check=False).stdout.strip().splitlines()[-1:]
+             for step in ("kafka-users", "kafka-init", "minio-init")}
+    print(f"init steps' last lines: {inits}")

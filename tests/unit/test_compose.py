@@ -3,8 +3,9 @@
 No Docker engine is needed: the files are parsed and checked against what the design promises
 (official Kafka image in KRaft mode, pinned images, one Dockerfile for the four services,
 healthchecks and start-up ordering, a scalable sampler), against the security defaults
-(ports on 127.0.0.1 only, a bucket-limited MinIO user for the services, rotated logs) and against
-the local stack (the same broker settings, valid Flywheel settings). `docker compose config` runs
+(ports on 127.0.0.1 only, one Kafka user and one MinIO user per role, no unauthenticated listener
+off the broker's loopback, rotated logs) and against the local stack (the same broker settings as
+its SASL listener with the authorizer, valid Flywheel settings). `docker compose config` runs
 only where Docker works; tests/unit/test_compose_spec.py loads the file with compose-go itself.
 """
 
@@ -33,7 +34,9 @@ CONFIG = REPO / "configs" / "cartpole.yaml"
 MINIO_DIR = REPO / "deploy" / "minio"
 
 FLYWHEEL_SERVICES = ("trainer", "paramsync", "admin", "sampler")
-INFRA_SERVICES = ("kafka", "minio", "minio-init", "keys", "prometheus", "grafana")
+INFRA_SERVICES = ("kafka", "minio", "minio-init", "kafka-users", "kafka-init", "keys", "prometheus", "grafana")
+INIT_STEPS = ("kafka-users", "kafka-init", "minio-init")  # the identities, before the services
+KAFKA_INIT = REPO / "deploy" / "kafka" / "kafka_init.py"
 ROOT_CREDENTIAL_SERVICES = ("minio", "minio-init")
 PUBLISHED = {
     "admin": ["127.0.0.1:8080:8080"],
@@ -152,9 +155,7 @@ def test_kafka_is_official_image_in_kraft_mode(compose: dict[str, Any], services
     env = {k: _interpolate(v, {}) for k, v in _env(kafka).items()}  # without the `cluster` profile's variables
     assert not any("ZOOKEEPER" in k for k in env), "Kafka 4 has no ZooKeeper mode"
     assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
-    assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == f"{env['KAFKA_NODE_ID']}@kafka:9093"
-    assert env["KAFKA_LISTENERS"] == "PLAINTEXT://:9092,CONTROLLER://:9093"
-    assert env["KAFKA_ADVERTISED_LISTENERS"] == "PLAINTEXT://kafka:9092"
+    assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == f"{env['KAFKA_NODE_ID']}@127.0.0.1:9093"
     assert env["KAFKA_CONTROLLER_LISTENER_NAMES"] == "CONTROLLER"
     assert env["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false", "topics are created by the services from config"
     # The image formats its storage with CLUSTER_ID: 16 bytes, URL-safe base64 without padding.
@@ -166,9 +167,30 @@ def test_kafka_is_official_image_in_kraft_mode(compose: dict[str, Any], services
     assert [v[1] for v in volumes if v[0] in named] == [env["KAFKA_LOG_DIRS"]]
 
     assert (
-        "/opt/kafka/bin/kafka-broker-api-versions.sh --bootstrap-server localhost:9092"
-        in _healthcheck_cmd(kafka)
+        "/opt/kafka/bin/kafka-broker-api-versions.sh --bootstrap-server 127.0.0.1:9092"
+        in _interpolate(_healthcheck_cmd(kafka), {})
     )
+
+
+def test_only_the_sasl_listener_leaves_the_brokers_loopback(services: dict[str, Any]) -> None:
+    """The single broker (no `cluster` profile variables): the services' listener, SASL_PLAINTEXT on 9094, is the
+    only one on the compose network; PLAINTEXT and CONTROLLER, where User:ANONYMOUS is a super user, listen and
+    are advertised on 127.0.0.1 only. Nothing is published."""
+    env = {k: _interpolate(v, {}) for k, v in _env(services["kafka"]).items()}
+    assert env["KAFKA_LISTENERS"] == "PLAINTEXT://127.0.0.1:9092,CONTROLLER://127.0.0.1:9093,SASL_PLAINTEXT://:9094"
+    assert env["KAFKA_ADVERTISED_LISTENERS"] == "PLAINTEXT://127.0.0.1:9092,SASL_PLAINTEXT://kafka:9094"
+    assert env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"] == (
+        "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT")
+    assert env["KAFKA_SUPER_USERS"].split(";") == ["User:ANONYMOUS", "User:flywheel"]
+    assert env["KAFKA_ALLOW_EVERYONE_IF_NO_ACL_FOUND"] == "false"
+    assert not services["kafka"].get("ports"), "the broker stays unpublished"
+    for name in FLYWHEEL_SERVICES:
+        assert _interpolate(_env(services[name])["FLYWHEEL_KAFKA_BOOTSTRAP"], {}) == "kafka:9094", name
+    # Only the two Kafka init steps reach the loopback listener: they share the broker's network namespace.
+    shared_ns = {name for name, svc in services.items() if "network_mode" in svc}
+    assert shared_ns == {"kafka-users", "kafka-init"}
+    for step in shared_ns:
+        assert services[step]["network_mode"] == "service:kafka", step
 
 
 def _kafka_env_to_properties(env: dict[str, str]) -> dict[str, str]:
@@ -183,11 +205,14 @@ def _kafka_env_to_properties(env: dict[str, str]) -> dict[str, str]:
 
 
 def test_kafka_settings_match_the_local_stack(services: dict[str, Any], tmp_path: Path) -> None:
+    """The local stack's broker with its SASL listener and the authorizer (kafka_sasl_port + kafka_authorizer):
+    the same settings but for addresses and paths."""
     from devstack.config import InfraConfig
     from devstack.kafka import server_properties
 
     local = {}
-    for line in server_properties(InfraConfig.resolve(home=tmp_path)).splitlines():
+    cfg = InfraConfig.resolve(home=tmp_path, kafka_sasl_port=19094, kafka_authorizer=True)
+    for line in server_properties(cfg).splitlines():
         if line.strip() and not line.lstrip().startswith("#"):
             key, _, value = line.partition("=")
             local[key.strip()] = value.strip()
@@ -217,7 +242,8 @@ def test_cluster_profile_runs_three_nodes_like_the_local_cluster(services: dict[
     for name in ("kafka-2", "kafka-3"):
         assert services[name]["profiles"] == ["cluster"], name
         assert services[name]["image"] == services["kafka"]["image"] and services[name]["hostname"] == name
-        assert services[name]["healthcheck"] == services["kafka"]["healthcheck"], name
+        assert _interpolate(_healthcheck_cmd(services[name]), given) == _interpolate(
+            _healthcheck_cmd(services["kafka"]), given).replace("kafka:", "localhost:"), name
     assert [env["KAFKA_NODE_ID"] for env in nodes.values()] == ["1", "2", "3"]
     assert len({env["CLUSTER_ID"] for env in nodes.values()}) == 1, "one cluster id formats every node"
     volumes = [tuple(v.split(":")) for name in nodes for v in services[name]["volumes"]]
@@ -225,21 +251,33 @@ def test_cluster_profile_runs_three_nodes_like_the_local_cluster(services: dict[
     voters = "1@kafka:9093,2@kafka-2:9093,3@kafka-3:9093"
     local = InfraConfig.resolve(home=tmp_path, brokers=3)
     where = {"listeners", "advertised.listeners", "controller.quorum.voters", "log.dirs", "node.id"}
+    # The local stack's SASL listener and authorizer are for a single broker only: what they add to its settings
+    # is what every compose node adds to the local cluster's.
+    def props_of(text: str) -> dict[str, str]:
+        return dict(line.partition("=")[::2] for line in text.splitlines() if line.strip() and not line.startswith("#"))
+    single = props_of(server_properties(InfraConfig.resolve(home=tmp_path / "single")))
+    with_sasl = props_of(server_properties(InfraConfig.resolve(home=tmp_path / "sasl", kafka_sasl_port=19094,
+                                                               kafka_authorizer=True)))
+    sasl = {k: v for k, v in with_sasl.items() if single.get(k) != v and k not in where}
+    assert {"authorizer.class.name", "super.users", "sasl.enabled.mechanisms"} <= set(sasl), sasl
     for (name, env), node in zip(nodes.items(), local.kafka_nodes, strict=True):
         assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == voters, name
-        assert env["KAFKA_ADVERTISED_LISTENERS"] == f"PLAINTEXT://{name}:9092"
-        props = {}
-        for line in server_properties(local, node).splitlines():
-            if line.strip() and not line.startswith("#"):
-                key, _, value = line.partition("=")
-                props[key] = value
+        # Every node's PLAINTEXT and controller listeners on the compose network (the nodes replicate and vote over
+        # them); node 1's on its name there, the others' on every interface.
+        assert env["KAFKA_ADVERTISED_LISTENERS"] == f"PLAINTEXT://{name}:9092,SASL_PLAINTEXT://{name}:9094"
+        host = name if name == "kafka" else ""
+        assert env["KAFKA_LISTENERS"] == f"PLAINTEXT://{host}:9092,CONTROLLER://{host}:9093,SASL_PLAINTEXT://:9094"
+        props = {**props_of(server_properties(local, node)), **sasl}
         compose_props = _kafka_env_to_properties(env)
         assert {k: v for k, v in compose_props.items() if k not in where} == {
             k: v for k, v in props.items() if k not in where}, name
     for name in FLYWHEEL_SERVICES:
         env = _env(services[name])
-        assert _interpolate(env["FLYWHEEL_KAFKA_BOOTSTRAP"], {}) == "kafka:9092"
-        assert _interpolate(env["FLYWHEEL_KAFKA_BOOTSTRAP"], given) == "kafka:9092,kafka-2:9092,kafka-3:9092"
+        assert _interpolate(env["FLYWHEEL_KAFKA_BOOTSTRAP"], {}) == "kafka:9094"
+        assert _interpolate(env["FLYWHEEL_KAFKA_BOOTSTRAP"], given) == "kafka:9094,kafka-2:9094,kafka-3:9094"
+    for step in ("kafka-users", "kafka-init"):  # node 1's PLAINTEXT listener, on its name with the profile
+        bootstrap = {k: _interpolate(v, given) for k, v in _env(services[step]).items()}
+        assert bootstrap.get("BOOTSTRAP", bootstrap.get("FLYWHEEL_KAFKA_BOOTSTRAP")) == "kafka:9092", step
 
 
 def test_minio_pinned_to_recent_release(services: dict[str, Any]) -> None:
@@ -386,7 +424,10 @@ def test_flywheel_services_settings_are_valid(services: dict[str, Any]) -> None:
         assert "/keys/public" in mounts, f"{name}: the public keys are not mounted"
         own = {"trainer": {"/keys/trainer"}, "paramsync": {"/keys/paramsync"}}.get(name, set())
         assert mounts & {"/keys/trainer", "/keys/paramsync"} == own, f"{name} mounts another role's private key"
-        assert settings.kafka.bootstrap == "kafka:9092"
+        kafka = settings.kafka
+        assert (kafka.bootstrap, kafka.security_protocol, kafka.sasl_mechanism) == (
+            "kafka:9094", "SASL_PLAINTEXT", "SCRAM-SHA-512"), name
+        assert kafka.sasl_username == name, f"{name}: principal User:{name} is what shared.acl grants"
         assert settings.store.backend == "s3"
         assert settings.s3.endpoint == "http://minio:9000"
         assert settings.http.host == "0.0.0.0", f"{name}: must listen beyond the container's loopback"
@@ -416,6 +457,9 @@ def test_flywheel_service_healthcheck_and_ordering(services: dict[str, Any], nam
         "kafka-2": {"condition": "service_healthy", "required": False},
         "kafka-3": {"condition": "service_healthy", "required": False},
         "minio-init": {"condition": "service_completed_successfully"},
+        # Its users and ACLs exist before any service (no role may create topics or ACLs itself).
+        "kafka-users": {"condition": "service_completed_successfully"},
+        "kafka-init": {"condition": "service_completed_successfully"},
         "keys": {"condition": "service_completed_successfully"},  # the signing keys exist before any service
     }
     assert svc["restart"] == "unless-stopped"
@@ -471,7 +515,7 @@ def test_published_ports_bind_loopback_only(services: dict[str, Any]) -> None:
                 "interface, past the host firewall); expose deliberately with an override file"
             )
             assert host_port, f"{name}: {port!r} needs a fixed host port to be reachable as documented"
-    for name in ("kafka", "minio", "minio-init") + tuple(n for n in FLYWHEEL_SERVICES if n != "admin"):
+    for name in ("kafka", "minio", *INIT_STEPS) + tuple(n for n in FLYWHEEL_SERVICES if n != "admin"):
         assert "ports" not in services[name], f"{name} must not be published"
 
 
@@ -497,21 +541,42 @@ def _default(value: str) -> tuple[str, str]:
     return m.group(1), m.group(3)
 
 
-def test_services_authenticate_as_the_bucket_limited_user(services: dict[str, Any]) -> None:
-    init_env = _env(services["minio-init"])
-    user, password = init_env["SERVICE_USER"], init_env["SERVICE_PASSWORD"]
-    for name in FLYWHEEL_SERVICES:
-        env = _env(services[name])
-        assert env["AWS_ACCESS_KEY_ID"] == user, f"{name} must use the user that minio-init creates"
-        assert env["AWS_SECRET_ACCESS_KEY"] == password, f"{name} must use the user that minio-init creates"
-    root_user_var, root_user = _default(init_env["MINIO_ROOT_USER"])
-    user_var, user_default = _default(user)
-    password_var, password_default = _default(password)
-    assert user_var != root_user_var and user_default != root_user, "MinIO refuses a user named like root"
-    assert len(user_default) >= 3 and len(password_default) >= 8, "MinIO's minimum key lengths"
-    assert not user_var.startswith("FLYWHEEL_") and not password_var.startswith("FLYWHEEL_"), (
-        "the services reject unknown FLYWHEEL_* variables; name compose-only variables otherwise"
-    )
+def test_every_service_has_its_own_identity(services: dict[str, Any]) -> None:
+    """Each service (both trainer ranks the trainer) sends its role's Kafka user and MinIO user, with the passwords
+    that kafka-users and minio-init set from the same variables; the init steps make exactly shared.acl.ROLES."""
+    from shared.acl import ROLES
+    from shared.settings import load_settings
+
+    users, minio = _env(services["kafka-users"]), _env(services["minio-init"])
+    assert tuple(users["ROLES"].split()) == ROLES, "kafka-users must create exactly shared.acl.ROLES"
+    assert tuple(minio["ROLES"].split()) == ROLES, "minio-init must create exactly shared.acl.ROLES"
+    given = {"FLYWHEEL_ADMIN_TOKEN": "t" * 40, "TRAINERS": "2"}
+    for name in (*FLYWHEEL_SERVICES, "trainer-1"):
+        role = "trainer" if name == "trainer-1" else name
+        raw = _env(services[name])
+        env = _at_local_keys({k: _interpolate(v, given) for k, v in raw.items()})
+        kafka = load_settings(CONFIG, environ=env).kafka  # unknown FLYWHEEL_* variables raise
+        assert kafka.sasl_username == role and kafka.sasl_password is not None, name
+        assert raw["FLYWHEEL_KAFKA_SASL_PASSWORD"] == users[f"SCRAM_PASSWORD_{role}"], name
+        assert env["AWS_ACCESS_KEY_ID"] == f"flywheel-{role}", name
+        assert raw["AWS_SECRET_ACCESS_KEY"] == minio[f"PASSWORD_{role}"], name
+        assert (MINIO_DIR / f"flywheel-{role}.json").is_file()
+    for var in [*users.values(), *minio.values()]:
+        if INTERPOLATION.fullmatch(var):
+            name, default = _default(var)
+            assert not name.startswith("FLYWHEEL_"), (
+                "the services reject unknown FLYWHEEL_* variables; name compose-only variables otherwise")
+    for role in ROLES:
+        _, password = _default(minio[f"PASSWORD_{role}"])
+        assert len(password) >= 8, "MinIO's minimum secret length"
+
+
+def test_dev_passwords_are_the_local_stacks(services: dict[str, Any]) -> None:
+    from devstack.config import kafka_role_password as role_password
+    from shared.acl import ROLES
+
+    users = {k: _interpolate(v, {}) for k, v in _env(services["kafka-users"]).items()}
+    assert {role: users[f"SCRAM_PASSWORD_{role}"] for role in ROLES} == {role: role_password(role) for role in ROLES}
 
 
 def test_interpolated_flywheel_variables_are_settings() -> None:
@@ -524,26 +589,28 @@ def test_interpolated_flywheel_variables_are_settings() -> None:
         load_settings(None, environ={name: "x" * 40})
 
 
-def _policy_file(services: dict[str, Any]) -> Path:
-    init = services["minio-init"]
-    policy_in_container = Path(_env(init)["POLICY_FILE"])
-    for volume in init["volumes"]:
-        source, target, *mode = volume.split(":")
-        if policy_in_container.parent == Path(target):
-            assert mode == ["ro"], "mount the policy read-only"
-            local: Path = REPO / source / policy_in_container.name
-            assert local.is_file(), f"{local} is mounted as {policy_in_container} but does not exist"
-            return local
-    raise AssertionError(f"minio-init does not mount {policy_in_container.parent}")
-
-
 def _as_set(value: str | list[str]) -> set[str]:
     return {value} if isinstance(value, str) else set(value)
 
 
-def test_policy_file_names_only_the_bucket(services: dict[str, Any]) -> None:
-    path = _policy_file(services)
-    assert path.parent == MINIO_DIR
+def test_role_policies_name_only_the_bucket(services: dict[str, Any]) -> None:
+    """Every role's policy that minio-init installs names only the bucket that minio-init creates and the services
+    use (tests/unit/test_s3_policies.py checks what each allows)."""
+    from shared.acl import ROLES
+
+    bucket = _env(services["minio-init"])["BUCKET"]
+    for role in ROLES:
+        policy = json.loads((MINIO_DIR / f"flywheel-{role}.json").read_text())
+        for statement in policy["Statement"]:
+            for resource in _as_set(statement["Resource"]):
+                assert resource == f"arn:aws:s3:::{bucket}" or resource.startswith(f"arn:aws:s3:::{bucket}/"), (
+                    role, resource)
+
+
+def test_bucket_policy_names_only_the_bucket(services: dict[str, Any]) -> None:
+    """deploy/minio/flywheel-bucket-policy.json, one policy for every service: compose no longer uses it (a user per
+    role instead); the Kubernetes local overlay's MinIO does (a copy, tests/unit/test_k8s_check.py)."""
+    path = MINIO_DIR / "flywheel-bucket-policy.json"
     bucket = _env(services["minio-init"])["BUCKET"]
     policy = json.loads(path.read_text())
     assert policy["Version"] == "2012-10-17"
@@ -579,8 +646,11 @@ esac
 @pytest.mark.skipif(shutil.which("sh") is None, reason="no POSIX sh")
 @pytest.mark.parametrize("attach", ["ok", "already", "denied"])
 def test_minio_init_script(services: dict[str, Any], tmp_path: Path, attach: str) -> None:
-    """The script, with a stand-in `mc`: the bucket, the policy from the mounted file, the user, the attachment;
-    attaching a policy that is already attached counts as success, any other failure fails the job."""
+    """The script, with a stand-in `mc`: the bucket, then for each role the policy from the mounted file, the user
+    with its own password, the attachment; attaching a policy that is already attached counts as success, any other
+    failure fails the job."""
+    from shared.acl import ROLES
+
     init = services["minio-init"]
     assert init["entrypoint"] == ["/bin/sh", "-c"] and len(init["command"]) == 1
     script = _interpolate(init["command"][0], {})
@@ -598,14 +668,17 @@ def test_minio_init_script(services: dict[str, Any], tmp_path: Path, attach: str
         assert proc.returncode != 0 and "Access Denied" in proc.stderr
         return
     assert proc.returncode == 0, proc.stderr
-    root, user = env["MINIO_ROOT_USER"], env["SERVICE_USER"]
-    assert log.read_text().splitlines() == [
-        f"alias set flywheel http://minio:9000 {root} {env['MINIO_ROOT_PASSWORD']}",
-        f"mb --ignore-existing flywheel/{env['BUCKET']}",
-        f"admin policy create flywheel {env['POLICY']} {env['POLICY_FILE']}",
-        f"admin user add flywheel {user} {env['SERVICE_PASSWORD']}",
-        f"admin policy attach flywheel {env['POLICY']} --user {user}",
-    ]
+    [mount] = init["volumes"]
+    src, dst, mode = mount.split(":")
+    assert (REPO / src).resolve() == MINIO_DIR and mode == "ro"
+    expected = [f"alias set flywheel http://minio:9000 {env['MINIO_ROOT_USER']} {env['MINIO_ROOT_PASSWORD']}",
+                f"mb --ignore-existing flywheel/{env['BUCKET']}"]
+    for role in ROLES:
+        assert (MINIO_DIR / f"flywheel-{role}.json").is_file()
+        expected += [f"admin policy create flywheel flywheel-{role} {dst}/flywheel-{role}.json",
+                     f"admin user add flywheel flywheel-{role} flywheel-{role}-dev-secret",
+                     f"admin policy attach flywheel flywheel-{role} --user flywheel-{role}"]
+    assert log.read_text().splitlines() == expected
 
 
 def test_every_service_rotates_its_logs(compose: dict[str, Any], services: dict[str, Any]) -> None:
@@ -766,108 +839,34 @@ def test_ranks_profile_runs_rank_1_beside_rank_0(services: dict[str, Any]) -> No
         _trainer_settings(services, "trainer-1", {})  # the profile without TRAINERS=2 stops at start
 
 
-# ---- per-role identities (deploy/kafka/compose.acl.yml) -----------------------------------------
-
-ACL_OVERRIDE = REPO / "deploy" / "kafka" / "compose.acl.yml"
-KAFKA_INIT = REPO / "deploy" / "kafka" / "kafka_init.py"
-INIT_STEPS = ("kafka-users", "kafka-init", "minio-roles-init")
+# ---- the init steps of the per-role identities ------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def acl() -> dict[str, dict[str, Any]]:
-    data = yaml.safe_load(ACL_OVERRIDE.read_text())
-    assert isinstance(data, dict)
-    services: dict[str, dict[str, Any]] = data["services"]
-    return services
+def test_init_steps_are_pinned_logged_and_ordered(compose: dict[str, Any], services: dict[str, Any]) -> None:
+    for step in INIT_STEPS:
+        assert services[step]["restart"] == "no", step
+        assert "healthcheck" not in services[step], f"{step}: a one-shot job has no health"
+    assert services["kafka-users"]["image"] == services["kafka"]["image"]
+    assert services["kafka-init"]["image"] == services["trainer"]["image"]
+    assert services["kafka-init"]["build"] == services["trainer"]["build"]
+    assert services["kafka-users"]["depends_on"] == {"kafka": {"condition": "service_healthy"}}
+    assert services["kafka-init"]["depends_on"] == {"kafka": {"condition": "service_healthy"}}
+    assert services["minio-init"]["depends_on"] == {"minio": {"condition": "service_healthy"}}
 
 
-def _merged_env(base: dict[str, Any], override: dict[str, Any], name: str, given: dict[str, str]) -> dict[str, str]:
-    """The environment of ``name`` with the override file applied (compose merges environment maps)."""
-    env = {**_env(base.get(name, {})), **_env(override.get(name, {}))}
-    return {k: _interpolate(v, given) for k, v in env.items()}
-
-
-def test_acl_broker_matches_the_local_stack_with_its_authorizer(services: dict[str, Any], acl: dict[str, Any],
-                                                               tmp_path: Path) -> None:
-    from devstack.config import InfraConfig
-    from devstack.kafka import server_properties
-
-    local = {}
-    cfg = InfraConfig.resolve(home=tmp_path, kafka_sasl_port=19094, kafka_authorizer=True)
-    for line in server_properties(cfg).splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            key, _, value = line.partition("=")
-            local[key.strip()] = value.strip()
-    props = _kafka_env_to_properties(_merged_env(services, acl, "kafka", {}))
-    where = {"listeners", "advertised.listeners", "controller.quorum.voters", "log.dirs"}
-    assert {k: v for k, v in props.items() if k not in where} == {k: v for k, v in local.items() if k not in where}
-    assert props["listeners"] == "PLAINTEXT://:9092,CONTROLLER://:9093,SASL_PLAINTEXT://:9094"
-    assert props["advertised.listeners"] == "PLAINTEXT://kafka:9092,SASL_PLAINTEXT://kafka:9094"
-    assert not acl["kafka"].get("ports"), "the broker stays unpublished"
-
-
-def test_acl_every_service_has_its_own_identity(services: dict[str, Any], acl: dict[str, Any]) -> None:
-    from shared.acl import ROLES
+def test_kafka_init_generates_the_acls_from_shared_acl(services: dict[str, Any]) -> None:
+    """kafka-init runs deploy/kafka/kafka_init.py (mounted) with the services' config, on the broker's loopback
+    PLAINTEXT listener (User:ANONYMOUS, a super user): provision_run, no copy of the ACLs."""
     from shared.settings import load_settings
 
-    users, minio = _env(acl["kafka-users"]), _env(acl["minio-roles-init"])
-    assert tuple(users["ROLES"].split()) == ROLES, "kafka-users must create exactly shared.acl.ROLES"
-    assert tuple(minio["ROLES"].split()) == ROLES
-    given = {"FLYWHEEL_ADMIN_TOKEN": "t" * 40, "TRAINERS": "2"}
-    for name in (*FLYWHEEL_SERVICES, "trainer-1"):
-        role = "trainer" if name == "trainer-1" else name
-        env = _at_local_keys(_merged_env(services, acl, name, given))
-        settings = load_settings(CONFIG, environ=env)  # unknown FLYWHEEL_* variables raise
-        kafka = settings.kafka
-        assert (kafka.bootstrap, kafka.security_protocol, kafka.sasl_mechanism) == (
-            "kafka:9094", "SASL_PLAINTEXT", "SCRAM-SHA-512"), name
-        assert kafka.sasl_username == role, f"{name}: principal User:{role} is what shared.acl grants"
-        assert kafka.sasl_password is not None
-        # The password the service sends is the one kafka-users sets, through the same variable.
-        assert _env(acl[name])["FLYWHEEL_KAFKA_SASL_PASSWORD"] == users[f"SCRAM_PASSWORD_{role}"], name
-        assert env["AWS_ACCESS_KEY_ID"] == f"flywheel-{role}"
-        assert _env(acl[name])["AWS_SECRET_ACCESS_KEY"] == minio[f"PASSWORD_{role}"], name
-        assert (MINIO_DIR / f"flywheel-{role}.json").is_file()
-        assert set(INIT_STEPS) <= set(acl[name]["depends_on"]), name
-        assert all(d["condition"] == "service_completed_successfully" for d in acl[name]["depends_on"].values())
-    for step in INIT_STEPS:
-        assert acl[step]["restart"] == "no" and step not in services
-
-
-def test_acl_dev_passwords_are_the_local_stacks(acl: dict[str, Any]) -> None:
-    from devstack.config import kafka_role_password as role_password
-    from shared.acl import ROLES
-
-    users = {k: _interpolate(v, {}) for k, v in _env(acl["kafka-users"]).items()}
-    assert {role: users[f"SCRAM_PASSWORD_{role}"] for role in ROLES} == {role: role_password(role) for role in ROLES}
-
-
-def test_acl_init_steps_are_pinned_logged_and_ordered(compose: dict[str, Any], acl: dict[str, Any]) -> None:
-    override = yaml.safe_load(ACL_OVERRIDE.read_text())
-    assert override["x-logging"] == compose["x-logging"]
-    for step in INIT_STEPS:
-        assert acl[step]["logging"] == compose["x-logging"], step
-    assert acl["kafka-users"]["image"] == compose["services"]["kafka"]["image"]
-    assert acl["minio-roles-init"]["image"] == compose["services"]["minio-init"]["image"]
-    assert acl["kafka-init"]["image"] == compose["services"]["trainer"]["image"]
-    assert acl["kafka-init"]["build"] == compose["services"]["trainer"]["build"]
-    assert acl["kafka-users"]["depends_on"] == {"kafka": {"condition": "service_healthy"}}
-    assert acl["kafka-init"]["depends_on"] == {"kafka": {"condition": "service_healthy"}}
-    assert acl["minio-roles-init"]["depends_on"] == {"minio-init": {"condition": "service_completed_successfully"}}
-
-
-def test_acl_kafka_init_generates_the_acls_from_shared_acl(services: dict[str, Any], acl: dict[str, Any]) -> None:
-    """kafka-init runs deploy/kafka/kafka_init.py (mounted) with the services' config: provision_run, no copy."""
-    from shared.settings import load_settings
-
-    init = acl["kafka-init"]
+    init = services["kafka-init"]
     [mount] = init["volumes"]
     src, dst, mode = mount.split(":")
     assert (REPO / src).resolve() == KAFKA_INIT.parent and mode == "ro"
     assert init["entrypoint"] == ["python", f"{dst}/{KAFKA_INIT.name}"]
     env = {k: _interpolate(v, {}) for k, v in _env(init).items()}
     settings = load_settings(CONFIG, environ=env)
-    assert settings.kafka.bootstrap == "kafka:9092" and settings.kafka.security_protocol == "PLAINTEXT"
+    assert settings.kafka.bootstrap == "127.0.0.1:9092" and settings.kafka.security_protocol == "PLAINTEXT"
     assert env["FLYWHEEL_CONFIG"] == _env(services["trainer"])["FLYWHEEL_CONFIG"]
     text = KAFKA_INIT.read_text()
     assert "provision_run(settings)" in text and "User:" not in text
@@ -880,55 +879,31 @@ echo "$*" >> "$KC_LOG"
 
 @pytest.mark.skipif(shutil.which("sh") is None, reason="no POSIX sh")
 @pytest.mark.parametrize("password", ["ok", "bad"])
-def test_acl_kafka_users_script(acl: dict[str, Any], tmp_path: Path, password: str) -> None:
-    """The script, with a stand-in kafka-configs.sh: one SCRAM user per role with its own password; a password
-    that kafka-configs' syntax cannot carry stops it before any user is changed."""
+def test_kafka_users_script(services: dict[str, Any], tmp_path: Path, password: str) -> None:
+    """The script, with a stand-in kafka-configs.sh: one SCRAM user per role with its own password, on the broker's
+    loopback listener; a password that kafka-configs' syntax cannot carry (any role's) stops it before any user
+    is changed."""
     from shared.acl import ROLES
 
-    users = acl["kafka-users"]
+    users = services["kafka-users"]
     assert users["entrypoint"] == ["/bin/sh", "-c"] and len(users["command"]) == 1
     bin_dir = tmp_path / "opt" / "kafka" / "bin"
     bin_dir.mkdir(parents=True)
     script = _interpolate(users["command"][0], {}).replace("/opt/kafka/bin/", f"{bin_dir}/")
-    given = {} if password == "ok" else {"KAFKA_SAMPLER_PASSWORD": "x],SCRAM-SHA-256=[password=y"}
+    given = {} if password == "ok" else {"KAFKA_ADMIN_PASSWORD": "x],SCRAM-SHA-256=[password=y"}
     env = {k: _interpolate(v, given) for k, v in _env(users).items()}
     (bin_dir / "kafka-configs.sh").write_text(KAFKA_CONFIGS_STUB)
     (bin_dir / "kafka-configs.sh").chmod(0o755)
     log = tmp_path / "kc.log"
     proc = subprocess.run(["sh", "-c", script], env={"PATH": "/usr/bin:/bin", "KC_LOG": str(log), **env},
                           capture_output=True, text=True, timeout=30, check=False)
-    if password == "bad":
-        assert proc.returncode == 2 and "the password of sampler" in proc.stderr and not log.exists()
+    if password == "bad":  # admin is the last role: no user before it was changed either
+        assert proc.returncode == 2 and "the password of admin" in proc.stderr and not log.exists()
         return
     assert proc.returncode == 0, proc.stderr
     assert log.read_text().splitlines() == [
-        f"--bootstrap-server kafka:9092 --alter --entity-type users --entity-name {role} "
+        f"--bootstrap-server 127.0.0.1:9092 --alter --entity-type users --entity-name {role} "
         f"--add-config SCRAM-SHA-512=[password={role}-dev-scram-secret]" for role in ROLES]
-
-
-@pytest.mark.skipif(shutil.which("sh") is None, reason="no POSIX sh")
-def test_acl_minio_roles_init_script(acl: dict[str, Any], tmp_path: Path) -> None:
-    from shared.acl import ROLES
-
-    init = acl["minio-roles-init"]
-    script = _interpolate(init["command"][0], {})
-    env = {k: _interpolate(v, {}) for k, v in _env(init).items()}
-    (tmp_path / "mc").write_text(MC_STUB)
-    (tmp_path / "mc").chmod(0o755)
-    log = tmp_path / "mc.log"
-    proc = subprocess.run(["sh", "-c", script], env={"PATH": f"{tmp_path}:/usr/bin:/bin", "MC_LOG": str(log),
-                                                      "MC_ATTACH": "already", "MC_PREFIX": "x", **env},
-                          capture_output=True, text=True, timeout=30, check=False)
-    assert proc.returncode == 0, proc.stderr
-    [mount] = init["volumes"]
-    src, dst, _ = mount.split(":")
-    expected = [f"alias set flywheel http://minio:9000 {env['MINIO_ROOT_USER']} {env['MINIO_ROOT_PASSWORD']}"]
-    for role in ROLES:
-        assert (REPO / src / f"flywheel-{role}.json").is_file()
-        expected += [f"admin policy create flywheel flywheel-{role} {dst}/flywheel-{role}.json",
-                     f"admin user add flywheel flywheel-{role} flywheel-{role}-dev-secret",
-                     f"admin policy attach flywheel flywheel-{role} --user flywheel-{role}"]
-    assert log.read_text().splitlines() == expected
 
 
 def _load_kafka_init() -> Any:

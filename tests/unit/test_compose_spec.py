@@ -25,7 +25,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
 EXPOSE_EXAMPLE = REPO / "deploy" / "compose.expose.example.yml"
-ACL_OVERRIDE = REPO / "deploy" / "kafka" / "compose.acl.yml"
 TOOL = REPO / "tools" / "compose-validate"
 
 FLYWHEEL_SERVICES = ("trainer", "paramsync", "admin", "sampler")
@@ -125,8 +124,8 @@ def services(project: dict[str, Any]) -> dict[str, Any]:
 
 def test_loads_under_the_compose_specification(project: dict[str, Any]) -> None:
     assert project["name"] == "flywheel"
-    assert set(project["services"]) == {"kafka", "minio", "minio-init", "keys", "prometheus", "grafana",
-                                        *FLYWHEEL_SERVICES}
+    assert set(project["services"]) == {"kafka", "minio", "minio-init", "kafka-users", "kafka-init", "keys",
+                                        "prometheus", "grafana", *FLYWHEEL_SERVICES}
     assert set(project["volumes"]) == {"kafka-data", "kafka-2-data", "kafka-3-data", "minio-data", "prometheus-data",
                                        "grafana-data", "trainer-key", "paramsync-key", "signing-public"}
     assert "kafka-2" not in project["services"] and "kafka-3" not in project["services"], "the `cluster` profile"
@@ -152,25 +151,39 @@ def test_credentials(validator: Path, services: dict[str, Any]) -> None:
         if name not in ("minio", "minio-init"):
             assert not [k for k in env if k.startswith("MINIO_ROOT")], f"{name} sees the MinIO root credentials"
             assert env.get("AWS_ACCESS_KEY_ID") != init_env["MINIO_ROOT_USER"], name
+    users_env = services["kafka-users"]["environment"]
     for name in FLYWHEEL_SERVICES:
         env = services[name]["environment"]
-        assert env["AWS_ACCESS_KEY_ID"] == init_env["SERVICE_USER"] == "flywheel-services", name
-        assert env["AWS_SECRET_ACCESS_KEY"] == init_env["SERVICE_PASSWORD"], name
+        assert env["AWS_ACCESS_KEY_ID"] == f"flywheel-{name}", name
+        assert env["AWS_SECRET_ACCESS_KEY"] == init_env[f"PASSWORD_{name}"], name
+        assert (env["FLYWHEEL_KAFKA_BOOTSTRAP"], env["FLYWHEEL_KAFKA_SASL_USERNAME"]) == ("kafka:9094", name)
+        assert env["FLYWHEEL_KAFKA_SASL_PASSWORD"] == users_env[f"SCRAM_PASSWORD_{name}"], name
         assert ("FLYWHEEL_ADMIN_TOKEN" in env) == (name == "admin"), name
     assert services["admin"]["environment"]["FLYWHEEL_ADMIN_TOKEN"] == ADMIN_TOKEN
+    # `$$` in the file reaches the shell as `$`: the indirect lookup of each role's password.
+    [users] = services["kafka-users"]["command"]
+    assert 'eval "password=\\${SCRAM_PASSWORD_$role}"' in users, users
+    [minio_init] = services["minio-init"]["command"]
+    assert 'eval "password=\\${PASSWORD_$role}"' in minio_init, minio_init
 
-    # Operators' values flow to the right places, and the root password never reaches a service.
+    # Operators' values flow to the right places (each role's to its service only), and the root password never
+    # reaches a service.
     custom = {"MINIO_ROOT_USER": "ops-root", "MINIO_ROOT_PASSWORD": "ops-root-secret-1",
-              "MINIO_FLYWHEEL_USER": "ops-svc", "MINIO_FLYWHEEL_PASSWORD": "ops-svc-secret-1"}
+              **{f"MINIO_{n.upper()}_PASSWORD": f"ops-{n}-s3-secret" for n in FLYWHEEL_SERVICES},
+              **{f"KAFKA_{n.upper()}_PASSWORD": f"ops-{n}-kafka-secret" for n in FLYWHEEL_SERVICES}}
     custom_services = _load(validator, env=custom)["services"]
     assert custom_services["minio"]["environment"]["MINIO_ROOT_PASSWORD"] == "ops-root-secret-1"
-    assert custom_services["minio-init"]["environment"]["SERVICE_PASSWORD"] == "ops-svc-secret-1"
     for name, svc in custom_services.items():
         if name not in ("minio", "minio-init"):
             assert "ops-root" not in json.dumps(svc), f"{name} sees the MinIO root credentials"
     for name in FLYWHEEL_SERVICES:
         env = custom_services[name]["environment"]
-        assert (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]) == ("ops-svc", "ops-svc-secret-1")
+        assert custom_services["minio-init"]["environment"][f"PASSWORD_{name}"] == f"ops-{name}-s3-secret"
+        assert custom_services["kafka-users"]["environment"][f"SCRAM_PASSWORD_{name}"] == f"ops-{name}-kafka-secret"
+        assert (env["AWS_SECRET_ACCESS_KEY"], env["FLYWHEEL_KAFKA_SASL_PASSWORD"]) == (
+            f"ops-{name}-s3-secret", f"ops-{name}-kafka-secret"), name
+        others = [n for n in FLYWHEEL_SERVICES if n != name]
+        assert not any(f"ops-{n}-" in json.dumps(env) for n in others), f"{name} sees another role's password"
 
 
 def test_policy_mount(services: dict[str, Any]) -> None:
@@ -178,8 +191,9 @@ def test_policy_mount(services: dict[str, Any]) -> None:
     (mount,) = init["volumes"]
     assert mount["type"] == "bind" and mount.get("read_only") is True
     assert Path(mount["source"]) == REPO / "deploy" / "minio"  # resolved against the project directory
-    policy = Path(init["environment"]["POLICY_FILE"])
-    assert policy.parent == Path(mount["target"]) and (Path(mount["source"]) / policy.name).is_file()
+    for role in init["environment"]["ROLES"].split():
+        assert f"{mount['target']}/flywheel-$role.json" in init["command"][0]
+        assert (Path(mount["source"]) / f"flywheel-{role}.json").is_file(), role
 
 
 def test_grafana(validator: Path, services: dict[str, Any]) -> None:
@@ -218,13 +232,16 @@ def test_healthchecks_and_ordering(services: dict[str, Any]) -> None:
         for field in ("interval", "timeout", "start_period"):
             assert field in hc, f"{name}: healthcheck without {field}"
         assert hc["retries"] >= 3, name
-    assert "healthcheck" not in services["minio-init"], "a one-shot job has no health"
+    for step in ("minio-init", "kafka-users", "kafka-init"):
+        assert "healthcheck" not in services[step], f"{step}: a one-shot job has no health"
     for name in FLYWHEEL_SERVICES:
         assert services[name]["depends_on"] == {
             "kafka": {"condition": "service_healthy", "required": True},
             "kafka-2": {"condition": "service_healthy", "required": False},  # the `cluster` profile's
             "kafka-3": {"condition": "service_healthy", "required": False},
             "minio-init": {"condition": "service_completed_successfully", "required": True},
+            "kafka-users": {"condition": "service_completed_successfully", "required": True},
+            "kafka-init": {"condition": "service_completed_successfully", "required": True},
             "keys": {"condition": "service_completed_successfully", "required": True},
         }, name
     assert "healthcheck" not in services["keys"], "a one-shot job has no health"
@@ -234,7 +251,8 @@ def test_healthchecks_and_ordering(services: dict[str, Any]) -> None:
 def test_restart_policies(services: dict[str, Any]) -> None:
     for name in LONG_RUNNING:
         assert services[name]["restart"] == "unless-stopped", name
-    assert services["minio-init"]["restart"] == "no", "a one-shot job must not be restarted after it succeeds"
+    for step in ("minio-init", "kafka-users", "kafka-init"):
+        assert services[step]["restart"] == "no", f"{step}: a one-shot job must not be restarted after it succeeds"
     for name in FLYWHEEL_SERVICES:
         assert services[name]["init"] is True and services[name]["stop_grace_period"] == "30s", name
 
@@ -250,8 +268,9 @@ def test_cluster_variables_make_kafka_node_one_of_three(validator: Path) -> None
     assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == "1@kafka:9093,2@kafka-2:9093,3@kafka-3:9093"
     assert (env["KAFKA_DEFAULT_REPLICATION_FACTOR"], env["KAFKA_MIN_INSYNC_REPLICAS"]) == ("3", "2")
     assert (env["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"], env["KAFKA_TRANSACTION_STATE_LOG_MIN_ISR"]) == ("3", "2")
+    assert env["KAFKA_LISTENERS"] == "PLAINTEXT://kafka:9092,CONTROLLER://kafka:9093,SASL_PLAINTEXT://:9094"
     for name in FLYWHEEL_SERVICES:
-        assert svcs[name]["environment"]["FLYWHEEL_KAFKA_BOOTSTRAP"] == "kafka:9092,kafka-2:9092,kafka-3:9092"
+        assert svcs[name]["environment"]["FLYWHEEL_KAFKA_BOOTSTRAP"] == "kafka:9094,kafka-2:9094,kafka-3:9094"
 
 
 def test_sampler_scales(validator: Path) -> None:
@@ -288,32 +307,24 @@ def test_trainers_sets_the_world_size_of_both_ranks(validator: Path, tmp_path: P
     assert "ports" not in rank1 and "ports" not in trainer
 
 
-def test_acl_override_merges_as_docker_compose_does(validator: Path) -> None:
-    """deploy/kafka/compose.acl.yml over docker-compose.yml, as compose-go merges and interpolates it."""
-    svcs = _load(validator, COMPOSE, ACL_OVERRIDE)["services"]
-    init_steps = ("kafka-users", "kafka-init", "minio-roles-init")
-    for name in FLYWHEEL_SERVICES:
-        env, deps = svcs[name]["environment"], svcs[name]["depends_on"]
-        assert (env["FLYWHEEL_KAFKA_BOOTSTRAP"], env["FLYWHEEL_KAFKA_SASL_USERNAME"]) == ("kafka:9094", name)
-        assert env["AWS_ACCESS_KEY_ID"] == f"flywheel-{name}" and env["FLYWHEEL_S3_ENDPOINT"] == "http://minio:9000"
-        for step in init_steps:  # added to the base file's dependencies, not replacing them
-            assert deps[step] == {"condition": "service_completed_successfully", "required": True}, (name, step)
-        assert deps["minio-init"]["condition"] == "service_completed_successfully"
-        assert deps["kafka"]["condition"] == "service_healthy"
-    for step in init_steps:
-        assert svcs[step]["restart"] == "no" and svcs[step]["logging"]["driver"] == "json-file", step
-    kafka = svcs["kafka"]["environment"]
-    assert kafka["KAFKA_LISTENERS"] == "PLAINTEXT://:9092,CONTROLLER://:9093,SASL_PLAINTEXT://:9094"
-    assert kafka["KAFKA_NODE_ID"] == "1", "the override adds to the broker's environment"
-    # `$$` in the file reaches the shell as `$`: the indirect lookup of each role's password.
-    [users] = svcs["kafka-users"]["command"]
-    assert 'eval "password=\\${SCRAM_PASSWORD_$role}"' in users, users
-    assert svcs["kafka-users"]["environment"]["SCRAM_PASSWORD_admin"] == "admin-dev-scram-secret"
-    [mount] = svcs["kafka-init"]["volumes"]
+def test_per_role_identities_and_the_brokers_loopback(services: dict[str, Any]) -> None:
+    """The default: the broker's unauthenticated listeners on its loopback, the services on the SASL listener, the
+    two Kafka init steps in the broker's network namespace (compose-go resolves `service:kafka`)."""
+    kafka = services["kafka"]["environment"]
+    assert kafka["KAFKA_LISTENERS"] == "PLAINTEXT://127.0.0.1:9092,CONTROLLER://127.0.0.1:9093,SASL_PLAINTEXT://:9094"
+    assert kafka["KAFKA_CONTROLLER_QUORUM_VOTERS"] == "1@127.0.0.1:9093"
+    assert kafka["KAFKA_SUPER_USERS"] == "User:ANONYMOUS;User:flywheel"
+    for step in ("kafka-users", "kafka-init"):
+        assert services[step]["network_mode"] == "service:kafka", step
+        assert services[step]["depends_on"]["kafka"]["condition"] == "service_healthy", step
+        assert services[step]["logging"]["driver"] == "json-file", step
+    assert services["kafka-users"]["environment"]["BOOTSTRAP"] == "127.0.0.1:9092"
+    assert services["kafka-init"]["environment"]["FLYWHEEL_KAFKA_BOOTSTRAP"] == "127.0.0.1:9092"
+    [mount] = services["kafka-init"]["volumes"]
     assert (mount["source"], mount["target"], mount["read_only"]) == (
         str(REPO / "deploy" / "kafka"), "/etc/flywheel/kafka", True)
-    assert svcs["kafka-init"]["entrypoint"] == ["python", "/etc/flywheel/kafka/kafka_init.py"]
-    assert not svcs["kafka-init"].get("command"), "the image's CMD must not reach the script as arguments"
+    assert services["kafka-init"]["entrypoint"] == ["python", "/etc/flywheel/kafka/kafka_init.py"]
+    assert not services["kafka-init"].get("command"), "the image's CMD must not reach the script as arguments"
 
 
 # ---- broken files are rejected ----------------------------------------------------------------

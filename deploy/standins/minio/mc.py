@@ -1,4 +1,4 @@
-"""The stand-in image's `mc`: the subcommands docker-compose.yml and deploy/kafka/compose.acl.yml use, against
+"""The stand-in image's `mc`: the subcommands docker-compose.yml uses, against
 the stand-in S3 server. Users and policies are checked for form and recorded, not enforced (moto checks none)."""
 import json
 import os
