@@ -586,3 +586,23 @@ def test_scaling_page_quotes_what_the_swarm_cost_the_machine() -> None:
         f"for numpy",
     ]}, "docs/benchmarks.json (swarm)")
     assert all(r["dropped_stale"] == 0 for k, r in runs.items() if k in ("old-256", "new-256", "old-1000"))
+
+
+def test_pixels_page_quotes_the_precision_parity_figure() -> None:
+    fig = _figure("precision_parity")
+    n = fig["numbers"]
+    steps = n["budget_env_steps"]
+    at, test = n["at"][str(steps)], n["rank_tests"][str(steps)]
+
+    def cell(p: str) -> str:
+        return f"{at[p]['median']:.2f} [{at[p]['ci_lo']:.2f}, {at[p]['ci_hi']:.2f}]"
+
+    expected = {"pixels.md": [
+        f"{len(n['seeds'])} seeds a side, {steps:,} env steps each",
+        f"last-100 return at {steps:,} env steps bf16 {cell('bf16')} against float32 {cell('fp32')}",
+        f"two-sided p = {test['p_two_sided']:.3f} at the budget; one-sided p that bf16 is lower "
+        f"{test['p_a_smaller']:.3f}",
+    ]}
+    _assert_quoted(expected, "docs/benchmarks.json (precision_parity)")
+    shown = all(t["p_a_smaller"] >= 0.05 and t["p_a_larger"] >= 0.05 for t in n["rank_tests"].values())
+    assert shown, "the page says no difference was shown at any mark"
