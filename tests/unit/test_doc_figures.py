@@ -115,46 +115,65 @@ def test_results_and_pixels_pages_quote_the_minatar_peers_figure() -> None:
 def test_results_and_pixels_pages_quote_the_pong_peers_figure() -> None:
     fig = _figure("peers_pong")
     n = fig["numbers"]
-    peers, tests = n["peers"], n["rank_tests"]
-    fw, sb3 = "Flywheel", "SB3 PPO"
+    peers, tests, kept = n["peers"], n["rank_tests"], n.get("not_rerun", {})
+    fw, bf, sb3, ep = "Flywheel", "Flywheel bf16", "SB3 PPO", "EnvPool (raw)"
     sync, asyn = "Sample Factory APPO, sync (its example)", "Sample Factory APPO, async"
 
-    def cell(peer: str) -> str:
-        s = peers[peer]["frames_per_s"]
+    def fmt(s: dict[str, Any]) -> str:
         return f"{s['median']:,.0f} [{s['ci_lo']:,.0f}, {s['ci_hi']:,.0f}]"
 
-    def p(peer: str, key: str) -> str:
-        return f"{tests[f'{fw} vs {peer}'][key]:.3f}"
+    def cell(peer: str) -> str:
+        return fmt(peers[peer]["frames_per_s"])
+
+    def p(a: str, b: str, key: str) -> str:
+        return f"{tests[f'{a} vs {b}'][key]:.3f}"
+
+    def median(peer: str) -> float:
+        return float(peers[peer]["frames_per_s"]["median"])
 
     other = [r["other_work_cores"] for v in peers.values() for r in v["runs"]]
     commit, seeds = fig["machine"]["commit"], len(n["seeds"])
     row = {peer: f"| {cell(peer)} | {peers[peer]['startup_s']['median']:.1f} s | {peers[peer]['cores']['median']:.2f} |"
            for peer in peers}
+    busy = {peer: _busy(peers[peer]["runs"]) for peer in (fw, bf)}
+    sf = [f"asynchronous mode trained {fmt(kept[asyn]['frames_per_s'])}", f"synchronous Atari example "
+          f"{fmt(kept[sync]['frames_per_s'])}", f"at `{kept[asyn]['ran_by']['commit']}`"] if asyn in kept else [
+        f"asynchronous {cell(asyn)} (one-sided p = {p(fw, asyn, 'p_a_larger')})",
+        f"synchronous Atari example {cell(sync)} (one-sided p = {p(fw, sync, 'p_a_larger')})"]
     expected = {
         "results.md": [
             f"({seeds} seeds a side, one run at `{commit}`, {n['run_s']:.0f} s per side, other work "
             f"{min(other):.2f}-{max(other):.2f} cores per run",
-            f"Flywheel {cell(fw)} against Stable-Baselines3 PPO {cell(sb3)}",
-            f"({n['sb3_threads']} torch threads; no difference shown, two-sided p = {p(sb3, 'p_two_sided')})",
-            f"asynchronous {cell(asyn)} (one-sided p = {p(asyn, 'p_a_larger')})",
-            f"synchronous Atari example {cell(sync)} (one-sided p = {p(sync, 'p_a_larger')})",
-            f"EnvPool steps the same envs at {cell('EnvPool (raw)')} raw",
+            f"Flywheel with the learner in bf16 {cell(bf)} and in float32 {cell(fw)} against Stable-Baselines3 PPO "
+            f"{cell(sb3)}",
+            f"bf16 {median(bf) / median(sb3):.2f}x SB3's (one-sided p = {p(bf, sb3, 'p_a_larger')})",
+            f"float32 {median(fw) / median(sb3):.2f}x (two-sided p = {p(fw, sb3, 'p_two_sided')})",
+            f"EnvPool steps the same envs at {cell(ep)} raw",
+            *sf,
         ],
         "pixels.md": [
             f"{seeds} seeds a side in one run at `{commit}`, {n['run_s']:.0f} s per side",
             f"rates over [{n['warmup_s']:.0f} s, end]",
             f"other work on the machine {min(other):.2f}-{max(other):.2f} cores per run",
             *row.values(),
-            f"asynchronous mode (one-sided p = {p(asyn, 'p_a_larger')})",
-            f"synchronous example (one-sided p = {p(sync, 'p_a_larger')})",
-            f"(two-sided p = {p(sb3, 'p_two_sided')})",
-            f"0.7x EnvPool ({0.7 * peers['EnvPool (raw)']['frames_per_s']['median']:,.0f} frames/s)",
-            f"reached {peers[fw]['frames_per_s']['median'] / peers['EnvPool (raw)']['frames_per_s']['median']:.2f}x",
-            f"trains {n['learner_alone']['env_steps_per_s'] * 4:,.0f} frames/s",
+            f"bf16 against SB3: one-sided p = {p(bf, sb3, 'p_a_larger')}",
+            f"bf16 against float32: one-sided p = {p(bf, fw, 'p_a_larger')}",
+            f"float32 against SB3: two-sided p = {p(fw, sb3, 'p_two_sided')}",
+            f"reached {median(bf) / median(ep):.2f}x EnvPool's raw rate",
+            f"learner's busy fraction over the steady window: float32 {busy[fw]}, bf16 {busy[bf]}",
+            f"trains {n['learner_alone']['env_steps_per_s'] * 4:,.0f} frames/s in float32 and "
+            f"{n['learner_alone_bf16']['env_steps_per_s'] * 4:,.0f} in bf16",
+            *sf,
         ],
     }
     _assert_quoted(expected, "docs/benchmarks.json (peers_pong)")
     assert max(other) <= n["other_work_limit_cores"], "a run above the other-work limit was kept, not redone"
+
+
+def _busy(runs: list[dict[str, Any]]) -> str:
+    """The median [range] of the learner's busy fraction over a side's runs (5 or fewer: the range is the CI)."""
+    xs = sorted(float(r["learner_busy"]) for r in runs if r.get("learner_busy") is not None)
+    return f"{statistics.median(xs):.2f} [{xs[0]:.2f}, {xs[-1]:.2f}]"
 
 
 def test_policies_and_scaling_pages_quote_the_sync_inline_figure() -> None:
