@@ -237,7 +237,8 @@ up() {
     --client-ca-file="$PKI/ca.crt" --tls-cert-file="$PKI/apiserver.crt" --tls-private-key-file="$PKI/apiserver.key" \
     --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" --kubelet-client-key="$PKI/apiserver-kubelet-client.key" \
     --service-account-key-file="$PKI/sa.pub" --service-account-signing-key-file="$PKI/sa.key" \
-    --service-account-issuer=https://kubernetes.default.svc.cluster.local --profiling=false
+    --service-account-issuer=https://kubernetes.default.svc.cluster.local --profiling=false \
+    --kubelet-preferred-address-types=InternalIP
   wait_for kube-apiserver 90 kc get --raw /readyz
   say "API server ready"
   # CoreDNS's identity may read what it serves (the rules of CoreDNS's own system:coredns ClusterRole).
