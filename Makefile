@@ -21,7 +21,7 @@ CONFIG ?= configs/cartpole.yaml
 PYTEST_ARGS ?=
 ONLY ?=
 
-.PHONY: help install up down status infra-up infra-down test test-faults test-partitions test-security test-soak test-compose test-unit test-mutation bench lint k8s-check s3-live-check clean
+.PHONY: help install up down status infra-up infra-down test test-faults test-partitions test-security test-soak test-compose test-k8s test-unit test-mutation bench lint k8s-check s3-live-check clean
 
 help:
 	@echo "make up        run the whole stack (docker compose if a Docker engine answers, else local processes)"
@@ -37,6 +37,7 @@ help:
 	@echo "make test-mutation  mutation testing of the trust core (hours; ONLY=name for one file) -> docs/reliability-mutation.md"
 	@echo "make bench     the benchmark suite (ONLY=name for one figure) -> docs/benchmarks.md"
 	@echo "make lint      ruff + mypy --strict on shared/, services/ and devstack/"
+	@echo "make test-k8s  deploy/k8s/overlays/local on a single-node cluster built from source (root; docs/kubernetes.md)"
 	@echo "make k8s-check build every deploy/k8s overlay (kustomize, in-process) and check it, Strimzi objects against Strimzi's CRDs and Kafka ACLs against shared/acl.py (needs Go)"
 	@echo "make infra-up / infra-down   just Kafka + S3 as local processes"
 
@@ -107,6 +108,12 @@ test-soak: install
 # sees it), images built without a registry (tools/compose/), tests/compose, then the engine stopped and cleaned.
 test-compose: install
 	tools/compose/run.sh $(PYTEST_ARGS)
+
+# deploy/k8s/overlays/local on a single-node Kubernetes cluster of its own, built from source (tools/k8s/: root;
+# binaries and images cached in /var/cache/flywheel-k8s, outside the clone), tests/k8s, then the cluster torn down
+# and checked for leftovers; the report lands in .flywheel/k8s-report.md (docs/kubernetes.md). Not in .ci/run.
+test-k8s: install
+	tools/k8s/run.sh $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -75,8 +75,9 @@ class Cluster:
         return result
 
     def verify(self) -> tuple[int, str]:
-        """``flywheel verify`` in the admin pod, which has the run's endpoints and credentials."""
-        out = self.ns("exec", "deploy/flywheel-admin", "--", "python", "-m", "services.admin.cli", "verify",
+        """``flywheel verify`` in the trainer pod, which has the run's endpoints and read access to both. Not the
+        admin pod: at its 128Mi memory limit verify is OOM-killed (exit 137, seen on make test-k8s)."""
+        out = self.ns("exec", "flywheel-trainer-0", "--", "python", "-m", "services.admin.cli", "verify",
                       timeout=600, check=False)
         return out.returncode, out.stdout + out.stderr
 
