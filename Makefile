@@ -111,7 +111,7 @@ test-compose: install
 
 # deploy/k8s/overlays/local on a single-node Kubernetes cluster of its own, built from source (tools/k8s/: root;
 # binaries and images cached in /var/cache/flywheel-k8s, outside the clone), tests/k8s, then the cluster torn down
-# and checked for leftovers; the report lands in .flywheel/k8s-report.md (docs/kubernetes.md). Not in .ci/run.
+# and checked for leftovers; the report lands in .flywheel/k8s-report.md (docs/kubernetes.md). In .ci/run, last.
 test-k8s: install
 	tools/k8s/run.sh $(PYTEST_ARGS)
 
