@@ -75,9 +75,8 @@ class Cluster:
         return result
 
     def verify(self) -> tuple[int, str]:
-        """``flywheel verify`` in the trainer pod, which has the run's endpoints and read access to both. Not the
-        admin pod: at its 128Mi memory limit verify is OOM-killed (exit 137, seen on make test-k8s)."""
-        out = self.ns("exec", "flywheel-trainer-0", "--", "python", "-m", "services.admin.cli", "verify",
+        """``flywheel verify`` in the admin pod, as an operator runs it (``kubectl exec deploy/flywheel-admin``)."""
+        out = self.ns("exec", "deploy/flywheel-admin", "--", "python", "-m", "services.admin.cli", "verify",
                       timeout=600, check=False)
         return out.returncode, out.stdout + out.stderr
 

@@ -158,5 +158,5 @@ def test_pods_run_under_their_security_contexts(cluster: Cluster) -> None:
 def test_flywheel_verify_passes(cluster: Cluster) -> None:
     code, out = cluster.verify()
     last = out.strip().splitlines()[-1] if out.strip() else ""
-    cluster.report(f"- `flywheel verify` in the trainer pod: exit {code}: {last}")
+    cluster.report(f"- `flywheel verify` in the admin pod: exit {code}: {last}")
     assert code == 0, out[-3000:]
