@@ -209,7 +209,7 @@ def compare(runs: dict[str, list[ThroughputRun]], windows: dict[str, tuple[float
 
 
 def run(ctx: Context) -> FigureResult:
-    from services.trainer.compute import cpu_info
+    from services.trainer.compute import NATIVE_BF16_FLAGS, cpu_info
 
     run_s, warmup_s = timing(ctx)
     seeds = bench_seeds(NAME, 5, 1, ctx)
@@ -217,7 +217,7 @@ def run(ctx: Context) -> FigureResult:
     adopted = adopt_orphans()  # SF's workers orphaned by its stop are reaped here, their CPU counted
     ep_s, ep_warm = min(run_s, ENVPOOL_MAX_S), min(warmup_s, 5.0)
     threads = os.cpu_count() or 1
-    native_bf16 = bool({"avx512_bf16", "amx_bf16"} & set(cpu_info()[1]))
+    native_bf16 = any(f in cpu_info()[1] for f in NATIVE_BF16_FLAGS)
     if any(p in chosen for p in SF_SIDES):
         sf_atari.ensure_atari()
     if CEILING in chosen:

@@ -89,14 +89,14 @@ def verdict(test: RankTest) -> bool:
 
 def run(ctx: Context) -> FigureResult:
     from devstack.services import validate_config
-    from services.trainer.compute import cpu_info
+    from services.trainer.compute import NATIVE_BF16_FLAGS, cpu_info
 
     validate_config(REPO_ROOT / CONFIG, {}, install_extras=True, progress=say)  # MinAtar's package, where missing
     steps = budget(ctx)
     seeds = bench_seeds(NAME, 5, 1, ctx)
     jobs = bench_jobs()
     model, flags = cpu_info()
-    native = bool({"avx512_bf16", "amx_bf16"} & set(flags))
+    native = any(f in flags for f in NATIVE_BF16_FLAGS)
     base = load_settings(CONFIG, environ={})
     say(f"{NAME}: {ENV}, {len(seeds)} seeds x {len(PRECISIONS)} precisions, {steps:,} env steps each, "
         f"{jobs} at a time")

@@ -142,9 +142,12 @@ def operators_of(request: Request) -> Operators:
     return ops
 
 
+def _client_host(request: Request) -> str:
+    return request.client.host if request.client else "unknown"
+
+
 def _anonymous(request: Request) -> str:
-    host = request.client.host if request.client else "unknown"
-    return f"anonymous@{host}"
+    return f"anonymous@{_client_host(request)}"
 
 
 def identify(request: Request, creds: HTTPAuthorizationCredentials | None) -> str:
@@ -172,10 +175,10 @@ async def _identified(request: Request, creds: HTTPAuthorizationCredentials | No
         return identify(request, creds)
     except HTTPException as exc:
         refusals: RequestRefusals = request.app.state.request_refusals
-        client = _anonymous(request)
-        params = refusals.note(client.partition("@")[2], exc.status_code, access, request.method, request.url.path)
+        params = refusals.note(_client_host(request), exc.status_code, access, request.method, request.url.path)
         if params is not None:
-            await get_state(request).append_audit(client, "request_refused", params, f"refused {exc.status_code}")
+            await get_state(request).append_audit(_anonymous(request), "request_refused", params,
+                                                  f"refused {exc.status_code}")
         raise
 
 

@@ -26,6 +26,7 @@ import pytest
 
 from devstack import kafka as devkafka
 from devstack.procs import read_cmdline, terminate
+from devstack.readiness import http_ok, wait_until
 from devstack.services import service_command
 from shared.kafka import Topics
 from shared.keyfile import ROLES, read_private_key, read_public_keys
@@ -454,11 +455,9 @@ def test_reads_without_a_token_are_refused_where_reads_are_closed(security_env: 
     with (tmp_path / "admin-closed.out").open("wb") as out:
         proc = subprocess.Popen(service_command("admin"), env=environ, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 60
-        while not _answers(f"{url}/healthz"):
-            assert proc.poll() is None, f"the closed-reads admin exited {proc.returncode}: {tmp_path}/admin-closed.out"
-            assert time.monotonic() < deadline, f"the closed-reads admin did not answer within 60 s: {tmp_path}"
-            time.sleep(0.5)
+        wait_until("the closed-reads admin", lambda left: http_ok(f"{url}/healthz", min(left, 2.0)),
+                   deadline=time.monotonic() + 60, alive=lambda: proc.poll() is None,
+                   log_path=tmp_path / "admin-closed.out")
         answers: dict[str, int] = {}
         for path in CLOSED_READS:
             for who, headers in (("none", {}), ("wrong", env.auth("0" * 64)), ("malformed", {"Authorization": "x"})):
@@ -475,13 +474,6 @@ def test_reads_without_a_token_are_refused_where_reads_are_closed(security_env: 
     env.finish(refused=f"admin (public_reads off): all {len(answers)} reads of {len(CLOSED_READS)} endpoints refused "
                        f"({codes}); with the operator's token every one answered",
                audit=_refusals_audited(env.audit()[len(audit):], "read"), before=before)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @attack("a sampler identity writes `<run>.policy`, `<run>.credits` and `<run>.control`")
