@@ -99,5 +99,11 @@ fi
 build flywheel-sampler:local . -f deploy/Dockerfile --target sampler --build-arg "PYTHON_IMAGE=$BASE" "${PIP_ARGS[@]}"
 build flywheel:local . -f deploy/Dockerfile --build-arg "PYTHON_IMAGE=$BASE" "${PIP_ARGS[@]}" --build-arg TORCH_CPU_ONLY=0
 
+# Earlier builds' images, untagged by these (the torch layers alone are ~8 GB each time the dependencies change):
+# removed, so that the engine's disk holds one generation. The layer cache of this build stays (its intermediate
+# images are the tagged images' parents, not dangling).
+freed=$(docker image prune -f 2>/dev/null | sed -n 's/^Total reclaimed space: //p')
+[ -z "$freed" ] || [ "$freed" = "0B" ] || say "earlier builds' dangling images removed ($freed)"
+
 say "images:"
 docker image ls --format '  {{.Repository}}:{{.Tag}}  {{.Size}}' | grep -v '<none>' | sort

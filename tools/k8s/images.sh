@@ -41,12 +41,21 @@ printf 'FROM scratch\nCOPY pause /pause\nUSER 65535:65535\nENTRYPOINT ["/pause"]
 DOCKER_BUILDKIT=0 docker build -q -t "$PAUSE" "$ctx" >/dev/null
 rm -rf "$ctx"
 
+ENGINE_ROOT=$(docker info --format '{{.DockerRootDir}}')
 mkdir -p "$CACHE/containerd-imported"
 have=$("${ctr[@]}" images ls -q)
 for name in "${!NAMES[@]}"; do
   id=$(docker image inspect --format '{{.Id}}' "$name"); id=${id#sha256:}
   mark=$CACHE/containerd-imported/$(echo "$name" | tr '/:' '__')-${id:0:16}
   if [ -f "$mark" ] && grep -qxF "${NAMES[$name]}" <<< "$have"; then continue; fi
+  # `docker save` stages the whole image under the engine's root before it streams a byte (flywheel:local is ~8 GB
+  # with PyPI's CUDA torch): refuse here, naming the sizes, rather than fail half-way with "no space left on device".
+  size_kb=$(( $(docker image inspect --format '{{.Size}}' "$name") / 1024 ))
+  avail_kb=$(df -Pk "$ENGINE_ROOT" | awk 'NR == 2 {print $4}')
+  if (( avail_kb < size_kb + 2 * 1024 * 1024 )); then
+    say "cannot import $name: docker save needs its $(( size_kb / 1024 )) MiB plus 2 GiB free under $ENGINE_ROOT, which has $(( avail_kb / 1024 )) MiB free" >&2
+    exit 1
+  fi
   s=$(date +%s)
   docker save "$name" | nice "${ctr[@]}" images import - >/dev/null
   # containerd names an image as Docker does: the first part is a registry only with a dot, a colon or localhost.
