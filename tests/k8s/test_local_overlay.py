@@ -141,6 +141,50 @@ def test_a_deleted_sampler_pod_is_replaced(cluster: Cluster) -> None:
     cluster.report(f"- sampler pod {before[0]} deleted: samplers {before} -> {after}, updates/version {at} -> {now}")
 
 
+def test_a_node_drain_respects_the_disruption_budgets(cluster: Cluster) -> None:
+    """`kubectl drain` of the only node: the trainer's budget (maxUnavailable 0) refuses its eviction, the samplers'
+    (minAvailable 50% of 2) lets one go and then refuses the other, the rest are evicted; drain gives up at its
+    timeout, saying so. After `kubectl uncordon` everything rolls out again and training goes on, in the same
+    trainer pod."""
+    node = json.loads(cluster.kubectl("get", "nodes", "-o", "json", timeout=30).stdout)["items"][0]["metadata"]["name"]
+    pods = {p["metadata"]["uid"]: p for p in cluster.get("pods", "--field-selector=status.phase=Running")["items"]}
+
+    def component(p: dict[str, Any]) -> str:
+        labels = p["metadata"]["labels"]
+        return str(labels.get("app.kubernetes.io/component") or labels.get("app.kubernetes.io/name"))
+
+    def by(where: list[str], what: str) -> list[str]:
+        return [x for x in where if x.startswith(what + " ")]
+
+    at = progress(cluster.status())
+    t0 = time.monotonic()
+    drain = cluster.kubectl("drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=60s",
+                            timeout=180, check=False)
+    try:
+        after = {p["metadata"]["uid"] for p in cluster.get("pods")["items"]
+                 if not p["metadata"].get("deletionTimestamp")}
+        kept = sorted(f"{component(p)} {p['metadata']['name']}" for uid, p in pods.items() if uid in after)
+        evicted = sorted(f"{component(p)} {p['metadata']['name']}" for uid, p in pods.items() if uid not in after)
+        refused = drain.stderr.count("violate the pod's disruption budget")
+        cluster.report(f"- `kubectl drain {node}` (timeout 60 s): exit {drain.returncode} after "
+                       f"{time.monotonic() - t0:.0f} s, {refused} evictions refused for a disruption budget; "
+                       f"evicted: {', '.join(evicted)}; kept: {', '.join(kept)}")
+        assert drain.returncode != 0, drain.stdout[-2000:]
+        assert refused > 0, drain.stderr[-2000:]
+        assert len(by(kept, "trainer")) == 1, kept                     # maxUnavailable 0
+        assert len(by(kept, "sampler")) == 1 and len(by(evicted, "sampler")) == 1, (kept, evicted)  # minAvailable 50%
+        for what in ("admin", "paramsync", "kafka", "minio"):           # maxUnavailable 1: let go
+            assert len(by(evicted, what)) == 1, (what, evicted)
+    finally:
+        cluster.kubectl("uncordon", node, timeout=60)
+    rolled_out(cluster, 900)
+    now = advancing(cluster, at, 900, "training to go on after the drain and uncordon")
+    trainer_uid = [uid for uid, p in pods.items() if component(p) == "trainer"]
+    assert cluster.pod(TRAINER)["metadata"]["uid"] in trainer_uid
+    cluster.report(f"- `kubectl uncordon {node}`: every workload rolled out again and training went on in the same "
+                   f"trainer pod, updates/version {at} -> {now}, {time.monotonic() - t0:.0f} s after the drain began")
+
+
 def test_pods_run_under_their_security_contexts(cluster: Cluster) -> None:
     """Each container's uid is the one its pod declares, and its root filesystem refuses a write."""
     seen = []
