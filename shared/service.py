@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from shared.logging import RotatingFile, configure_logging, get_logger
+from shared.placement import cpu_list, pin
 from shared.settings import ConfigError, Settings, load_settings
 from shared.signing import startup_problem as signing_startup_problem
 
@@ -78,6 +79,12 @@ def run_main(service: str, build: Callable[[Settings], tuple[Service, Any]],
     if found is not None:
         sys.stderr.write(f"flywheel {service}: {found}\n")
         raise SystemExit(2)
+    # Before build: torch's and the services' threads are made after this and inherit the placement.
+    where = pin(service, settings)
+    if where.cpus is not None:
+        get_logger().info("cpus_pinned", cpus=cpu_list(where.cpus), reason=where.reason)
+    elif settings.trainer.dedicated_cores:
+        get_logger().warning("cpus_not_pinned", reason=where.reason)
 
     async def amain() -> None:
         svc, app = build(settings)

@@ -371,6 +371,12 @@ class TrainerSettings(_Section):
     cgroup CPU quota) less ``cores_reserved``, at least 1 (services/trainer/compute.py)."""
     cores_reserved: float = Field(0.0, ge=0)
     """Cores ``torch_threads: auto`` leaves to what else runs on the trainer's host (samplers, Kafka)."""
+    dedicated_cores: int = Field(0, ge=0, le=1024)
+    """Where the trainer shares its host with the samplers (the local stack): the trainer pins itself to the first
+    this many CPUs it may use (rank r of a group: the r-th such share) and the samplers, paramsync and admin started
+    with these settings to the CPUs after the trainers', so no sampler preempts an update. 0: nothing pinned; also
+    where the host has no CPU left over (logged). Keep 0 where a container runtime places processes
+    (shared/placement.py)."""
     heartbeat_interval_s: float = Field(1.0, gt=0)
     return_window: int = Field(100, ge=1)
     """Episodes in the reported mean return."""
