@@ -80,8 +80,9 @@ class TrainerStatus(BaseModel):
                           "never waited for data)")
     compute: dict[str, Any] | None = Field(
         None, description="What the trainer computes with and why: threads (and threads_reason), precision (fp32 "
-                          "or bf16, and precision_reason), device, cpu_model, cpu_flags, native_bf16, and for an auto "
-                          "precision on a CPU with native bf16 the timed fp32_samples_per_s and bf16_samples_per_s")
+                          "or bf16, and precision_reason), device, cpus (the CPUs it runs on, after "
+                          "trainer.dedicated_cores), cpu_model, cpu_flags, native_bf16, and for an auto precision on "
+                          "a CPU with native bf16 the timed fp32_samples_per_s and bf16_samples_per_s")
     ranks: list[RankStatus] = Field(
         default_factory=list, description="Data-parallel ranks (trainer.world_size > 1): each rank's weights "
                                           "digest at a common update; equal digests mean identical weights")

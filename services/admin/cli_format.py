@@ -103,8 +103,8 @@ def render_status(s: dict[str, Any], now: float | None = None, style: Style = PL
     if compute:
         busy = t.get("learner_busy_fraction")
         lines.append(f"           {compute.get('precision', '-')}, {compute.get('threads', '-')} thread(s) on "
-                     f"{compute.get('device', '-')}" + (f", learner busy {busy:.0%} of the last minute"
-                                                         if busy is not None else "")
+                     f"{compute.get('device', '-')}" + (f" (CPUs {compute['cpus']})" if compute.get("cpus") else "")
+                     + (f", learner busy {busy:.0%} of the last minute" if busy is not None else "")
                      + f" ({compute.get('precision_reason', '')})")
     if t.get("records_lost"):
         lines.append(f"           {style.bad('LOST')} {t['records_lost']} record(s) left the log before training, "

@@ -31,6 +31,7 @@ import torch
 
 from services.trainer.update import ppo_update
 from shared.fragment import Fragment, FragmentSpec
+from shared.placement import cpu_list
 from shared.rl.frames import stack_frames
 from shared.settings import Settings, TrainerSettings
 
@@ -57,6 +58,9 @@ class Compute:
     fp32_samples_per_s: float | None = None
     """Env steps per second of one timed update epoch in float32 (None: not timed)."""
     bf16_samples_per_s: float | None = None
+    cpus: str | None = None
+    """The CPUs this process may run on at start, in the kernel's notation (``0``, ``2-5``): after
+    ``trainer.dedicated_cores`` pinned it (shared/placement.py); None where the platform cannot say."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -229,7 +233,8 @@ def choose(settings: Settings, learner: Any, spec: FragmentSpec, threads: tuple[
     shown = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma", "avx_vnni"))
     device = learner.device
     given = Compute(threads=threads[0], threads_reason=threads[1], precision="fp32", precision_reason="",
-                    device=str(device), cpu_model=model_name, native_bf16=native, cpu_flags=shown)
+                    device=str(device), cpu_model=model_name, native_bf16=native, cpu_flags=shown,
+                    cpus=cpu_list(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
     if cfg.precision != "auto":
         return dataclasses.replace(given, precision=cfg.precision, precision_reason="trainer.precision as set")
     if device.type == "cuda":

@@ -594,5 +594,8 @@ def test_status_names_the_trainers_compute_choice_and_a_loss(capsys: pytest.Capt
     assert code == 0
     assert "bf16, 2 thread(s) on cpu, learner busy 92% of the last minute (auto: ... (1.41x)" in out, out
     assert "LOST 17 record(s) left the log before training, partitions 0, 3 (flywheel verify names them)" in out, out
+    doc["trainer"]["compute"]["cpus"] = "0"  # pinned by trainer.dedicated_cores
+    code, out, _, _ = run(capsys, ["status"], {("GET", "/status"): (200, doc)})
+    assert "bf16, 2 thread(s) on cpu (CPUs 0), learner busy 92%" in out, out
     code, out, _, _ = run(capsys, ["status"], {("GET", "/status"): (200, fresh(STATUS))})
     assert code == 0 and "LOST" not in out and "thread(s) on" not in out  # an older server: neither line

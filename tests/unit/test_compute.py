@@ -5,6 +5,7 @@ machine's CPU on a small model; its decision is the rule applied to its own figu
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from services.trainer.compute import (
 )
 from services.trainer.learner import Learner
 from shared.fragment import FragmentSpec
+from shared.placement import cpu_list
 from shared.settings import Settings, TrainerSettings
 
 MLP_SPEC = FragmentSpec(obs_shape=(4,), num_actions=2, env_id="CartPole-v1")
@@ -142,3 +144,6 @@ def test_the_trainer_reports_its_choice_from_the_settings() -> None:
         assert (c.precision == "bf16") == (c.bf16_samples_per_s / c.fp32_samples_per_s >= BF16_SPEEDUP)
     else:
         assert c.precision == "fp32" and c.fp32_samples_per_s is None
+    # The CPUs it runs on, as the kernel lists them: this process's affinity (after trainer.dedicated_cores).
+    if hasattr(os, "sched_getaffinity"):
+        assert c.cpus == cpu_list(os.sched_getaffinity(0))
