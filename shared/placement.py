@@ -36,18 +36,13 @@ class Placement:
 
 def cpu_list(cpus: Iterable[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (the kernel's own notation, as ``taskset -c`` takes it)."""
-    out: list[str] = []
-    run: list[int] = []
+    runs: list[list[int]] = []
     for c in sorted(set(cpus)):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-        run = [c]
-    if run:
-        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-    return ",".join(out)
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def placement(service: str, settings: Settings, allowed: Sequence[int]) -> Placement:
