@@ -24,6 +24,8 @@ START_ORDER = ("trainer", "paramsync", "admin", "sampler")
 STOP_ORDER = ("sampler", "admin", "paramsync", "trainer")  # trainer last: it commits what it trained
 TOKEN_ENV = "FLYWHEEL_ADMIN_TOKEN"
 TOKEN_FILE = "admin-token"
+SAMPLER_KEYS_DIR = "sampler-keys"
+"""``<home>/sampler-keys/<sampler id>.key``: each sampler slot's identity key (``shared.identity``)."""
 SIGNING_DIR = "policy-keys"
 """``<home>/policy-keys/<run>/``: the run's signing keys (docs/security.md, "Signed policies"), as
 ``flywheel keys init`` lays them out: ``trainer/trainer.key``, ``paramsync/paramsync.key``, ``public/public.keys``."""
@@ -99,6 +101,10 @@ def service_env(
     env["FLYWHEEL_HTTP_PORT"] = str(port)
     if service == "sampler":
         env["FLYWHEEL_SAMPLER_ID"] = proc_key(service, replica)
+        # Its identity key (docs/security.md, "Sampler identity") outlives the process: a restarted sampler keeps
+        # its id's binding at once instead of waiting out sampler.identity_handover_s.
+        env.setdefault("FLYWHEEL_SAMPLER_IDENTITY_KEY_FILE",
+                       str(home / SAMPLER_KEYS_DIR / f"{proc_key(service, replica)}.key"))
     if service == "admin":
         env[TOKEN_ENV] = admin_token
         env["FLYWHEEL_ADMIN_LOG_DIR"] = str(home / "logs")  # GET /trace/{sample_id} reads them

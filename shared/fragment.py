@@ -33,6 +33,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from shared.credits import H_SAMPLER_SEQ
+from shared.identity import IDENTITY_HEADERS
 
 SCHEMA_VERSION = "3"
 """3: observations in the spec's dtype (uint8 images or float32), an ``obs_history`` tensor for frame
@@ -55,7 +56,7 @@ H_ENCODING = "flywheel-encoding"
 """Schema 3: ``zstd`` when the payload is a zstd frame around the safetensors blob (absent: not compressed)."""
 ENCODINGS = ("zstd",)
 REQUIRED_HEADERS = (H_SCHEMA, H_SAMPLE_ID, H_SAMPLER_ID, H_POLICY_VERSION, H_ENV_ID, H_CREATED_AT)
-FLYWHEEL_HEADERS = frozenset((*REQUIRED_HEADERS, H_CONTENT_TYPE, H_ENCODING, H_SAMPLER_SEQ))
+FLYWHEEL_HEADERS = frozenset((*REQUIRED_HEADERS, H_CONTENT_TYPE, H_ENCODING, H_SAMPLER_SEQ, *IDENTITY_HEADERS))
 """Headers whose meaning Flywheel defines: one value each (a required one may appear only once; another
 may repeat only with the same value). Headers of other names are ignored."""
 MAX_SAMPLE_ID_BYTES = 64

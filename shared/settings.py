@@ -239,6 +239,18 @@ class SamplerSettings(_Section):
     (``bench/figures/sampler_inference.py``, docs/pixels.md "Sampler inference"; the rule:
     ``shared.rl.policy_onnx.resolve_inference``). ``torch`` and ``onnx`` run an MLP only without observation
     normalisation or gSDE."""
+    identity: bool = True
+    """Sign every fragment and heartbeat with this process's own Ed25519 key, so that readers bind the sampler's id
+    to it and refuse another process using the id (docs/security.md, "Sampler identity"). Off: records carry no
+    key and claim nothing (logged at start, ``sampler_identity_disabled``)."""
+    identity_key_file: Path | None = None
+    """Where the sampler keeps its identity key (made there at first start, mode 0600), so that a restart under
+    the same id keeps its binding at once. None: a fresh key per process, which takes the id over once the old
+    key has been silent for ``identity_handover_s``."""
+    identity_handover_s: float = Field(3.0, gt=0)
+    """Read by every reader of samplers' records: how long a sampler id's key must be silent before another key
+    may take the id (a restart with a fresh key). Samplers beat every ``heartbeat_interval_s``: keep it above
+    that."""
 
 
 class GuardSettings(_Section):

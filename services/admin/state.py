@@ -22,7 +22,8 @@ from prometheus_client import Gauge
 from services.admin.replication import ReplicationWatch
 from services.admin.rollbacks import RollbackRequests
 from shared.background import Background
-from shared.bus import Bus, Record, kafka_bus
+from shared.bus import Bus, Headers, Record, kafka_bus
+from shared.identity import BeatChecker
 from shared.kafka import Topics, trainer_group
 from shared.logging import get_logger
 from shared.marker import VersionedStore, VersionRecord
@@ -97,6 +98,8 @@ class AdminState:
         self.verifier = PolicyVerifier.from_settings(settings)
         self.refusals = Refusals("admin", self.log)
         self.alive_after_s = settings.paramsync.sampler_timeout_s
+        # A sampler heartbeat under an id bound to another key is not shown (shared.identity; paramsync audits it).
+        self.beat_identity = BeatChecker("admin", self.log, settings.sampler.identity_handover_s)
         self.replication = ReplicationWatch(settings, list(vars(self.topics).values()), self.log) \
             if bus is None else None
         """None with a bus passed in (``MemoryBus`` in unit tests): no cluster to describe."""
@@ -132,9 +135,9 @@ class AdminState:
     # ---- feeds -----------------------------------------------------------------------------
     def _on_heartbeat(self, rec: Record) -> None:
         if rec.value is not None:
-            self.observe(rec.value, rec.timestamp_ms / 1000.0)
+            self.observe(rec.value, rec.timestamp_ms / 1000.0, rec.headers)
 
-    def observe(self, value: bytes, sent_at: float) -> None:
+    def observe(self, value: bytes, sent_at: float, headers: Headers | None = None) -> None:
         """Take one heartbeat in. Old ones (replayed at start) are dated by their record time."""
         try:
             beat = parse_heartbeat(value)
@@ -142,6 +145,8 @@ class AdminState:
             return
         seen = Seen(beat, min(time.time(), sent_at))
         if isinstance(beat, SamplerBeat):
+            if self.beat_identity.refusal(beat.id, headers, value, seen.at) is not None:
+                return
             self.view.samplers[beat.id] = seen
             role = f"sampler:{beat.id}"
         elif isinstance(beat, TrainerBeat):

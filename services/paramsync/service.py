@@ -36,7 +36,8 @@ from services.paramsync.inline import BATCH_OVERHEAD_BYTES, InlinePayload
 from services.paramsync.rollbacks import RollbackQueue, RollbackRequest, Status, republish
 from services.paramsync.tracker import SyncTracker
 from shared.background import Background
-from shared.bus import Bus, Record, kafka_bus
+from shared.bus import Bus, Headers, Record, kafka_bus
+from shared.identity import BeatChecker
 from shared.kafka import BROKER_DEFAULT_MESSAGE_BYTES, Topics, topic_max_message_bytes
 from shared.logging import get_logger
 from shared.marker import BadPayload, MarkerConflict, StaleVersion, VersionedStore, VersionRecord
@@ -110,6 +111,9 @@ class Paramsync:
         spec = fragment_spec(settings.env.id, settings.kafka.max_message_bytes, settings.env.frame_stack)
         self.model = ActorCritic.for_arch(spec, PolicyArch.of(settings.trainer))
         self.tracker = SyncTracker(settings.paramsync.sampler_timeout_s)
+        # A heartbeat under an id bound to another key is not believed (shared.identity): no sync latency, no
+        # liveness for the id from it.
+        self.beat_identity = BeatChecker("paramsync", self.log, settings.sampler.identity_handover_s)
         self.inline = InlinePayload(settings.paramsync.inline_max_bytes, settings.kafka.max_message_bytes)
         if policy_topic_limit is None and bus is None:
             policy_topic_limit = lambda: topic_max_message_bytes(settings, self.topics.policy)  # noqa: E731
@@ -372,16 +376,22 @@ class Paramsync:
         if rec.value is None:
             return
         if rec.topic == self.topics.heartbeats:
-            self._on_heartbeat(rec.value)
+            await self._on_heartbeat(rec.value, rec.headers, min(time.time(), rec.timestamp_ms / 1000.0))
         else:
             await self._on_control(rec.value)
 
-    def _on_heartbeat(self, value: bytes) -> None:
+    async def _on_heartbeat(self, value: bytes, headers: Headers, at: float) -> None:
         try:
             beat = parse_heartbeat(value)
         except ValueError:
             return
         if not isinstance(beat, SamplerBeat):
+            return
+        refused = self.beat_identity.refusal(beat.id, headers, value, at)
+        if refused is not None:
+            _, news, params = refused
+            if news:
+                await self.audit("sampler_identity_refused", params, "heartbeat ignored")
             return
         if beat.policy_version is not None:
             SAMPLER_VERSION.labels(sampler=beat.id).set(beat.policy_version)

@@ -1,7 +1,8 @@
 """Sending fragments: encode (compressed per ``sampler.compression``, split to fit the topic's message
-limit), take a credit sequence number and an in-flight slot, send without waiting, and account for the
-acknowledgement (counted and logged with the fragment's identity) or its failure (the credit is given
-back, the fragment is lost before it existed: counted, logged, the sampler degraded until a send works).
+limit), take a credit sequence number, sign (the sampler's identity key, ``shared.identity``), take an in-flight
+slot, send without waiting, and account for the acknowledgement (counted and logged with the fragment's identity)
+or its failure (the credit is given back, the fragment is lost before it existed: counted, logged, the sampler
+degraded until a send works).
 
 Explicit inputs only; it never calls back into the sampler.
 """
@@ -16,6 +17,7 @@ from prometheus_client import Counter, Gauge
 from shared.bus import Publisher
 from shared.credits import H_SAMPLER_SEQ, CreditGate, seq_value
 from shared.fragment import FragmentTooLarge, Headers, encode_fitting
+from shared.identity import SamplerKey, fragment_message
 from shared.logging import fragment_fields
 from shared.retry import Health, Retrier, describe
 from shared.service import RateMeter
@@ -29,8 +31,10 @@ IN_FLIGHT = Gauge("flywheel_sampler_in_flight_fragments", "Fragments sent, not y
 
 class FragmentSender:
     def __init__(self, producer: Publisher, topic: str, credits: CreditGate, settings: Settings, *,
-                 health: Health, retry: Retrier, log: Any, labels: dict[str, str]) -> None:
+                 health: Health, retry: Retrier, log: Any, labels: dict[str, str],
+                 identity: SamplerKey | None = None) -> None:
         self.producer = producer
+        self.identity = identity  # signs every record: readers bind this sampler's id to it (shared.identity)
         self.topic = topic
         self.credits = credits
         self.settings = settings  # replaced by the sampler when runtime settings change
@@ -62,6 +66,8 @@ class FragmentSender:
     async def _send_record(self, frag: Any, headers: Headers, payload: bytes) -> None:
         seq = self.credits.next_seq()
         headers.append((H_SAMPLER_SEQ, seq_value(self.credits.incarnation, seq)))
+        if self.identity is not None:
+            headers.extend(self.identity.headers(fragment_message(headers, payload)))
         await self.in_flight.acquire()
         IN_FLIGHT.labels(**self._labels).inc()
         # No key: the partitioner spreads fragments over all partitions, so two samplers never share

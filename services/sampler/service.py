@@ -49,6 +49,7 @@ from services.sampler.sender import FragmentSender
 from shared.background import Background
 from shared.bus import Bus, Record, kafka_bus
 from shared.credits import CreditGate, shard_of
+from shared.identity import SamplerKey, beat_message
 from shared.kafka import Topics
 from shared.logging import get_logger
 from shared.marker import BadPayload, VersionedStore, VersionRecord
@@ -116,6 +117,20 @@ def default_sampler_id() -> str:
     return os.environ.get("FLYWHEEL_SAMPLER_ID") or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
 
 
+def sampler_identity(settings: Settings, log: Any) -> SamplerKey | None:
+    """This process's identity key (``sampler.identity``; docs/security.md, "Sampler identity"), or None when off
+    (logged: readers then bind nothing to this sampler's id)."""
+    s = settings.sampler
+    if not s.identity:
+        log.warning("sampler_identity_disabled", detail="sampler.identity is false: fragments and heartbeats carry "
+                                                        "no key, and another process may use this sampler's id")
+        return None
+    key = SamplerKey.generate() if s.identity_key_file is None else SamplerKey.load_or_create(s.identity_key_file)
+    log.info("sampler_identity", key_id=key.key_id, kept_in=None if s.identity_key_file is None
+             else str(s.identity_key_file))
+    return key
+
+
 class Sampler:
     name = "sampler"
 
@@ -165,8 +180,10 @@ class Sampler:
         self._labels = {"sampler": self.id}
         self.health_state = Health("sampler")
         self.retry = Retrier(self.health_state, self.log)
+        self.identity = sampler_identity(settings, self.log)
         self.sender = FragmentSender(self.producer, self.topics.samples, self.credits, settings,
-                                     health=self.health_state, retry=self.retry, log=self.log, labels=self._labels)
+                                     health=self.health_state, retry=self.retry, log=self.log, labels=self._labels,
+                                     identity=self.identity)
         self.backlog = BacklogGate(self.lag_probe, self.topics.samples, lambda: self.settings, self._wake,
                                    log=self.log, labels=self._labels)
         self.started_at = time.time()
@@ -566,8 +583,10 @@ class Sampler:
             recent_return_mean=sum(self.recent_returns) / len(self.recent_returns) if self.recent_returns else None,
             health=self.health_state.as_dict(), started_at=self.started_at,
         )
+        value = beat.to_bytes()
+        headers = [] if self.identity is None else self.identity.headers(beat_message(value))
         try:
-            await self.producer.send(self.topics.heartbeats, beat.to_bytes(), key=self.id.encode())
+            await self.producer.send(self.topics.heartbeats, value, key=self.id.encode(), headers=headers)
         except Exception as exc:  # not worth stopping for: the next beat retries
             if not is_transient(exc):
                 raise

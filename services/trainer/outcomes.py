@@ -20,13 +20,15 @@ from services.trainer.learner import Learner
 from shared.bus import Record
 from shared.credits import H_SAMPLER_SEQ, Consumption
 from shared.fragment import H_SAMPLER_ID, FragmentError, FragmentSpec, decode_fragment, header_dict
+from shared.identity import IdentityBook, IdentityRefused, RefusalLog, audit_params, fragment_message, identity_of
 from shared.logging import fragment_fields
 
 
 class RecordOutcomes:
     def __init__(self, *, group: ConsumerGroup, intake: Intake, stall: StallWatch, consumption: Consumption,
                  stats: m.TrainerStats, spec: FragmentSpec, log: Any, consumed: asyncio.Event,
-                 refresh_published: Callable[[], Awaitable[bool]]) -> None:
+                 refresh_published: Callable[[], Awaitable[bool]], identity: IdentityBook,
+                 audit: Callable[[str, dict[str, Any], str], Awaitable[None]]) -> None:
         self.group = group
         self.intake = intake
         self.stall = stall
@@ -36,6 +38,9 @@ class RecordOutcomes:
         self.log = log
         self.consumed = consumed  # wakes the credit-grant task
         self.refresh_published = refresh_published
+        self.identity = identity  # sampler ids bound to their keys (shared.identity)
+        self.identity_refusals = RefusalLog("trainer", log)
+        self.audit = audit
 
     async def take(self, tp: TopicPartition, rec: Record, learner: Learner) -> None:
         """One polled record: skipped (a re-delivery that already has an outcome), dead-lettered, or admitted."""
@@ -50,6 +55,10 @@ class RecordOutcomes:
         except FragmentError as err:
             await self.dead_letter(tp, rec, err.reason, str(err))
             return
+        # A fragment under an id bound to another key is refused before it counts for anything: another process
+        # cannot take a sampler's credits or pass its data off as that sampler's.
+        if not await self._identity_holds(tp, rec, frag.sampler_id):
+            return
         # Credits count valid fragments only: poison never takes a sampler's window.
         h = header_dict(rec.headers)
         self.consumption.saw(h.get(H_SAMPLER_ID) or "?", h.get(H_SAMPLER_SEQ), now)
@@ -63,6 +72,20 @@ class RecordOutcomes:
         learner.record_returns(frag)
         self.log.info("fragment_consumed", **fragment_fields(frag.sample_id, frag.sampler_id, frag.policy_version,
                                                               tp.partition, rec.offset))
+
+    async def _identity_holds(self, tp: TopicPartition, rec: Record, sampler_id: str) -> bool:
+        identity = identity_of(rec.headers)
+        at = min(time.time(), rec.timestamp_ms / 1000.0)
+        try:
+            self.identity.check(sampler_id, identity, fragment_message(rec.headers, rec.value), at)
+            return True
+        except IdentityRefused as exc:
+            if self.identity_refusals.note(exc, kind="fragment", sampler_id=sampler_id, identity=identity, now=at,
+                                           partition=tp.partition, offset=rec.offset):
+                await self.audit("sampler_identity_refused", audit_params(exc, kind="fragment", sampler_id=sampler_id,
+                                                                          identity=identity), "dead-lettered")
+            await self.dead_letter(tp, rec, "sampler_identity", str(exc))
+            return False
 
     def drop_stale(self, batch: Batch) -> None:
         now = time.monotonic()

@@ -4,8 +4,6 @@ Every row attacks from outside the services, as a process on the machine with th
 producer, the object store's credentials, the admin API), then asserts that the attack was refused and by whom,
 the audit entry where one is expected, and ends with :meth:`SecurityEnv.finish`: training goes on and
 ``flywheel verify`` exits 0. An attack that gets through fails its row (``FAILED`` on the page, with the reason).
-A row still to come (a sampler claiming another's id) is listed on the page by ``tests/security/report.py``
-(``LATER``) and gets its test here, after the sampler rows.
 """
 
 from __future__ import annotations
@@ -28,13 +26,17 @@ from devstack import kafka as devkafka
 from devstack.procs import read_cmdline, terminate
 from devstack.readiness import http_ok, wait_until
 from devstack.services import service_command
+from shared.fragment import encode_fragment, header_dict
+from shared.identity import SamplerKey, beat_message, fragment_message
 from shared.kafka import Topics
 from shared.keyfile import ROLES, read_private_key, read_public_keys
 from shared.marker import VersionedStore, VersionRecord
-from shared.messages import KEY_ANNOUNCE, KEY_CANDIDATE, PolicyMessage
+from shared.messages import KEY_ANNOUNCE, KEY_CANDIDATE, PolicyMessage, SamplerBeat
+from shared.settings import load_settings
 from shared.signing import KeyRing, PolicyVerifier, Signer, generate_keys, new_key
 from tests.faults.accounting import read_events
 from tests.faults.conftest import REPO
+from tests.fragments import blank_fragment
 from tests.policy_topic import announcements, produce
 from tests.security.conftest import AttackRow, SecurityEnv
 
@@ -493,5 +495,69 @@ def test_sampler_identity_cannot_write_the_policy_credits_control_topics(securit
     pytest.skip(why)
 
 
-# A row to come (issue 43): a sampler claiming another sampler's id (sampler identity bound to its principal). Its
-# place on the page is tests/security/report.py's LATER; it becomes a test here, and its LATER entry goes.
+def _claims(env: SecurityEnv, victim: str, key: SamplerKey | None, n: int, version: int) -> list[Any]:
+    """``n`` fragments under ``victim``'s id with sequence numbers of a made-up incarnation, signed with ``key``
+    (None: unsigned), valid in every other way (the stack's env, its published version)."""
+    settings = load_settings(env.fault.stack.service_env("sampler")["FLYWHEEL_CONFIG"],
+                             environ=env.fault.stack.service_env("sampler"))
+    out = []
+    for i in range(1, n + 1):
+        frag = blank_fragment(version, steps=settings.env.fragment_steps, envs=settings.env.num_envs,
+                              sampler_id=victim, env_id=settings.env.id)
+        headers, payload = encode_fragment(frag)
+        headers.append(("sampler-seq", f"claimed.{i}".encode()))
+        if key is not None:
+            headers.extend(key.headers(fragment_message(headers, payload)))
+        out.append((None, payload, headers))
+    return out
+
+
+@attack("a sampler claims another's id: fragments under a live sampler's id (3 signed with its own key, 2 "
+        "unsigned) on `<run>.samples`, and heartbeats under it with policy version 10^6 on `<run>.heartbeats`")
+def test_a_sampler_cannot_produce_or_beat_under_another_samplers_id(security_env: SecurityEnv) -> None:
+    env = security_env
+    topics = Topics.for_run(env.run)
+    victim = "sampler-0"
+    before = env.progress()
+    mine = SamplerKey.generate()
+    records = [*_claims(env, victim, mine, 3, before[1]), *_claims(env, victim, None, 2, before[1])]
+    beat = SamplerBeat(id=victim, policy_version=10**6).to_bytes()
+    beats = [(victim.encode(), beat, mine.headers(beat_message(beat))) for _ in range(3)]
+    sent = time.time()
+    asyncio.run(produce(env.fault.endpoints.kafka_bootstrap, topics.samples, records))
+    asyncio.run(produce(env.fault.endpoints.kafka_bootstrap, topics.heartbeats, beats))
+    env.say(f"{len(records)} fragments and {len(beats)} heartbeats under {victim}'s id (key {mine.key_id})")
+    claimed_ids = {header_dict(h)["sample-id"] for _k, _v, h in records}
+    refused = env.wait_audit(lambda e: e["action"] == "sampler_identity_refused" and e["at"] >= sent - 5
+                             and e["params"].get("sampler_id") == victim, 3, 90,
+                             "the trainer and paramsync refused the claims (sampler_identity_refused)")
+    seen = {(e["actor"], e["params"]["kind"], e["params"]["reason"]) for e in refused}
+    assert seen == {("trainer", "fragment", "id_in_use"), ("trainer", "fragment", "unsigned"),
+                    ("paramsync", "heartbeat", "id_in_use")}, refused
+    deadline = time.monotonic() + 60
+    while True:  # every claimed fragment has its outcome: dead-lettered, none consumed
+        dead = {e.get("sample_id") for e in _events(env, "fragment_dead_lettered", "trainer")
+                if e.get("reason") == "sampler_identity"}
+        if claimed_ids <= dead or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert claimed_ids <= dead, f"not dead-lettered as sampler_identity: {sorted(claimed_ids - dead)}"
+    consumed = [e for e in _events(env, "fragment_consumed", "trainer") if e.get("sample_id") in claimed_ids]
+    assert not consumed, f"the trainer took a claimed fragment as {victim}'s: {consumed}"
+    shown = env.get("/status")["samplers"]
+    victim_shown = [s for s in shown if s["id"] == victim]
+    assert victim_shown and victim_shown[0]["policy_version"] != 10**6, shown  # the admin did not believe it
+    while True:  # the victim's own fragments are still taken after the claims
+        own = [e for e in _events(env, "fragment_consumed", "trainer")
+               if e.get("sampler_id") == victim and _after(e, sent)]
+        if own or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert own, f"{victim}'s own fragments were not consumed after the claims"
+    env.finish(refused=f"trainer: all {len(records)} fragments dead-lettered (`sampler_identity`), none consumed, no "
+                       f"credit counted; paramsync and admin ignored the heartbeats ({victim} shown at "
+                       f"v{victim_shown[0]['policy_version']}); {victim}'s own fragments consumed after",
+               audit="`sampler_identity_refused`: " + ", ".join(f"{a} {k} {r}" for a, k, r in sorted(seen)),
+               before=before,
+               note="trust on first use: an id nobody holds (a new one, or one silent for "
+                    "sampler.identity_handover_s) can still be claimed")

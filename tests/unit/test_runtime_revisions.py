@@ -153,7 +153,7 @@ def test_the_sampler_reports_only_applied_revisions(tmp_path: Path) -> None:
     beats: list[bytes] = []
 
     class Producer:
-        async def send(self, topic: str, value: bytes, key: bytes | None = None) -> None:
+        async def send(self, topic: str, value: bytes, key: bytes | None = None, headers: object = None) -> None:
             beats.append(value)
 
     async def scenario() -> None:
