@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from shared.logging import RotatingFile, configure_logging, get_logger
 from shared.placement import cpu_list, pin
+from shared.posture import protections_off
 from shared.settings import ConfigError, Settings, load_settings
 from shared.signing import startup_problem as signing_startup_problem
 
@@ -61,9 +62,8 @@ def entrypoint(service: str, argv: list[str] | None = None) -> Settings:
         stream = RotatingFile(settings.log.file, settings.log.max_bytes, settings.log.backups)
     configure_logging(service, settings.run, settings.log.level, stream)
     get_logger().info("config_resolved", config=settings.redacted())
-    if not settings.signing.enabled:
-        get_logger().warning("signing_disabled", hint="signing.enabled=false: candidates, policies and checkpoints "
-                             "are neither signed nor checked (docs/security.md)")
+    for off in protections_off(service, settings):
+        get_logger().warning("protection_off", setting=off.setting, leaves=off.leaves)
     return settings
 
 

@@ -242,7 +242,7 @@ class SamplerSettings(_Section):
     identity: bool = True
     """Sign every fragment and heartbeat with this process's own Ed25519 key, so that readers bind the sampler's id
     to it and refuse another process using the id (docs/security.md, "Sampler identity"). Off: records carry no
-    key and claim nothing (logged at start, ``sampler_identity_disabled``)."""
+    key and claim nothing (logged at start, ``protection_off``)."""
     identity_key_file: Path | None = None
     """Where the sampler keeps its identity key (made there at first start, mode 0600), so that a restart under
     the same id keeps its binding at once. None: a fresh key per process, which takes the id over once the old
@@ -487,7 +487,7 @@ class SigningSettings(_Section):
     trainer signs its candidates and checkpoints, paramsync publishes only candidates the trainer signed and signs
     every version record and announcement; samplers, the trainer and the admin refuse what is unsigned or badly
     signed. Every deployment the project ships turns it on (the local stack, compose, Kubernetes); a service
-    started with it off says so in its log (``signing_disabled``) and in ``/status``."""
+    started with it off says so in its log (``protection_off``) and in ``/status``."""
 
     keys_file: Path | None = None
     """The public keys: ``<key id> <role> <Ed25519 public key, hex>`` lines (``#`` comments), role ``trainer`` or

@@ -20,6 +20,7 @@ from services.admin.ops import router as ops_router
 from services.admin.pages import mount_pages
 from services.admin.refusals import RequestRefusals
 from services.admin.state import SAMPLER_FORGET_S, AdminState
+from shared.posture import protections_off
 
 SYNC_ACK_WAIT_S = 5.0
 """Longest ``POST /policy/sync`` waits for Kafka to take the command before it answers 503 (the CLI waits 12 s)."""
@@ -144,6 +145,17 @@ class ReturnStatus(BaseModel):
     count: int
 
 
+class ProtectionOff(BaseModel):
+    setting: str = Field(description="The setting that turned it off, as section.field=value")
+    leaves: str = Field(description="What it leaves open")
+
+
+class SecurityStatus(BaseModel):
+    protections_off: list[ProtectionOff] = Field(
+        description="The protections this admin runs without under its settings (shared.posture; every service "
+        "logs its own as protection_off at start): empty when nothing is turned off")
+
+
 class Status(BaseModel):
     run: str
     policy: PolicyStatus
@@ -157,6 +169,7 @@ class Status(BaseModel):
         default_factory=dict, description="trainer, paramsync and sampler:<id>: alive, ok or degraded, restarts; "
         "kafka: the run's topics as admin describes them (degraded: a partition under-replicated or offline, named in "
         "reasons.replication; unknown: not described for 30 s)")
+    security: SecurityStatus | None = None
 
 
 class SyncAccepted(BaseModel):
@@ -277,6 +290,8 @@ def create_app(state: AdminState, operators: Operators | None = None) -> FastAPI
                           default=None),
                 ahead_samplers=[sm.id for sm in samplers if sm.alive and sm.ahead_of_published is not None]),
             episode_return=ReturnStatus(mean=tb.return_mean if tb else None, count=tb.return_count if tb else 0),
+            security=SecurityStatus(protections_off=[ProtectionOff(**o.as_dict())
+                                                     for o in protections_off("admin", s.settings)]),
         )
 
     @app.post("/policy/sync", response_model=SyncAccepted, status_code=202,

@@ -150,6 +150,11 @@ def render_status(s: dict[str, Any], now: float | None = None, style: Style = PL
             lines.append(f"  {name:<{width}}  {painted}{' ' * max(2, 10 - len(state))}"
                          f"{restarts} restart{'' if restarts == 1 else 's'}")
             lines += [f"    {dep}: {why}" for dep, why in sorted((h.get("reasons") or {}).items())]
+    off = (s.get("security") or {}).get("protections_off") or []
+    if off:
+        lines.append(f"security   {style.warn(f'{len(off)} protection(s) off')} (the admin's settings; each service "
+                     "logs its own as protection_off)")
+        lines += [f"  {o.get('setting', '?')}: {o.get('leaves', '')}" for o in off]
     return "\n".join(lines)
 
 

@@ -119,11 +119,9 @@ def default_sampler_id() -> str:
 
 def sampler_identity(settings: Settings, log: Any) -> SamplerKey | None:
     """This process's identity key (``sampler.identity``; docs/security.md, "Sampler identity"), or None when off
-    (logged: readers then bind nothing to this sampler's id)."""
+    (``protection_off`` at start: readers then bind nothing to this sampler's id)."""
     s = settings.sampler
     if not s.identity:
-        log.warning("sampler_identity_disabled", detail="sampler.identity is false: fragments and heartbeats carry "
-                                                        "no key, and another process may use this sampler's id")
         return None
     key = SamplerKey.generate() if s.identity_key_file is None else SamplerKey.load_or_create(s.identity_key_file)
     log.info("sampler_identity", key_id=key.key_id, kept_in=None if s.identity_key_file is None
