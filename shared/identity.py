@@ -158,6 +158,7 @@ class IdentityBook:
         self.handover_s = handover_s
         self.forget_s = forget_s
         self._bound: dict[str, _Binding] = {}
+        self._swept_at = float("-inf")
 
     def bound(self, sampler_id: str) -> str | None:
         b = self._bound.get(sampler_id)
@@ -205,8 +206,11 @@ class IdentityBook:
         return key_id(key)
 
     def _forget(self, now: float) -> None:
-        if len(self._bound) < 64 and not any(now - b.last_seen > self.forget_s for b in self._bound.values()):
+        """Drop the bindings silent for ``forget_s``: a sweep at most every ``forget_s / 10`` (a thousand ids beating
+        every second cost one pass over them a minute, not one per record)."""
+        if now - self._swept_at < self.forget_s / 10:
             return
+        self._swept_at = now
         for sid in [s for s, b in self._bound.items() if now - b.last_seen > self.forget_s]:
             del self._bound[sid]
 

@@ -188,3 +188,13 @@ async def test_heartbeats_under_a_held_id_move_no_reader(tmp_path: Path) -> None
     paramsync_entries = [e for e in AuditLog(paramsync.policies.store, RUN).entries()
                          if e.action == "sampler_identity_refused"]
     assert [(e.params["kind"], e.params["key_id"]) for e in paramsync_entries] == [("heartbeat", intruder.key_id)]
+
+
+def test_a_binding_silent_for_the_forget_horizon_is_forgotten() -> None:
+    a, b = SamplerKey.generate(), SamplerKey.generate()
+    book = IdentityBook(handover_s=3.0, forget_s=600.0)
+    assert check(book, a, 0.0) == a.key_id
+    assert check(book, a, 30.0, "s1") == a.key_id  # another id, keeps the book busy
+    assert book.bound("s0") == a.public_hex
+    check(book, b, 700.0, "s2")  # 700 s on: s0 (last heard at 0) and s1 (30) are forgotten at the next sweep
+    assert book.bound("s0") is None and book.bound("s1") is None and book.bound("s2") == b.public_hex
