@@ -26,8 +26,8 @@ sync latency, the liveness the alerts watch) and its fragments.
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +38,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from prometheus_client import Counter
 
-from shared.bus import Headers
+from shared.bus import Headers, Record
+from shared.keyfile import write_secret
 
 H_KEY = "sampler-key"
 """The sampler process's Ed25519 public key, 64 hex digits."""
@@ -98,13 +99,7 @@ class SamplerKey:
             except ValueError:
                 raise ValueError(f"sampler.identity_key_file {path}: not a 64-hex-digit Ed25519 seed") from None
         key = Ed25519PrivateKey.generate()
-        seed = key.private_bytes_raw()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(seed.hex() + "\n")
-        tmp.replace(path)
+        write_secret(path, key.private_bytes_raw().hex() + "\n")
         return cls(key)
 
     @property
@@ -241,27 +236,37 @@ class RefusalLog:
         return True
 
 
-def audit_params(exc: IdentityRefused, *, kind: str, sampler_id: str, identity: tuple[str, str] | None,
-                 **context: object) -> dict[str, object]:
-    return {"kind": kind, "sampler_id": sampler_id, "key_id": None if identity is None else key_id(identity[0]),
-            "reason": exc.reason, "detail": exc.detail[:300], **context}
+def record_time(rec: Record) -> float:
+    """A record's time for :meth:`IdentityBook.check`: when it was made, never later than now."""
+    return min(time.time(), rec.timestamp_ms / 1000.0)
 
 
-class BeatChecker:
-    """A heartbeat reader's book and refusal log in one: :meth:`refusal` of each sampler heartbeat."""
+@dataclass(frozen=True)
+class Refusal:
+    error: IdentityRefused
+    news: bool
+    """The first refusal of its id, key and reason in a minute (logged): audit it."""
+    audit: dict[str, object]
+    """The params of its ``sampler_identity_refused`` audit entry."""
+
+
+class IdentityCheck:
+    """A reader's book and refusal log in one: :meth:`refusal` of each sampler record it reads."""
 
     def __init__(self, role: str, log: Any, handover_s: float) -> None:
         self.book = IdentityBook(handover_s)
         self.refusals = RefusalLog(role, log)
 
-    def refusal(self, sampler_id: str, headers: Headers | None, value: bytes, at: float) -> tuple[
-            IdentityRefused, bool, dict[str, object]] | None:
-        """None when the beat may be believed; else the refusal, whether it is news (to audit) and its audit
-        params."""
+    def refusal(self, kind: Literal["fragment", "heartbeat"], sampler_id: str, headers: Headers | None,
+                message: bytes, at: float, **context: object) -> Refusal | None:
+        """None when the record (``message``: :func:`fragment_message` or :func:`beat_message`) may be believed as
+        ``sampler_id``'s; else the refusal (counted; ``context`` goes to its log line)."""
         identity = identity_of(headers)
         try:
-            self.book.check(sampler_id, identity, beat_message(value), at)
+            self.book.check(sampler_id, identity, message, at)
             return None
         except IdentityRefused as exc:
-            news = self.refusals.note(exc, kind="heartbeat", sampler_id=sampler_id, identity=identity, now=at)
-            return exc, news, audit_params(exc, kind="heartbeat", sampler_id=sampler_id, identity=identity)
+            news = self.refusals.note(exc, kind=kind, sampler_id=sampler_id, identity=identity, now=at, **context)
+            return Refusal(exc, news, {"kind": kind, "sampler_id": sampler_id,
+                                       "key_id": None if identity is None else key_id(identity[0]),
+                                       "reason": exc.reason, "detail": exc.detail[:300]})

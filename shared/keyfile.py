@@ -117,6 +117,16 @@ def _read(path: Path, where: str) -> str:
         raise ValueError(f"{where} cannot be read: {str(path)!r} ({exc.strerror or exc})") from None
 
 
+def write_secret(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (mode 0600 from the first byte), replacing it whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.touch(mode=0o600)
+    tmp.chmod(0o600)
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def read_public_keys(path: Path) -> dict[str, PublicKeyEntry]:
     """The keys in ``path``; ValueError naming ``signing.keys_file`` when missing, unreadable or malformed."""
     return parse_public_keys(_read(path, "signing.keys_file"))

@@ -45,6 +45,7 @@ from shared.keyfile import (
     public_keys_path,
     read_private_key,
     read_public_keys,
+    write_secret,
 )
 from shared.messages import SIGNATURE_FIELD, record_signature
 
@@ -287,13 +288,8 @@ def generate_keys(directory: Path) -> dict[str, Path]:
 
 
 def write_private(path: Path, private: PrivateKeyEntry) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.touch(mode=0o600)
-    tmp.chmod(0o600)
-    tmp.write_text(f"# the {private.role}'s private signing key (docs/security.md): keep it to the {private.role}\n"
-                   f"{private.line()}\n")
-    tmp.replace(path)
+    write_secret(path, f"# the {private.role}'s private signing key (docs/security.md): keep it to the "
+                       f"{private.role}\n{private.line()}\n")
 
 
 def append_public(path: Path, lines: list[str]) -> None:

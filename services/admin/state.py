@@ -23,7 +23,7 @@ from services.admin.replication import ReplicationWatch
 from services.admin.rollbacks import RollbackRequests
 from shared.background import Background
 from shared.bus import Bus, Headers, Record, kafka_bus
-from shared.identity import BeatChecker
+from shared.identity import IdentityCheck, beat_message
 from shared.kafka import Topics, trainer_group
 from shared.logging import get_logger
 from shared.marker import VersionedStore, VersionRecord
@@ -99,7 +99,7 @@ class AdminState:
         self.refusals = Refusals("admin", self.log)
         self.alive_after_s = settings.paramsync.sampler_timeout_s
         # A sampler heartbeat under an id bound to another key is not shown (shared.identity; paramsync audits it).
-        self.beat_identity = BeatChecker("admin", self.log, settings.sampler.identity_handover_s)
+        self.beat_identity = IdentityCheck("admin", self.log, settings.sampler.identity_handover_s)
         self.replication = ReplicationWatch(settings, list(vars(self.topics).values()), self.log) \
             if bus is None else None
         """None with a bus passed in (``MemoryBus`` in unit tests): no cluster to describe."""
@@ -145,7 +145,7 @@ class AdminState:
             return
         seen = Seen(beat, min(time.time(), sent_at))
         if isinstance(beat, SamplerBeat):
-            if self.beat_identity.refusal(beat.id, headers, value, seen.at) is not None:
+            if self.beat_identity.refusal("heartbeat", beat.id, headers, beat_message(value), seen.at) is not None:
                 return
             self.view.samplers[beat.id] = seen
             role = f"sampler:{beat.id}"

@@ -37,7 +37,7 @@ from services.paramsync.rollbacks import RollbackQueue, RollbackRequest, Status,
 from services.paramsync.tracker import SyncTracker
 from shared.background import Background
 from shared.bus import Bus, Headers, Record, kafka_bus
-from shared.identity import BeatChecker
+from shared.identity import IdentityCheck, beat_message, record_time
 from shared.kafka import BROKER_DEFAULT_MESSAGE_BYTES, Topics, topic_max_message_bytes
 from shared.logging import get_logger
 from shared.marker import BadPayload, MarkerConflict, StaleVersion, VersionedStore, VersionRecord
@@ -113,7 +113,7 @@ class Paramsync:
         self.tracker = SyncTracker(settings.paramsync.sampler_timeout_s)
         # A heartbeat under an id bound to another key is not believed (shared.identity): no sync latency, no
         # liveness for the id from it.
-        self.beat_identity = BeatChecker("paramsync", self.log, settings.sampler.identity_handover_s)
+        self.beat_identity = IdentityCheck("paramsync", self.log, settings.sampler.identity_handover_s)
         self.inline = InlinePayload(settings.paramsync.inline_max_bytes, settings.kafka.max_message_bytes)
         if policy_topic_limit is None and bus is None:
             policy_topic_limit = lambda: topic_max_message_bytes(settings, self.topics.policy)  # noqa: E731
@@ -376,7 +376,7 @@ class Paramsync:
         if rec.value is None:
             return
         if rec.topic == self.topics.heartbeats:
-            await self._on_heartbeat(rec.value, rec.headers, min(time.time(), rec.timestamp_ms / 1000.0))
+            await self._on_heartbeat(rec.value, rec.headers, record_time(rec))
         else:
             await self._on_control(rec.value)
 
@@ -387,11 +387,10 @@ class Paramsync:
             return
         if not isinstance(beat, SamplerBeat):
             return
-        refused = self.beat_identity.refusal(beat.id, headers, value, at)
+        refused = self.beat_identity.refusal("heartbeat", beat.id, headers, beat_message(value), at)
         if refused is not None:
-            _, news, params = refused
-            if news:
-                await self.audit("sampler_identity_refused", params, "heartbeat ignored")
+            if refused.news:
+                await self.audit("sampler_identity_refused", refused.audit, "heartbeat ignored")
             return
         if beat.policy_version is not None:
             SAMPLER_VERSION.labels(sampler=beat.id).set(beat.policy_version)

@@ -20,14 +20,14 @@ from services.trainer.learner import Learner
 from shared.bus import Record
 from shared.credits import H_SAMPLER_SEQ, Consumption
 from shared.fragment import H_SAMPLER_ID, FragmentError, FragmentSpec, decode_fragment, header_dict
-from shared.identity import IdentityBook, IdentityRefused, RefusalLog, audit_params, fragment_message, identity_of
+from shared.identity import IdentityCheck, fragment_message, record_time
 from shared.logging import fragment_fields
 
 
 class RecordOutcomes:
     def __init__(self, *, group: ConsumerGroup, intake: Intake, stall: StallWatch, consumption: Consumption,
                  stats: m.TrainerStats, spec: FragmentSpec, log: Any, consumed: asyncio.Event,
-                 refresh_published: Callable[[], Awaitable[bool]], identity: IdentityBook,
+                 refresh_published: Callable[[], Awaitable[bool]], identity: IdentityCheck,
                  audit: Callable[[str, dict[str, Any], str], Awaitable[None]]) -> None:
         self.group = group
         self.intake = intake
@@ -39,7 +39,6 @@ class RecordOutcomes:
         self.consumed = consumed  # wakes the credit-grant task
         self.refresh_published = refresh_published
         self.identity = identity  # sampler ids bound to their keys (shared.identity)
-        self.identity_refusals = RefusalLog("trainer", log)
         self.audit = audit
 
     async def take(self, tp: TopicPartition, rec: Record, learner: Learner) -> None:
@@ -74,18 +73,14 @@ class RecordOutcomes:
                                                               tp.partition, rec.offset))
 
     async def _identity_holds(self, tp: TopicPartition, rec: Record, sampler_id: str) -> bool:
-        identity = identity_of(rec.headers)
-        at = min(time.time(), rec.timestamp_ms / 1000.0)
-        try:
-            self.identity.check(sampler_id, identity, fragment_message(rec.headers, rec.value), at)
+        refused = self.identity.refusal("fragment", sampler_id, rec.headers, fragment_message(rec.headers, rec.value),
+                                        record_time(rec), partition=tp.partition, offset=rec.offset)
+        if refused is None:
             return True
-        except IdentityRefused as exc:
-            if self.identity_refusals.note(exc, kind="fragment", sampler_id=sampler_id, identity=identity, now=at,
-                                           partition=tp.partition, offset=rec.offset):
-                await self.audit("sampler_identity_refused", audit_params(exc, kind="fragment", sampler_id=sampler_id,
-                                                                          identity=identity), "dead-lettered")
-            await self.dead_letter(tp, rec, "sampler_identity", str(exc))
-            return False
+        if refused.news:
+            await self.audit("sampler_identity_refused", refused.audit, "dead-lettered")
+        await self.dead_letter(tp, rec, "sampler_identity", str(refused.error))
+        return False
 
     def drop_stale(self, batch: Batch) -> None:
         now = time.monotonic()

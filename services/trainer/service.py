@@ -63,7 +63,7 @@ from services.trainer.update import UpdateStats
 from shared.background import Background
 from shared.bus import Bus, Record, kafka_bus
 from shared.credits import Consumption, auto_window
-from shared.identity import BeatChecker, IdentityBook
+from shared.identity import IdentityCheck
 from shared.kafka import Topics, trainer_group
 from shared.logging import get_logger
 from shared.marker import BadPayload, VersionedStore, VersionRecord
@@ -195,7 +195,9 @@ class Trainer:
         self.lease = HeldLease(TrainerLease(store, settings.run, self.id), self.retry, self.log)
         self.grants = Grants(self.consumption, self.producer, topic=self.topics.credits, trainer_id=self.id,
                              log=self.log, seen=self.group.seen)
-        self.live = LiveSamplers(BeatChecker("trainer", self.log, settings.sampler.identity_handover_s))
+        # Heartbeats (read only when a strategy waits for live samplers) and fragments each keep a book of bindings.
+        handover_s = settings.sampler.identity_handover_s
+        self.live = LiveSamplers(IdentityCheck("trainer", self.log, handover_s))
         self.watch = PublicationWatch()
         self.background = Background("trainer")
         self.tail = UpdateTail(self.group, self.publication, self.checkpoints, publish_extra=self._lineage_extra,
@@ -204,7 +206,7 @@ class Trainer:
         self.outcomes = RecordOutcomes(group=self.group, intake=self.intake, stall=self.stall,
                                        consumption=self.consumption, stats=self.stats, spec=self.spec, log=self.log,
                                        consumed=self.grants.consumed, refresh_published=self.refresh_published,
-                                       identity=IdentityBook(settings.sampler.identity_handover_s), audit=self.audit)
+                                       identity=IdentityCheck("trainer", self.log, handover_s), audit=self.audit)
         self._stop = asyncio.Event()
         self._rebalancing = False  # from a revoke callback to the assignment: no prefetch polls meanwhile
         self._started = False

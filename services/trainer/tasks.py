@@ -26,7 +26,7 @@ from services.trainer.update import UpdateStats
 from shared.bus import Publisher, Record
 from shared.credits import Consumption
 from shared.fragment import Fragment
-from shared.identity import BeatChecker
+from shared.identity import IdentityCheck, beat_message, record_time
 from shared.logging import fragment_fields
 from shared.messages import CreditGrant, SamplerBeat, TrainerBeat, parse_heartbeat
 from shared.retry import Health, Retrier, describe, is_transient
@@ -113,7 +113,7 @@ class LiveSamplers:
     """A sampler is live while its heartbeats arrive within ``timeout_s``; one unseen for ten times that is
     forgotten. A heartbeat under an id bound to another key (``shared.identity``) makes nobody live."""
 
-    def __init__(self, identity: BeatChecker | None = None) -> None:
+    def __init__(self, identity: IdentityCheck | None = None) -> None:
         self._seen: dict[str, float] = {}
         self.identity = identity
 
@@ -125,7 +125,7 @@ class LiveSamplers:
                 continue
             if isinstance(beat, SamplerBeat):
                 if self.identity is not None and self.identity.refusal(
-                        beat.id, rec.headers, rec.value or b"", min(time.time(), rec.timestamp_ms / 1000.0)):
+                        "heartbeat", beat.id, rec.headers, beat_message(rec.value or b""), record_time(rec)):
                     continue
                 self._seen[beat.id] = now
         for sid in [s for s, seen in self._seen.items() if now - seen > 10 * timeout_s]:

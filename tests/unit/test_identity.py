@@ -21,8 +21,8 @@ from shared.bus import MemoryBus, Record
 from shared.fragment import encode_fragment
 from shared.identity import (
     H_SIG,
-    BeatChecker,
     IdentityBook,
+    IdentityCheck,
     IdentityRefused,
     SamplerKey,
     beat_message,
@@ -175,7 +175,7 @@ async def test_heartbeats_under_a_held_id_move_no_reader(tmp_path: Path) -> None
     settings = sampler_settings(tmp_path)
     admin = AdminState(settings, bus=MemoryBus().bus())
     paramsync = Paramsync(settings, bus=MemoryBus().bus())
-    live = LiveSamplers(BeatChecker("trainer", admin.log, settings.sampler.identity_handover_s))
+    live = LiveSamplers(IdentityCheck("trainer", admin.log, settings.sampler.identity_handover_s))
     own, forged = beat_record(owner, "s0", 7, 0), beat_record(intruder, "s0", 99, 1)
     ghost = beat_record(intruder, "s-new", 1, 2)  # an id nobody holds: trust on first use binds it (a known limit)
     for rec in (own, forged):
