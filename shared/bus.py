@@ -392,6 +392,8 @@ class MemorySource:
         self.positions[tp] = offset
 
     async def position(self, tp: TopicPartition) -> int:
+        if tp not in self.owned:  # as aiokafka: a partition revoked meanwhile (a caller awaited across a rebalance)
+            raise IllegalStateError(f"partition {tp} is not assigned")
         return self.positions[tp]
 
     async def log_start(self, tp: TopicPartition) -> int:

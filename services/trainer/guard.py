@@ -35,7 +35,8 @@ before any version held a best restores the version of the last healthy update b
 
 What it changes (``remedy``): ``revert_config`` when a runtime config revision that changed keys
 was noted before the fall (or explosion) began and at most ``blame_episodes`` episodes before it
-(``revert_revision`` is the earliest such revision: the shell makes the settings before it current
+(counted to the observation before the one that showed it: one update can bring a broken policy's short episodes
+by the hundred) (``revert_revision`` is the earliest such revision: the shell makes the settings before it current
 again); else ``lower_lr`` (multiply the learning rate by ``lr_factor``). Revisions the guard's own
 remedies write are noted with ``automatic=True`` and never blamed.
 
@@ -150,6 +151,11 @@ class _Trigger:
     """The holder a rollback for it restores: the newest one observed ``settle_updates`` before it began."""
     fallback: int | None
     """Explosions only: the last healthy update's version before the streak."""
+    since: int
+    """Episodes seen at the observation before the one that showed it: where blame is counted from. The
+    update that shows a fall may bring a broken policy's short episodes by the hundred at once (CartPole at
+    lr 1.0: the last-100 mean went from 500 to 9 in one update), and counting from after them would put the
+    change that caused it outside ``blame_episodes``."""
 
 
 class RollbackGuard:
@@ -213,12 +219,13 @@ class RollbackGuard:
             raise ValueError(f"guard: the last-100 mean must be finite, got {last100_mean=}")
         self._tick(now)
         self._updates += 1
+        since = episodes_seen if self._episodes is None else self._episodes
         self._episodes, self._mean, self._version = episodes_seen, last100_mean, policy_version
         causes = explosion_causes(stats, self.cfg)
         if causes:
             if self._explosions == 0:
                 self._explosion = _Trigger("explosion", self._seq, episodes_seen, self._settled(),
-                                           self._last_healthy)
+                                           self._last_healthy, since)
             self._explosions += 1
             self._causes = causes
         else:
@@ -226,11 +233,11 @@ class RollbackGuard:
             self._last_healthy = policy_version
         if self._base is None:
             self._base = episodes_seen
-        holds = self._track_returns(policy_version, last100_mean, episodes_seen, healthy=not causes)
+        holds = self._track_returns(policy_version, last100_mean, episodes_seen, since, healthy=not causes)
         self._prune_revisions()
         return holds
 
-    def _track_returns(self, version: int, mean: float | None, episodes: int, healthy: bool) -> bool:
+    def _track_returns(self, version: int, mean: float | None, episodes: int, since: int, healthy: bool) -> bool:
         assert self._base is not None
         if mean is None or episodes - self._base < self.cfg.min_episodes:
             return False
@@ -242,7 +249,7 @@ class RollbackGuard:
             return False
         if mean < self.best - self.cfg.drop:
             if self._fall is None:
-                self._fall = _Trigger("return_fall", self._seq, episodes, self._settled(), None)
+                self._fall = _Trigger("return_fall", self._seq, episodes, self._settled(), None, since)
         else:
             self._fall = None
         if healthy and mean >= self.best - self.cfg.hold_tolerance:
@@ -270,7 +277,7 @@ class RollbackGuard:
 
     def _prune_revisions(self) -> None:
         """Drop revisions that no fall or explosion, now or later, could be blamed on."""
-        starts = [t.episodes for t in (self._fall, self._explosion) if t is not None]
+        starts = [t.since for t in (self._fall, self._explosion) if t is not None]
         ref = min([*starts, self._episodes or 0])
         self._revisions = [r for r in self._revisions if ref - r.episodes <= self.cfg.blame_episodes]
 
@@ -312,7 +319,7 @@ class RollbackGuard:
 
     def _rollback(self, trigger: _Trigger, now: float) -> Decision | None:
         culprit = next((r for r in self._revisions
-                        if r.seq < trigger.seq and trigger.episodes - r.episodes <= self.cfg.blame_episodes), None)
+                        if r.seq < trigger.seq and trigger.since - r.episodes <= self.cfg.blame_episodes), None)
         target = trigger.holder
         if culprit is not None and culprit.holder is not None:
             # A version observed after the blamed revision restores only when its mean was made by episodes

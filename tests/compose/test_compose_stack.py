@@ -259,10 +259,13 @@ async def main():
                          sasl_plain_password=os.environ["FLYWHEEL_KAFKA_SASL_PASSWORD"])
     await p.start()
     try:
-        await p.send_and_wait("cartpole.policy", b"not a policy")
-        out["policy"] = "WRITTEN as " + os.environ["FLYWHEEL_KAFKA_SASL_USERNAME"]
-    except TopicAuthorizationFailedError as exc:
-        out["policy"] = f"REFUSED {os.environ['FLYWHEEL_KAFKA_SASL_USERNAME']} {type(exc).__name__}"
+        # What a sampler must never write: candidates and announcements, credit grants, operators' commands.
+        for topic in ("policy", "credits", "control"):
+            try:
+                await p.send_and_wait(f"cartpole.{topic}", b"not a " + topic.encode())
+                out[topic] = "WRITTEN as " + os.environ["FLYWHEEL_KAFKA_SASL_USERNAME"]
+            except TopicAuthorizationFailedError as exc:
+                out[topic] = f"REFUSED {os.environ['FLYWHEEL_KAFKA_SASL_USERNAME']} {type(exc).__name__}"
     finally:
         await p.stop()
     # Without credentials on the services' listener: the broker closes a connection that does not authenticate.
@@ -291,16 +294,17 @@ asyncio.run(main())
 
 def test_per_role_identities_by_default_refuse_the_sampler_and_anonymous_clients(compose: Compose) -> None:
     """`docker compose up` runs each service as its own Kafka user (issue 43, item 2): the sampler's container has
-    the sampler's identity on the SASL listener, which may not write the policy topic; a client without credentials
-    cannot use that listener; and the broker's unauthenticated listeners, where User:ANONYMOUS is a super user, do
-    not answer on the compose network. Training went on under these identities (the tests above)."""
+    the sampler's identity on the SASL listener, which may not write the policy, credits or control topics; a client
+    without credentials cannot use that listener; and the broker's unauthenticated listeners, where User:ANONYMOUS is
+    a super user, do not answer on the compose network. Training went on under these identities (the tests above)."""
     env = compose.exec("sampler", "sh", "-c", "echo $FLYWHEEL_KAFKA_SASL_USERNAME $FLYWHEEL_KAFKA_BOOTSTRAP "
                        "$FLYWHEEL_KAFKA_SECURITY_PROTOCOL $AWS_ACCESS_KEY_ID").stdout
     assert env.split() == ["sampler", "kafka:9094", "SASL_PLAINTEXT", "flywheel-sampler"], env
     out = compose.exec("sampler", "python", "-c", PRODUCE, timeout=120, check=False)
     print(f"\nper-role identities from the sampler container: {(out.stdout + out.stderr).strip()[-800:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["policy"] == "REFUSED sampler TopicAuthorizationFailedError", got
+    for topic in ("policy", "credits", "control"):
+        assert got[topic] == "REFUSED sampler TopicAuthorizationFailedError", (topic, got)
     assert got["anonymous"].startswith("REFUSED"), got
     assert got["9092"].startswith("CLOSED") and got["9093"].startswith("CLOSED"), got
     inits = {step: compose.run("logs", "--no-color", step, check=False).stdout.strip().splitlines()[-1:]

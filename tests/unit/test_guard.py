@@ -79,6 +79,22 @@ def test_a_fall_after_a_config_change_reverts_it_and_restores_the_version_before
     assert before in run.guard.restorable_versions()
 
 
+def test_a_change_is_blamed_when_the_update_that_shows_the_fall_brings_more_than_blame_episodes() -> None:
+    """The fault suite's guard row once failed so (CI, lower_lr to a version trained at lr 1.0, the return stuck at
+    9): after learning_rate 1.0 on solved CartPole the mean stayed 500 for 14 versions, then one update brought a
+    broken policy's short episodes by the hundred and the mean read 9. Counted from after them, the change was over
+    blame_episodes before the fall and forgotten; counted from the observation before, it is the cause."""
+    run = Run()
+    before = solved(run)
+    run.guard.note_config_revision(run.now, 9, ["trainer.learning_rate", "trainer.learning_rate_end"])
+    run.hold(500.0, 14)  # 70 episodes: the mean lags the broken weights
+    run.per_update = CFG.blame_episodes + 20  # 120 short episodes arrive in one update
+    d = run.until_decision(9.0)
+    assert d.reason == "return_fall" and d.remedy == "revert_config" and d.revert_revision == 9
+    assert d.to_version == before  # not one of the 14 versions trained at the broken rate
+    assert d.evidence["revision"] == 9
+
+
 def test_a_fall_with_no_change_lowers_the_learning_rate() -> None:
     run = Run()
     solved(run)

@@ -162,11 +162,11 @@ def test_a_revision_within_exactly_blame_episodes_is_blamed() -> None:
             run.step(300.0)  # episodes 0..25, version 6 holds
         while (run.g._episodes or 0) < 50 - noted_at:
             run.step(300.0)
-        run.g.note_config_revision(run.now, 4, ["trainer.learning_rate"])  # noted at that many episodes
-        while (run.g._episodes or 0) < 45:
+        run.g.note_config_revision(run.now, 4, ["trainer.learning_rate"])  # noted that many episodes before 50
+        while (run.g._episodes or 0) < 50:
             run.step(300.0)
         for _ in range(3):
-            run.step(150.0)  # the fall begins at episodes 50
+            run.step(150.0)  # the fall shows at episodes 55: blame counts to the observation before it, 50
         d = run.g.decide(run.now)
         assert d is not None
         assert (d.remedy == "revert_config") is blamed, (noted_at, d.remedy)
@@ -339,14 +339,14 @@ def test_old_revisions_are_forgotten_past_the_horizon() -> None:
 
 
 def test_a_revision_noted_before_any_update_counts_from_episode_zero() -> None:
-    for first_episode, blamed in ((0, True), (1, False)):
+    for first_episode, blamed in ((5, True), (6, False)):
         run = Run()
         run.episodes = first_episode
         run.g.note_config_revision(run.now, 3, ["trainer.learning_rate"])  # noted at episodes 0
         for _ in range(4):
             run.step(300.0)  # best from min_episodes on
         for _ in range(3):
-            run.step(150.0)  # the fall begins at first_episode + 20
+            run.step(150.0)  # the fall shows at first_episode + 20, blame counts from first_episode + 15
         d = run.g.decide(run.now)
         assert d is not None and (d.remedy == "revert_config") is blamed, (first_episode, d.remedy)
 
@@ -359,10 +359,11 @@ def test_an_explosion_during_a_fall_blames_only_revisions_within_reach_of_the_ex
     run.g.note_config_revision(run.now, 2, ["trainer.learning_rate"])  # noted at 15
     run.step(300.0)  # 20
     run.step(300.0)  # 25
-    run.step(150.0)  # 30: the fall begins (15 after the noting: kept)
+    run.step(150.0)  # 30: the fall shows (blame counts from 25, 10 after the noting: kept)
     run.step(150.0)  # 35
-    run.step(150.0, Stats(skipped_steps=1))  # 40: the explosion streak begins, 25 after the noting
-    run.step(150.0, Stats(skipped_steps=1))  # 45
+    run.step(150.0)  # 40
+    run.step(150.0, Stats(skipped_steps=1))  # 45: the explosion streak shows, blame counts from 40: 25 after
+    run.step(150.0, Stats(skipped_steps=1))  # 50
     d = run.g.decide(run.now)
     assert d is not None and d.reason == "explosion" and d.remedy == "lower_lr" and d.revert_revision is None
 

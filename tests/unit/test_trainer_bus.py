@@ -414,3 +414,27 @@ async def test_a_batch_formed_before_a_rollback_is_trained_after_it_not_lost(tmp
     put(mem, TP1, 2)
     await run_until(t, lambda: trained(t) == 4 and mem.committed.get(TP0) == 2 and mem.committed.get(TP1) == 2)
     assert followed == [msg]
+
+
+async def test_the_twin_refuses_the_position_of_a_partition_revoked_meanwhile() -> None:
+    """As aiokafka's consumer does (IllegalStateError, a KafkaError the trainer's readers skip): the trainer's
+    find_lost awaits each position, and a rebalance can take the partition away in between (make test once failed
+    on a KeyError from the twin here, under load)."""
+    from aiokafka.errors import IllegalStateError, KafkaError
+
+    from shared.bus import MemorySource
+
+    async def noop(tps: set[TopicPartition]) -> None:
+        return None
+
+    mem = MemoryBus()
+    mem.create(T.samples, 2)
+    put(mem, TP1, 3)
+    source = MemorySource(mem)
+    source.subscribe(T.samples, noop, noop)
+    await source.rebalance({TP0, TP1})
+    assert await source.position(TP1) == 0
+    await source.rebalance({TP0})
+    with pytest.raises(IllegalStateError) as err:
+        await source.position(TP1)
+    assert isinstance(err.value, KafkaError)
