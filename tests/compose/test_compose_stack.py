@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.compose.conftest import Compose, wait_until
+from tests.kafka_probe import SAMPLER_PROBE, assert_sampler_refused
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(1800)]
 
@@ -245,53 +246,6 @@ def test_signed_by_default_a_candidate_the_trainer_did_not_sign_is_never_publish
     assert s["policy"]["signed_by"].startswith("paramsync-")
 
 
-PRODUCE = """
-import asyncio, json, os, socket
-from aiokafka import AIOKafkaProducer
-from aiokafka.errors import TopicAuthorizationFailedError
-
-async def main():
-    out = {}
-    p = AIOKafkaProducer(bootstrap_servers=os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"],
-                         security_protocol=os.environ["FLYWHEEL_KAFKA_SECURITY_PROTOCOL"],
-                         sasl_mechanism=os.environ["FLYWHEEL_KAFKA_SASL_MECHANISM"],
-                         sasl_plain_username=os.environ["FLYWHEEL_KAFKA_SASL_USERNAME"],
-                         sasl_plain_password=os.environ["FLYWHEEL_KAFKA_SASL_PASSWORD"])
-    await p.start()
-    try:
-        # What a sampler must never write: candidates and announcements, credit grants, operators' commands.
-        for topic in ("policy", "credits", "control"):
-            try:
-                await p.send_and_wait(f"cartpole.{topic}", b"not a " + topic.encode())
-                out[topic] = "WRITTEN as " + os.environ["FLYWHEEL_KAFKA_SASL_USERNAME"]
-            except TopicAuthorizationFailedError as exc:
-                out[topic] = f"REFUSED {os.environ['FLYWHEEL_KAFKA_SASL_USERNAME']} {type(exc).__name__}"
-    finally:
-        await p.stop()
-    # Without credentials on the services' listener: the broker closes a connection that does not authenticate.
-    anon = AIOKafkaProducer(bootstrap_servers=os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"], request_timeout_ms=5000)
-    try:
-        await asyncio.wait_for(anon.start(), 60)
-        out["anonymous"] = "CONNECTED"
-    except Exception as exc:  # KafkaConnectionError (Unable to bootstrap) expected; any failure is a refusal
-        out["anonymous"] = f"REFUSED {type(exc).__name__}: {exc}"
-    try:
-        await anon.stop()
-    except Exception:
-        pass
-    # The broker's listeners without authentication (PLAINTEXT 9092, CONTROLLER 9093) are on its loopback only.
-    for port in (9092, 9093):
-        try:
-            socket.create_connection(("kafka", port), timeout=5).close()
-            out[str(port)] = "OPEN"
-        except OSError as exc:
-            out[str(port)] = f"CLOSED {type(exc).__name__}"
-    print(json.dumps(out))
-
-asyncio.run(main())
-"""
-
-
 def test_per_role_identities_by_default_refuse_the_sampler_and_anonymous_clients(compose: Compose) -> None:
     """`docker compose up` runs each service as its own Kafka user (issue 43, item 2): the sampler's container has
     the sampler's identity on the SASL listener, which may not write the policy, credits or control topics; a client
@@ -300,13 +254,9 @@ def test_per_role_identities_by_default_refuse_the_sampler_and_anonymous_clients
     env = compose.exec("sampler", "sh", "-c", "echo $FLYWHEEL_KAFKA_SASL_USERNAME $FLYWHEEL_KAFKA_BOOTSTRAP "
                        "$FLYWHEEL_KAFKA_SECURITY_PROTOCOL $AWS_ACCESS_KEY_ID").stdout
     assert env.split() == ["sampler", "kafka:9094", "SASL_PLAINTEXT", "flywheel-sampler"], env
-    out = compose.exec("sampler", "python", "-c", PRODUCE, timeout=120, check=False)
+    out = compose.exec("sampler", "python", "-c", SAMPLER_PROBE, "kafka", timeout=120, check=False)
     print(f"\nper-role identities from the sampler container: {(out.stdout + out.stderr).strip()[-800:]}")
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    for topic in ("policy", "credits", "control"):
-        assert got[topic] == "REFUSED sampler TopicAuthorizationFailedError", (topic, got)
-    assert got["anonymous"].startswith("REFUSED"), got
-    assert got["9092"].startswith("CLOSED") and got["9093"].startswith("CLOSED"), got
+    assert_sampler_refused(out.stdout)
     inits = {step: compose.run("logs", "--no-color", step, check=False).stdout.strip().splitlines()[-1:]
              for step in ("kafka-users", "kafka-init", "minio-init")}
     print(f"init steps' last lines: {inits}")

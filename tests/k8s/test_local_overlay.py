@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.k8s.conftest import NAMESPACE, OVERLAY, Cluster, wait_until
+from tests.kafka_probe import SAMPLER_PROBE, assert_sampler_refused
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(1800)]
 
@@ -107,6 +108,26 @@ def test_cartpole_trains_through_the_admin_service(cluster: Cluster) -> None:
     cluster.report(f"- training through the Service {cluster.admin_url()}: updates/version {progress(first)} -> {now} "
                    f"({time.monotonic() - t0:.0f} s); episode return mean {er.get('mean')} over {er.get('count')} "
                    f"episodes; samplers alive {sum(1 for x in s.get('samplers') or [] if x.get('alive'))}")
+
+
+def test_each_role_is_its_own_kafka_user_and_the_sampler_is_refused(cluster: Cluster) -> None:
+    """Per-role identities in the local overlay (issue 43, item 2), as in `docker compose up`: the services train
+    as Kafka users of their own on the SASL listener (the test above), the sampler's user may not write the policy,
+    credits or control topics, a client without credentials cannot use that listener, and the listeners where
+    User:ANONYMOUS is a super user are closed to other pods."""
+    env = cluster.ns("exec", "deploy/flywheel-sampler", "--", "sh", "-c", "echo $FLYWHEEL_KAFKA_SASL_USERNAME "
+                     "$FLYWHEEL_KAFKA_BOOTSTRAP $FLYWHEEL_KAFKA_SECURITY_PROTOCOL", timeout=60).stdout
+    assert env.split() == ["sampler", "kafka:9094", "SASL_PLAINTEXT"], env
+    out = cluster.ns("exec", "deploy/flywheel-sampler", "--", "python", "-c", SAMPLER_PROBE, "kafka-0.kafka",
+                     timeout=180, check=False)
+    print(f"sampler probe: {(out.stdout + out.stderr).strip()[-800:]}")
+    got = assert_sampler_refused(out.stdout)
+    provisioned = {c: cluster.ns("logs", "kafka-0", "-c", c, timeout=60).stdout.strip().splitlines()[-1:]
+                   for c in ("acls", "users")}
+    cluster.report(f"- per-role Kafka users: the sampler pod (user `sampler`) refused on policy, credits and control "
+                   f"({got['policy'].split()[-1]}); without credentials: {got['anonymous'][:60]}; "
+                   f"kafka-0.kafka:9092 {got['9092'].split()[0]}, :9093 {got['9093'].split()[0]}; "
+                   f"provisioned: {provisioned}")
 
 
 def test_a_deleted_trainer_pod_comes_back_and_resumes(cluster: Cluster) -> None:
