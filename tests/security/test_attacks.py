@@ -490,6 +490,9 @@ def test_sampler_identity_cannot_write_the_policy_credits_control_topics(securit
     why = ("not run: the local stack's Kafka has no per-role identities (started as devstack starts it by default: "
            "no SASL listener, no ACL authorizer), so any local client may write every topic")
     env.rows.append(AttackRow(env.attack, why, note="rows 1-3 show what a writer of `<run>.policy` cannot do; "
+                              "on `docker compose up` and the Kubernetes `local` overlay, where each role is its own "
+                              "Kafka user, make test-compose and make test-k8s run this attack from a sampler "
+                              "container and pod: refused on all three topics (tests/kafka_probe.py); "
                               "tests/integration/test_kafka_acls.py checks the sampler's ACLs on a broker that has "
                               "them"))
     pytest.skip(why)
