@@ -15,7 +15,8 @@ async def main():
     out = {}
     p = AIOKafkaProducer(bootstrap_servers=os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"],
                          security_protocol=os.environ["FLYWHEEL_KAFKA_SECURITY_PROTOCOL"],
-                         sasl_mechanism=os.environ["FLYWHEEL_KAFKA_SASL_MECHANISM"],
+                         # unset: the settings' default (compose sets it, the Kubernetes overlays do not)
+                         sasl_mechanism=os.environ.get("FLYWHEEL_KAFKA_SASL_MECHANISM", "SCRAM-SHA-512"),
                          sasl_plain_username=os.environ["FLYWHEEL_KAFKA_SASL_USERNAME"],
                          sasl_plain_password=os.environ["FLYWHEEL_KAFKA_SASL_PASSWORD"])
     await p.start()
