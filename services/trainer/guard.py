@@ -34,10 +34,10 @@ before any version held a best restores the version of the last healthy update b
 (none: no decision).
 
 What it changes (``remedy``): ``revert_config`` when a runtime config revision that changed keys
-was noted before the fall (or explosion) began and at most ``blame_episodes`` episodes before it
-(counted to the observation before the one that showed it: one update can bring a broken policy's short episodes
-by the hundred) (``revert_revision`` is the earliest such revision: the shell makes the settings before it current
-again); else ``lower_lr`` (multiply the learning rate by ``lr_factor``). Revisions the guard's own
+was noted before the fall (or explosion) began and at most ``blame_episodes`` episodes before it,
+counted to the observation before the one that showed it, since one update can bring a broken policy's short
+episodes by the hundred (``revert_revision`` is the earliest such revision: the shell makes the settings before it
+current again); else ``lower_lr`` (multiply the learning rate by ``lr_factor``). Revisions the guard's own
 remedies write are noted with ``automatic=True`` and never blamed.
 
 Why it cannot loop: after a rollback nothing is decided for ``cooldown_s``; the best, the holders,
@@ -154,8 +154,8 @@ class _Trigger:
     since: int
     """Episodes seen at the observation before the one that showed it: where blame is counted from. The
     update that shows a fall may bring a broken policy's short episodes by the hundred at once (CartPole at
-    lr 1.0: the last-100 mean went from 500 to 9 in one update), and counting from after them would put the
-    change that caused it outside ``blame_episodes``."""
+    lr 1.0, 512 env steps an update, episodes of about 9 steps), and counting from after them would put the
+    change that caused it outside ``blame_episodes`` (the likely cause of a failed fault-suite guard row)."""
 
 
 class RollbackGuard:

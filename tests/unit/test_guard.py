@@ -80,9 +80,9 @@ def test_a_fall_after_a_config_change_reverts_it_and_restores_the_version_before
 
 
 def test_a_change_is_blamed_when_the_update_that_shows_the_fall_brings_more_than_blame_episodes() -> None:
-    """The fault suite's guard row once failed so (CI, lower_lr to a version trained at lr 1.0, the return stuck at
-    9): after learning_rate 1.0 on solved CartPole the mean stayed 500 for 14 versions, then one update brought a
-    broken policy's short episodes by the hundred and the mean read 9. Counted from after them, the change was over
+    """The shape inferred from the fault suite's guard row that failed in CI (lower_lr, to a version 14 after the
+    change at lr 1.0, the return stuck at 9): the mean lags the broken weights for some versions, then one update
+    brings a broken policy's short episodes by the hundred. Counted from after them, the change was over
     blame_episodes before the fall and forgotten; counted from the observation before, it is the cause."""
     run = Run()
     before = solved(run)

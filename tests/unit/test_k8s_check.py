@@ -538,6 +538,29 @@ def test_cluster_topics_are_the_ones_the_services_create(checker: Path) -> None:
     assert not users
 
 
+def test_local_kafka_users_are_the_roles_each_service_signs_in_as_its_own(checker: Path) -> None:
+    """The local overlay's users sidecar makes a SCRAM user for exactly shared.acl.ROLES, each password from that
+    role's Secret, and each service signs in as the user named after its role with that same Secret (as compose's
+    kafka-users, held to ROLES by tests/unit/test_compose.py)."""
+    from shared.acl import ROLES as ACL_ROLES
+
+    assert ACL_ROLES == ROLES
+    docs = _dump(checker, "local")
+    [kafka] = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "kafka"]
+    users = next(c for c in kafka["spec"]["template"]["spec"]["containers"] if c["name"] == "users")
+    [loop] = re.findall(r"for role in ([a-z ]+); do", users["args"][0])
+    assert tuple(loop.split()) == ROLES
+    unhashed = lambda name: re.sub(r"-[a-z0-9]{10}$", "", name)  # noqa: E731 - kustomize's generated-name suffix
+    secrets = {v["name"].removeprefix("SCRAM_PASSWORD_"): unhashed(v["valueFrom"]["secretKeyRef"]["name"])
+               for v in users["env"] if v["name"].startswith("SCRAM_PASSWORD_")}
+    assert secrets == {role: f"flywheel-{role}-kafka" for role in ROLES}
+    for role in ROLES:
+        env = {v["name"]: v for v in _container(docs, role)["env"]}
+        assert env["FLYWHEEL_KAFKA_SASL_USERNAME"]["value"] == role
+        ref = env["FLYWHEEL_KAFKA_SASL_PASSWORD"]["valueFrom"]["secretKeyRef"]
+        assert (unhashed(ref["name"]), ref["key"]) == (f"flywheel-{role}-kafka", "FLYWHEEL_KAFKA_SASL_PASSWORD"), role
+
+
 def test_local_minio_policy_is_the_compose_one() -> None:
     copy = K8S / "overlays" / "local" / "minio" / "flywheel-bucket-policy.json"
     original = REPO / "deploy" / "minio" / "flywheel-bucket-policy.json"
