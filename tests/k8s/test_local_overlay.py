@@ -124,6 +124,7 @@ def test_each_role_is_its_own_kafka_user_and_the_sampler_is_refused(cluster: Clu
     got = assert_sampler_refused(out.stdout)
     provisioned = {c: cluster.ns("logs", "kafka-0", "-c", c, timeout=60).stdout.strip().splitlines()[-1:]
                    for c in ("acls", "users")}
+    assert "topics and ACLs in place" in "".join(provisioned["acls"]), provisioned  # python -m shared.kafka_init
     cluster.report(f"- per-role Kafka users: the sampler pod (user `sampler`) refused on policy, credits and control "
                    f"({got['policy'].split()[-1]}); without credentials: {got['anonymous'][:60]}; "
                    f"kafka-0.kafka:9092 {got['9092'].split()[0]}, :9093 {got['9093'].split()[0]}; "

@@ -36,7 +36,6 @@ MINIO_DIR = REPO / "deploy" / "minio"
 FLYWHEEL_SERVICES = ("trainer", "paramsync", "admin", "sampler")
 INFRA_SERVICES = ("kafka", "minio", "minio-init", "kafka-users", "kafka-init", "keys", "prometheus", "grafana")
 INIT_STEPS = ("kafka-users", "kafka-init", "minio-init")  # the identities, before the services
-KAFKA_INIT = REPO / "deploy" / "kafka" / "kafka_init.py"
 ROOT_CREDENTIAL_SERVICES = ("minio", "minio-init")
 PUBLISHED = {
     "admin": ["127.0.0.1:8080:8080"],
@@ -855,20 +854,19 @@ def test_init_steps_are_pinned_logged_and_ordered(compose: dict[str, Any], servi
 
 
 def test_kafka_init_generates_the_acls_from_shared_acl(services: dict[str, Any]) -> None:
-    """kafka-init runs deploy/kafka/kafka_init.py (mounted) with the services' config, on the broker's loopback
-    PLAINTEXT listener (User:ANONYMOUS, a super user): provision_run, no copy of the ACLs."""
+    """kafka-init runs ``python -m shared.kafka_init`` from the image with the services' config, on the broker's
+    loopback PLAINTEXT listener (User:ANONYMOUS, a super user): provision_run, no copy of the ACLs, nothing
+    mounted from the checkout."""
+    from shared import kafka_init
     from shared.settings import load_settings
 
     init = services["kafka-init"]
-    [mount] = init["volumes"]
-    src, dst, mode = mount.split(":")
-    assert (REPO / src).resolve() == KAFKA_INIT.parent and mode == "ro"
-    assert init["entrypoint"] == ["python", f"{dst}/{KAFKA_INIT.name}"]
+    assert init["entrypoint"] == ["python", "-m", "shared.kafka_init"] and "volumes" not in init
     env = {k: _interpolate(v, {}) for k, v in _env(init).items()}
     settings = load_settings(CONFIG, environ=env)
     assert settings.kafka.bootstrap == "127.0.0.1:9092" and settings.kafka.security_protocol == "PLAINTEXT"
     assert env["FLYWHEEL_CONFIG"] == _env(services["trainer"])["FLYWHEEL_CONFIG"]
-    text = KAFKA_INIT.read_text()
+    text = Path(kafka_init.__file__).read_text()
     assert "provision_run(settings)" in text and "User:" not in text
 
 
@@ -906,70 +904,3 @@ def test_kafka_users_script(services: dict[str, Any], tmp_path: Path, password: 
         f"--add-config SCRAM-SHA-512=[password={role}-dev-scram-secret]" for role in ROLES]
 
 
-def _load_kafka_init() -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("kafka_init", KAFKA_INIT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_kafka_init_retries_transient_errors_and_stops_on_refusals() -> None:
-    import asyncio
-    import random
-
-    from shared.acl import AclError
-
-    ki = _load_kafka_init()
-    now = {"t": 0.0}
-    waits: list[float] = []
-
-    async def sleep(s: float) -> None:  # a fake clock: sleeping advances it
-        waits.append(s)
-        now["t"] += s
-
-    def clock() -> float:
-        return now["t"]
-
-    def retry(step: Any, deadline_s: float, backoff: Any) -> None:
-        asyncio.run(ki.run_with_retries(step, deadline_s, backoff, random.Random(1), lambda _: None, sleep, clock))
-
-    calls = {"n": 0}
-
-    async def flaky() -> None:
-        calls["n"] += 1
-        if calls["n"] < 4:
-            raise ConnectionRefusedError("not yet")
-
-    retry(flaky, 60.0, ki.Backoff(0.5, 2.0))
-    assert calls["n"] == 4 and len(waits) == 3 and all(0 <= w <= 2.0 for w in waits)
-
-    async def refused() -> None:
-        calls["n"] += 1
-        raise AclError("no authorizer")
-
-    calls["n"], waits[:] = 0, []
-    with pytest.raises(AclError):
-        retry(refused, 60.0, ki.Backoff())
-    assert calls["n"] == 1 and not waits  # a refusal is not retried
-
-    async def down() -> None:
-        now["t"] += 0.5  # each attempt takes time too: the deadline is on the clock, not on the pauses
-        raise ConnectionRefusedError("down")
-
-    now["t"], waits[:] = 0.0, []
-    with pytest.raises(ConnectionRefusedError):
-        retry(down, 5.0, ki.Backoff(1.0, 1.0))
-    assert 5.0 <= now["t"] < 5.0 + 1.0 + 0.5  # gave up at the first attempt past the deadline
-    with pytest.raises(ValueError, match="base_s"):
-        ki.Backoff(0.0, 1.0)
-
-
-def test_kafka_init_bad_settings_exit_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    ki = _load_kafka_init()
-    monkeypatch.setenv("FLYWHEEL_CONFIG", str(CONFIG))
-    monkeypatch.setenv("FLYWHEEL_KAFKA_SECURITY_PROTOCOL", "SASL_PLAINTEXT")  # no username or password
-    assert ki.main(deadline_s=0.0) == 2
-    assert "kafka-init: invalid settings" in capsys.readouterr().err

@@ -320,11 +320,9 @@ def test_per_role_identities_and_the_brokers_loopback(services: dict[str, Any]) 
         assert services[step]["logging"]["driver"] == "json-file", step
     assert services["kafka-users"]["environment"]["BOOTSTRAP"] == "127.0.0.1:9092"
     assert services["kafka-init"]["environment"]["FLYWHEEL_KAFKA_BOOTSTRAP"] == "127.0.0.1:9092"
-    [mount] = services["kafka-init"]["volumes"]
-    assert (mount["source"], mount["target"], mount["read_only"]) == (
-        str(REPO / "deploy" / "kafka"), "/etc/flywheel/kafka", True)
-    assert services["kafka-init"]["entrypoint"] == ["python", "/etc/flywheel/kafka/kafka_init.py"]
-    assert not services["kafka-init"].get("command"), "the image's CMD must not reach the script as arguments"
+    assert not services["kafka-init"].get("volumes"), "kafka-init runs the image's own code, nothing mounted"
+    assert services["kafka-init"]["entrypoint"] == ["python", "-m", "shared.kafka_init"]
+    assert not services["kafka-init"].get("command"), "the image's CMD must not reach the module as arguments"
 
 
 # ---- broken files are rejected ----------------------------------------------------------------

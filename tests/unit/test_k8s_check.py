@@ -561,6 +561,42 @@ def test_local_kafka_users_are_the_roles_each_service_signs_in_as_its_own(checke
         assert (unhashed(ref["name"]), ref["key"]) == (f"flywheel-{role}-kafka", "FLYWHEEL_KAFKA_SASL_PASSWORD"), role
 
 
+@pytest.mark.skipif(shutil.which("sh") is None, reason="no POSIX sh")
+@pytest.mark.parametrize("status", [0, 1, 2])
+def test_local_acls_sidecar_runs_kafka_init_and_marks_ready_only_when_it_succeeded(
+        checker: Path, tmp_path: Path, status: int) -> None:
+    """The local overlay's acls sidecar runs ``python -m shared.kafka_init`` (compose's kafka-init) with the
+    services' config on the broker's loopback listener; its readiness file appears only when that exits 0, and any
+    other exit ends the container with the same status (the kubelet restarts it), where an inline retry loop had
+    retried a refusal for ever. Run with stand-ins for python and sleep."""
+    docs = _dump(checker, "local")
+    [kafka] = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "kafka"]
+    acls = next(c for c in kafka["spec"]["template"]["spec"]["containers"] if c["name"] == "acls")
+    env = {v["name"]: v for v in acls["env"]}
+    assert env["FLYWHEEL_KAFKA_BOOTSTRAP"]["value"] == "127.0.0.1:9092"
+    [services_env] = [e["configMapRef"]["name"] for e in _container(docs, "trainer")["envFrom"] if "configMapRef" in e]
+    assert env["FLYWHEEL_CONFIG"]["valueFrom"] == {"configMapKeyRef": {"name": services_env, "key": "FLYWHEEL_CONFIG"}}
+    assert acls["command"] == ["sh", "-c"] and len(acls["args"]) == 1
+    assert "python -m shared.kafka_init" in acls["args"][0]
+    assert acls["readinessProbe"]["exec"]["command"] == ["test", "-f", "/provisioned/acls"]
+    bin_dir, provisioned = tmp_path / "bin", tmp_path / "provisioned"
+    bin_dir.mkdir()
+    provisioned.mkdir()
+    (provisioned / "acls").touch()  # left from the container's last run: removed before provisioning
+    calls = tmp_path / "calls"
+    for tool, code in (("python", status), ("sleep", 0)):
+        (bin_dir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "{calls}"\nexit {code}\n')
+        (bin_dir / tool).chmod(0o755)
+    script = acls["args"][0].replace("/provisioned/", f"{provisioned}/")
+    proc = subprocess.run(["sh", "-c", script], env={"PATH": f"{bin_dir}:/usr/bin:/bin"}, capture_output=True,
+                          text=True, timeout=30, check=False)
+    assert proc.returncode == status, proc.stderr
+    assert (provisioned / "acls").exists() == (status == 0)
+    ran = calls.read_text().splitlines()
+    assert ran[0].startswith("python -m shared.kafka_init --deadline-s ")
+    assert ran[1:] == (["sleep infinity"] if status == 0 else [])
+
+
 def test_local_minio_policy_is_the_compose_one() -> None:
     copy = K8S / "overlays" / "local" / "minio" / "flywheel-bucket-policy.json"
     original = REPO / "deploy" / "minio" / "flywheel-bucket-policy.json"

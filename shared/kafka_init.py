@@ -1,8 +1,9 @@
-"""Compose's Kafka init step (docker-compose.yml's ``kafka-init``): the run's topics and every role's ACLs.
+"""Provision a run on Kafka: its topics and every role's ACLs, as a Kafka super user, once.
 
-Runs once per ``docker compose up`` in the Flywheel image, as a Kafka super user (the anonymous one of the
-broker's loopback PLAINTEXT listener, in the broker's network namespace), and exits 0 when the
-topics and the ACLs exist (idempotent: existing ones are kept). What each role may do is not written here:
+What docker-compose.yml's ``kafka-init`` job runs on every ``docker compose up``, and the Kubernetes ``local``
+overlay's ``acls`` sidecar each time the Kafka pod starts: in the Flywheel image, as the anonymous super user of
+the broker's loopback PLAINTEXT listener (in the broker's network namespace or pod). It exits 0 when the topics and
+the ACLs exist (idempotent: existing ones are kept). What each role may do is not written here:
 it is :func:`shared.acl.role_acls`, created by :func:`shared.acl.provision_run` for the run and the topics
 that the settings name (``FLYWHEEL_CONFIG`` plus ``FLYWHEEL_*`` variables, as for the services).
 
@@ -10,11 +11,13 @@ Invariants: a broker that is not reachable yet, or times out, is retried with ca
 at most ``deadline_s``; a refusal (:class:`shared.acl.AclError`: no authorizer, not a super user) or bad
 settings stop it at once with exit status 2 and the reason, since retrying cannot fix them.
 
-    python deploy/kafka/kafka_init.py            # exit 0: done; 1: broker unreachable until the deadline; 2: refused
+    python -m shared.kafka_init [--deadline-s 120]   # exit 0: done; 1: broker unreachable until the deadline;
+                                                    # 2: refused or bad settings
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 import sys
@@ -96,5 +99,15 @@ def main(deadline_s: float = 120.0) -> int:
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shared.kafka_init", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--deadline-s", type=float, default=120.0,
+                        help="retry an unreachable broker this long, then exit 1 (default 120)")
+    args = parser.parse_args(argv)
+    if not args.deadline_s >= 0:
+        parser.error(f"--deadline-s {args.deadline_s}: want seconds >= 0")
+    return main(args.deadline_s)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())
