@@ -107,7 +107,7 @@ test-soak: install
 # docker-compose.yml for real: a Docker engine on its own socket and data root (so `make up`'s `docker info` never
 # sees it), images built without a registry (tools/compose/), tests/compose, then the engine stopped and cleaned.
 test-compose: install
-	tools/compose/run.sh $(PYTEST_ARGS)
+	COMPOSE_REPORT=1 tools/compose/run.sh $(PYTEST_ARGS)
 
 # deploy/k8s/overlays/local on a single-node Kubernetes cluster of its own, built from source (tools/k8s/: root;
 # binaries and images cached in /var/cache/flywheel-k8s, outside the clone), tests/k8s, then the cluster torn down

@@ -28,6 +28,7 @@ PUBLISHED = {  # service: (the port docker-compose.yml publishes, the variable a
 # Every service but Grafana, whose image has no stand-in (docs/local-stack.md, "Stand-in images"); the one-shot
 # init services (keys, minio-init, kafka-users, kafka-init) come as dependencies.
 SERVICES = ["kafka", "minio", "prometheus", "trainer", "paramsync", "admin", "sampler"]
+STARTED = time.monotonic()  # when pytest loaded the suite: "the suite took" on the red-team section
 
 # Collected only under `make test-compose` (which starts the test engine and builds the images first), never
 # by `make test`.
@@ -140,6 +141,21 @@ def moved_ports(busy: Callable[[int], str], environ: dict[str, str] | None = Non
     env = os.environ if environ is None else environ
     return {service: int(env.get(var, str(default)))
             for service, (shipped, var, default, _) in PUBLISHED.items() if busy(shipped)}
+
+
+@pytest.fixture(scope="session")
+def redteam() -> Any:
+    """The red-team rows this run adds (tests/security/report.py): written into docs/security.md at the end when
+    COMPOSE_REPORT=1 (the Makefile's test-compose sets it), as make test-security writes its own."""
+    from tests.security.report import AttackRow
+
+    rows: list[AttackRow] = []
+    yield rows
+    if os.environ.get("COMPOSE_REPORT") == "1" and rows:
+        from tests.security.report import write_compose
+
+        minutes = (time.monotonic() - STARTED) / 60
+        print(f"\nwrote the compose red-team section of {write_compose(rows, minutes=minutes)}")
 
 
 @pytest.fixture(scope="session")

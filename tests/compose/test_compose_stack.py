@@ -2,8 +2,10 @@
 restart policy with `flywheel verify` ok, `down`/`up` resumes the run, `--scale sampler=4` gives four samplers,
 candidates the trainer did not sign are never published (signing is on by default, issue 43), and every service
 runs under its own Kafka identity by default (issue 43): the sampler's is refused writing the policy topic, and no
-container but the broker's reaches a listener without authentication. The tests share one stack and run in file
-order."""
+container but the broker's reaches a listener without authentication. Three of them are red-team rows (refused,
+audited, training goes on, `flywheel verify` ok), written into docs/security.md under `make test-compose`: the forged
+candidate, a sampler reading a private key, the sampler's Kafka user writing what it may not. The tests share one
+stack and run in file order."""
 from __future__ import annotations
 
 import json
@@ -17,6 +19,7 @@ import pytest
 
 from tests.compose.conftest import Compose, wait_until
 from tests.kafka_probe import SAMPLER_PROBE, assert_sampler_refused
+from tests.security.report import AttackRow
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(1800)]
 
@@ -205,7 +208,22 @@ asyncio.run(main())
 """
 
 
-def test_signed_by_default_a_candidate_the_trainer_did_not_sign_is_never_published(compose: Compose) -> None:
+def training_after(c: Compose, before: tuple[int, int], what: str) -> str:
+    """The *training after* cell: updates and published version before the attack and once both advanced."""
+    now = advancing(c, before, 600, f"training to go on after {what}")
+    return f"updates {before[0]} -> {now[0]}, published v{before[1]} -> v{now[1]}"
+
+
+def verified(c: Compose, what: str) -> str:
+    """The *verify* cell; ``flywheel verify`` must exit 0."""
+    code, out = c.verify()
+    print(f"flywheel verify after {what}: exit {code}\n{out[-600:]}")
+    assert code == 0, out[-2000:]
+    return "ok"
+
+
+def test_signed_by_default_a_candidate_the_trainer_did_not_sign_is_never_published(
+        compose: Compose, redteam: list[AttackRow]) -> None:
     """`docker compose up` signs by default (issue 43): the sampler container holds the public keys only. Its own
     Kafka identity may not write the policy topic (the last test), so the forger here also holds the trainer's Kafka
     password (a stolen credential, not the trainer's key): a forged candidate it sends on the policy topic (a
@@ -218,10 +236,10 @@ def test_signed_by_default_a_candidate_the_trainer_did_not_sign_is_never_publish
     s = compose.status()
     assert s["policy"]["signed"] is True and str(s["policy"]["signed_by"]).startswith("paramsync-"), s["policy"]
     password = compose.exec("trainer", "printenv", "FLYWHEEL_KAFKA_SASL_PASSWORD").stdout.strip()
+    at = progress(s)
     out = compose.exec("sampler", "python", "-c", FORGE, timeout=120,
                        env={"FLYWHEEL_KAFKA_SASL_USERNAME": "trainer", "FLYWHEEL_KAFKA_SASL_PASSWORD": password})
     sent = json.loads(out.stdout.strip().splitlines()[-1])
-    at = progress(compose.status())
 
     def refused() -> list[dict[str, Any]] | None:
         r = httpx.get(f"{compose.admin}/audit", headers={"Authorization": f"Bearer {compose.token}"}, timeout=10)
@@ -232,7 +250,8 @@ def test_signed_by_default_a_candidate_the_trainer_did_not_sign_is_never_publish
                  and (e.get("params") or {}).get("version") in sent["forged"]]
         return found if len(found) == 2 else None
     entries = wait_until(refused, 120, "paramsync's two candidate_refused audit entries")
-    now = advancing(compose, at, 600, "training to go on after the forged candidates")
+    training = training_after(compose, at, "the forged candidates")
+    now = progress(compose.status())
     s = compose.status()
     versions = httpx.get(f"{compose.admin}/policy/versions", headers={"Authorization": f"Bearer {compose.token}"},
                          timeout=10).json()
@@ -244,9 +263,64 @@ def test_signed_by_default_a_candidate_the_trainer_did_not_sign_is_never_publish
     forged_published = [v for v in listed if v.get("version") in sent["forged"] and v.get("rollback_of") is not None]
     assert not forged_published, forged_published
     assert s["policy"]["signed_by"].startswith("paramsync-")
+    redteam.append(AttackRow(
+        "forged candidate, from the sampler container with the trainer's stolen Kafka password: a rollback to an old "
+        "kept version's blob at version current+5 on `<run>.policy`, unsigned, and at current+6 signed with a "
+        "made-up trainer key", "ok",
+        f"paramsync: never published (no rollback among versions {sent['forged']}); published "
+        f"v{s['policy']['version']} signed by {s['policy']['signed_by']}",
+        "paramsync `candidate_refused` x2: reasons " + ", ".join(sorted(e["params"]["reason"] for e in entries)),
+        training, verified(compose, "the forged candidates")))
 
 
-def test_per_role_identities_by_default_refuse_the_sampler_and_anonymous_clients(compose: Compose) -> None:
+KEY_PROBE = """
+import json, os, sys
+out = {"uid": os.getuid(), "keys_dir": sorted(os.path.relpath(os.path.join(d, f), "/keys")
+                                               for d, _, fs in os.walk("/keys") for f in fs)}
+for path in sys.argv[1:]:
+    try:
+        with open(path, "rb") as f:
+            out[path] = "READ %d bytes" % len(f.read())
+    except OSError as exc:
+        out[path] = "REFUSED " + type(exc).__name__
+print(json.dumps(out))
+"""
+
+
+def test_a_sampler_cannot_read_a_private_key(compose: Compose, redteam: list[AttackRow]) -> None:
+    """The red-team row the local stack cannot refuse (its services share one OS user): in compose each private key
+    is in a volume that only its own service (and the one-shot keys job that made it) mounts, so from the sampler
+    container, as its user, the trainer's and paramsync's key files are not there to open, and /keys holds the
+    public list only."""
+    at = progress(compose.status())
+    paths = [compose.exec(svc, "printenv", "FLYWHEEL_SIGNING_PRIVATE_KEY_FILE").stdout.strip()
+             for svc in ("trainer", "paramsync")]
+    assert paths == ["/keys/trainer/trainer.key", "/keys/paramsync/paramsync.key"], paths
+    got = json.loads(compose.exec("sampler", "python", "-c", KEY_PROBE, *paths).stdout.strip().splitlines()[-1])
+    print(f"\nkey probe from the sampler container: {got}")
+    assert got["keys_dir"] == ["public/public.keys"], got
+    for path in paths:
+        assert got[path] == "REFUSED FileNotFoundError", (path, got)
+    mounted: dict[str, set[str]] = {}  # key volume -> the services whose containers mount it (running or exited)
+    for cid in compose.run("ps", "-a", "-q").stdout.split():
+        info = compose.inspect(cid)
+        service = info["Config"]["Labels"]["com.docker.compose.service"]
+        for m in info["Mounts"]:
+            if m.get("Type") == "volume" and m["Name"].endswith(("_trainer-key", "_paramsync-key")):
+                mounted.setdefault(m["Name"].rsplit("_", 1)[1], set()).add(service)
+    assert mounted == {"trainer-key": {"trainer", "keys"}, "paramsync-key": {"paramsync", "keys"}}, mounted
+    training = training_after(compose, at, "the key read")
+    redteam.append(AttackRow(
+        "a sampler reads a signing key: from the sampler container, as its OS user (uid "
+        f"{got['uid']}), open the trainer's and paramsync's private key files at the paths those services use", "ok",
+        f"not there to read: {', '.join(f'{p} {got[p]}' for p in paths)}; /keys holds {got['keys_dir']}; the key "
+        "volumes are mounted only by " + "; ".join(f"{v}: {', '.join(sorted(s))}" for v, s in sorted(mounted.items())),
+        "none expected (nothing reached a service)", training, verified(compose, "the key read"),
+        "the local stack's row stays a known gap (one OS user for every service)"))
+
+
+def test_per_role_identities_by_default_refuse_the_sampler_and_anonymous_clients(
+        compose: Compose, redteam: list[AttackRow]) -> None:
     """`docker compose up` runs each service as its own Kafka user (issue 43, item 2): the sampler's container has
     the sampler's identity on the SASL listener, which may not write the policy, credits or control topics; a client
     without credentials cannot use that listener; and the broker's unauthenticated listeners, where User:ANONYMOUS is
@@ -254,9 +328,26 @@ def test_per_role_identities_by_default_refuse_the_sampler_and_anonymous_clients
     env = compose.exec("sampler", "sh", "-c", "echo $FLYWHEEL_KAFKA_SASL_USERNAME $FLYWHEEL_KAFKA_BOOTSTRAP "
                        "$FLYWHEEL_KAFKA_SECURITY_PROTOCOL $AWS_ACCESS_KEY_ID").stdout
     assert env.split() == ["sampler", "kafka:9094", "SASL_PLAINTEXT", "flywheel-sampler"], env
+    at = progress(compose.status())
     out = compose.exec("sampler", "python", "-c", SAMPLER_PROBE, "kafka", timeout=120, check=False)
     print(f"\nper-role identities from the sampler container: {(out.stdout + out.stderr).strip()[-800:]}")
-    assert_sampler_refused(out.stdout)
+    got = assert_sampler_refused(out.stdout)
+
+    def denials() -> dict[str, str] | None:  # the broker's authorizer log: Denied at INFO
+        lines = compose.run("logs", "--no-color", "kafka", check=False).stdout.splitlines()
+        found = {t: next((ln for ln in lines if "User:sampler" in ln and "denied" in ln.lower()
+                          and f"cartpole.{t}" in ln), "") for t in ("policy", "credits", "control")}
+        return found if all(found.values()) else None
+    denied = wait_until(denials, 60, "the broker's authorizer to log the sampler's three denials")
+    print(f"authorizer: {denied}")
+    training = training_after(compose, at, "the sampler's writes")
+    redteam.append(AttackRow(
+        "a sampler identity writes `<run>.policy`, `<run>.credits` and `<run>.control`: from the sampler container "
+        "with its own Kafka user; then a client without credentials, and the broker's unauthenticated listeners",
+        "ok", f"Kafka: {got['policy'].split()[-1]} on all three topics; without credentials "
+        f"{got['anonymous'][:60]}; kafka:9092 {got['9092'].split()[0]}, :9093 {got['9093'].split()[0]}",
+        "the broker's authorizer: `" + denied["policy"].split("Principal = ", 1)[-1][:150] + "` (and for credits, "
+        "control)", training, verified(compose, "the sampler's writes")))
     inits = {step: compose.run("logs", "--no-color", step, check=False).stdout.strip().splitlines()[-1:]
              for step in ("kafka-users", "kafka-init", "minio-init")}
     print(f"init steps' last lines: {inits}")

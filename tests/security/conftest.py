@@ -27,25 +27,12 @@ from tests.faults.conftest import FaultEnv, fault_stack
 from tests.faults.liveness import read_healthz
 from tests.faults.report import pytest_runtest_makereport, unrecorded_outcome  # noqa: F401 (a hook)
 from tests.hosts.conftest import selected
+from tests.security.report import AttackRow
 
 KAFKA_PORT, CONTROLLER_PORT, S3_PORT, S3_PROXY_PORT = 19992, 19993, 19900, 19901
 ADMIN_PORT = 18200
 TRAINING_GOES_ON_S = 120.0
 """How long the trainer's updates and the published version may take to advance after an attack."""
-
-
-@dataclass
-class AttackRow:
-    attack: str
-    outcome: str
-    """``ok`` (refused, and every check after it held), ``FAILED`` (the reason is the note), ``not run: why``."""
-    refused: str = "-"
-    """Who refused it and what showed it."""
-    audit: str = "-"
-    training: str = "-"
-    """The trainer's updates and the published version before the attack and once both advanced after it."""
-    verify: str = "-"
-    note: str = ""
 
 
 @dataclass

@@ -38,7 +38,8 @@ from tests.faults.accounting import read_events
 from tests.faults.conftest import REPO
 from tests.fragments import blank_fragment
 from tests.policy_topic import announcements, produce
-from tests.security.conftest import AttackRow, SecurityEnv
+from tests.security.conftest import SecurityEnv
+from tests.security.report import AttackRow
 
 pytestmark = [pytest.mark.security, pytest.mark.kafka, pytest.mark.s3, pytest.mark.timeout(600)]
 WATCH_S = 10.0
@@ -368,12 +369,13 @@ def test_a_sampler_process_cannot_read_the_trainers_key(security_env: SecurityEn
         PolicyVerifier(env.run, ring).check_candidate(PolicyMessage.model_validate_json(got["candidate"]))
         # A known gap, shown rather than hidden: it is checked (the signature verified just above) and reported as
         # such on the page; the day the local stack separates the samplers, this row passes as refused instead.
-        # docker compose and Kubernetes give the sampler no key file at all (tests/compose, tests/unit/test_k8s_check).
+        # docker compose and Kubernetes give the sampler no key file at all: make test-compose runs this attack from
+        # the sampler container (its row in the next section of docs/security.md), tests/unit/test_k8s_check.
         pytest.xfail("NOT refused on the local stack: a process with the sampler's environment and OS user read "
                      "<home>/policy-keys/<run>/trainer/trainer.key and signed a candidate that verifies as the "
                      "trainer's (not sent): the local stack runs every service as one OS user, so the file's mode "
                      f"(0600) keeps no sampler out ({got['path']}); compose and Kubernetes mount no private key into "
-                     "the sampler")
+                     "the sampler (refused on `docker compose up`: the next section)")
     env.finish(refused=f"reading {got['path']}: {got.get('why')}", audit="none expected", before=before)
 
 
@@ -492,7 +494,8 @@ def test_sampler_identity_cannot_write_the_policy_credits_control_topics(securit
     env.rows.append(AttackRow(env.attack, why, note="rows 1-3 show what a writer of `<run>.policy` cannot do; "
                               "on `docker compose up` and the Kubernetes `local` overlay, where each role is its own "
                               "Kafka user, make test-compose and make test-k8s run this attack from a sampler "
-                              "container and pod: refused on all three topics (tests/kafka_probe.py); "
+                              "container and pod: refused on all three topics (tests/kafka_probe.py; compose's row, "
+                              "with the broker's audit, in the next section); "
                               "tests/integration/test_kafka_acls.py checks the sampler's ACLs on a broker that has "
                               "them"))
     pytest.skip(why)

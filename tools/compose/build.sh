@@ -71,7 +71,17 @@ build() {  # build TAG CONTEXT [docker build args...]
 }
 
 # ---- stand-ins for the third-party images (deploy/standins/README.md) ----------------------------------------
-if ! docker image inspect apache/kafka:4.1.1 >/dev/null 2>&1 || [ -n "${REBUILD_STANDINS:-}" ]; then
+# Each is rebuilt when it is missing, when REBUILD_STANDINS is set, or when what it is built from changed: the image
+# carries the digest of its inputs as the label flywheel.inputs (an image from before the label counts as changed).
+inputs() { find "$@" -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16; }
+stale() {  # stale IMAGE DIGEST: true when IMAGE must be built
+  [ -n "${REBUILD_STANDINS:-}" ] && return 0
+  local have
+  have=$(docker image inspect -f '{{ index .Config.Labels "flywheel.inputs" }}' "$1" 2>/dev/null) || return 0
+  [ "$have" != "$2" ]
+}
+KAFKA_INPUTS=$(inputs deploy/standins/kafka deploy/kafka/log4j2.properties deploy/kafka/pom.xml)
+if stale apache/kafka:4.1.1 "$KAFKA_INPUTS"; then
   libs=$($PY -c 'from devstack.jars import ensure_kafka_jars; print(ensure_kafka_jars(print))' | tail -n 1)
   ctx=$(mktemp -d)
   mkdir -p "$ctx/libs"
@@ -79,17 +89,19 @@ if ! docker image inspect apache/kafka:4.1.1 >/dev/null 2>&1 || [ -n "${REBUILD_
   cp "$libs"/*.jar "$ctx/libs/"
   cp -r deploy/standins/kafka/Dockerfile deploy/standins/kafka/run.py deploy/standins/kafka/bin "$ctx/"
   cp deploy/kafka/log4j2.properties "$ctx/"
-  build apache/kafka:4.1.1 "$ctx"
+  build apache/kafka:4.1.1 "$ctx" --label "flywheel.inputs=$KAFKA_INPUTS"
   rm -rf "$ctx"
 fi
 MINIO=quay.io/minio/minio:RELEASE.2025-09-07T16-13-09Z
 MC=quay.io/minio/mc:RELEASE.2025-08-13T08-35-41Z
-if ! docker image inspect "$MINIO" >/dev/null 2>&1 || [ -n "${REBUILD_STANDINS:-}" ]; then
-  build "$MINIO" deploy/standins/minio "${PIP_ARGS[@]}"
+MINIO_INPUTS=$(inputs deploy/standins/minio)
+if stale "$MINIO" "$MINIO_INPUTS"; then
+  build "$MINIO" deploy/standins/minio "${PIP_ARGS[@]}" --label "flywheel.inputs=$MINIO_INPUTS"
 fi
 docker tag "$MINIO" "$MC"     # one stand-in image holds both the server and `mc`
-if ! docker image inspect prom/prometheus:v3.5.0 >/dev/null 2>&1 || [ -n "${REBUILD_STANDINS:-}" ]; then
-  build prom/prometheus:v3.5.0 deploy/standins/prometheus
+PROMETHEUS_INPUTS=$(inputs deploy/standins/prometheus)
+if stale prom/prometheus:v3.5.0 "$PROMETHEUS_INPUTS"; then
+  build prom/prometheus:v3.5.0 deploy/standins/prometheus --label "flywheel.inputs=$PROMETHEUS_INPUTS"
 fi
 
 # ---- the project's images: deploy/Dockerfile as shipped; only build arguments differ (the base image, the wheelhouse) --
