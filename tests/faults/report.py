@@ -148,7 +148,7 @@ def commit_label() -> str:
     return head + (" + uncommitted changes" if dirty else "")
 
 
-GENERATED_PAGES = ("docs/reliability.md", "docs/reliability-network.md", "docs/reliability-soak.md")
+GENERATED_PAGES = ("docs/reliability.md", "docs/reliability-network.md", "docs/reliability-soak.md", "docs/security.md")
 """The pages the suites rewrite: their changes are not changes to the code under test (``commit_label``)."""
 
 
