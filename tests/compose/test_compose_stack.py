@@ -251,8 +251,8 @@ def test_signed_by_default_a_candidate_the_trainer_did_not_sign_is_never_publish
         return found if len(found) == 2 else None
     entries = wait_until(refused, 120, "paramsync's two candidate_refused audit entries")
     training = training_after(compose, at, "the forged candidates")
-    now = progress(compose.status())
     s = compose.status()
+    now = progress(s)
     versions = httpx.get(f"{compose.admin}/policy/versions", headers={"Authorization": f"Bearer {compose.token}"},
                          timeout=10).json()
     print(f"\nforged candidates {sent['forged']} (published was {sent['current']}): "

@@ -152,12 +152,13 @@ GENERATED_PAGES = ("docs/reliability.md", "docs/reliability-network.md", "docs/r
 """The pages the suites rewrite: their changes are not changes to the code under test (``commit_label``)."""
 
 
-def last_run(seed: int, minutes: float | None, replay: str) -> str:
-    """The *Last run* line of a suite's page: when, on which commit, the seed and how to replay it, where."""
+def last_run(seed: int | None, minutes: float | None, replay: str) -> str:
+    """The *Last run* line of a suite's page: when, on which commit, the seed and how to replay it (a suite without
+    a seed: the command alone), where."""
     took = f", the suite took {minutes:.1f} min" if minutes is not None else ""
+    how = f"`{replay}`" if seed is None else f"seed {seed} (replay: `FAULT_SEED={seed} {replay}`)"
     return (f"Last run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-            f"commit `{commit_label()}`, seed {seed} "
-            f"(replay: `FAULT_SEED={seed} {replay}`), {platform.node()} "
+            f"commit `{commit_label()}`, {how}, {platform.node()} "
             f"({platform.machine()}, Python {platform.python_version()}){took}.")
 
 

@@ -538,6 +538,13 @@ def test_cluster_topics_are_the_ones_the_services_create(checker: Path) -> None:
     assert not users
 
 
+def _kafka_container(docs: list[Doc], name: str) -> Doc:
+    """Container ``name`` of the local overlay's Kafka StatefulSet (the broker or a sidecar)."""
+    [kafka] = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "kafka"]
+    container: Doc = next(c for c in kafka["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+    return container
+
+
 def test_local_kafka_users_are_the_roles_each_service_signs_in_as_its_own(checker: Path) -> None:
     """The local overlay's users sidecar makes a SCRAM user for exactly shared.acl.ROLES, each password from that
     role's Secret, and each service signs in as the user named after its role with that same Secret (as compose's
@@ -546,8 +553,7 @@ def test_local_kafka_users_are_the_roles_each_service_signs_in_as_its_own(checke
 
     assert ACL_ROLES == ROLES
     docs = _dump(checker, "local")
-    [kafka] = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "kafka"]
-    users = next(c for c in kafka["spec"]["template"]["spec"]["containers"] if c["name"] == "users")
+    users = _kafka_container(docs, "users")
     [loop] = re.findall(r"for role in ([a-z ]+); do", users["args"][0])
     assert tuple(loop.split()) == ROLES
     unhashed = lambda name: re.sub(r"-[a-z0-9]{10}$", "", name)  # noqa: E731 - kustomize's generated-name suffix
@@ -570,8 +576,7 @@ def test_local_acls_sidecar_runs_kafka_init_and_marks_ready_only_when_it_succeed
     other exit ends the container with the same status (the kubelet restarts it), where an inline retry loop had
     retried a refusal for ever. Run with stand-ins for python and sleep."""
     docs = _dump(checker, "local")
-    [kafka] = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "kafka"]
-    acls = next(c for c in kafka["spec"]["template"]["spec"]["containers"] if c["name"] == "acls")
+    acls = _kafka_container(docs, "acls")
     env = {v["name"]: v for v in acls["env"]}
     assert env["FLYWHEEL_KAFKA_BOOTSTRAP"]["value"] == "127.0.0.1:9092"
     [services_env] = [e["configMapRef"]["name"] for e in _container(docs, "trainer")["envFrom"] if "configMapRef" in e]
